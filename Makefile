@@ -1,0 +1,33 @@
+# The two commands a new user needs:
+#   make run   - set up everything and start the whole system on the embedded default
+#   make test  - set up everything and run the whole test suite
+SHELL := /bin/bash
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup model run test test-fast lint bench-hashing clean
+
+setup:
+	@scripts/bootstrap.sh
+
+model: setup
+	$(BIN)/cpd model build
+
+run: model
+	$(BIN)/cpd up
+
+test: model
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything but the slow end-to-end tests (CI runs them all via `make test`).
+test-fast: model
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench-hashing: setup
+	$(BIN)/cpd bench hashing --json out/bench-hashing.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,134 @@
+"""The ``cpd`` command: build the local model, run benchmarks, start the system."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import Settings, load_settings
+from .errors import CpdError
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(args.config, overrides=args.set or [])
+
+
+def _write_json(result: dict, path: str | None) -> None:
+    text = json.dumps(result, indent=2, sort_keys=True)
+    print(text)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+
+
+def cmd_model_build(args: argparse.Namespace) -> int:
+    from .modelbuild import build
+
+    s = _settings(args)
+    preset = args.preset or s.model.preset
+    folder = build(preset, args.cache_dir or s.model_cache_dir, force=args.force)
+    print(folder)
+    return 0
+
+
+def cmd_model_check(args: argparse.Namespace) -> int:
+    from bench.model import check_model
+
+    s = _settings(args)
+    _write_json(check_model(s, preset=args.preset, max_tokens=args.max_tokens), args.json)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "hashing":
+        from bench.hashing import run
+        result = run(tokens=args.tokens, block_size=args.block_size, repeat=args.repeat)
+    elif args.what == "model":
+        from bench.model import run as run_model
+        result = run_model(_settings(args), preset=args.preset, prefill_tokens=args.tokens)
+    else:  # argparse restricts choices
+        raise AssertionError(args.what)
+    _write_json(result, args.json)
+    return 0
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from .natsserver import NatsServer
+
+    s = _settings(args)
+    server = NatsServer(port=args.port if args.port is not None else s.nats.embedded_port,
+                        store_dir=args.store_dir or s.nats.embedded_store_dir)
+    server.start()
+    print(f"nats-server with JetStream at {server.url} (store {server.store_dir}); Ctrl-C stops it",
+          flush=True)
+    try:
+        assert server.proc is not None
+        return server.proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from .cluster import run_cluster
+
+    return run_cluster(_settings(args), port=args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpd", description=__doc__)
+    p.add_argument("--config", help="TOML settings file (also CPD_CONFIG)")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                   help="override one setting (repeatable)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="the locally built model").add_subparsers(
+        dest="action", required=True)
+    b = model.add_parser("build", help="build a model preset (deterministic, idempotent)")
+    b.add_argument("--preset", help="tiny or small (default: model.preset)")
+    b.add_argument("--cache-dir", help="default: model.cache_dir")
+    b.add_argument("--force", action="store_true", help="rebuild even if intact")
+    b.set_defaults(func=cmd_model_build)
+    c = model.add_parser("check", help="load the model in vLLM and generate")
+    c.add_argument("--preset")
+    c.add_argument("--max-tokens", type=int, default=8)
+    c.add_argument("--json", metavar="PATH")
+    c.set_defaults(func=cmd_model_check)
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    bench.add_argument("what", choices=["hashing", "model"])
+    bench.add_argument("--json", metavar="PATH", help="also write the result here")
+    bench.add_argument("--tokens", type=int, default=None,
+                       help="prompt tokens (hashing: 100000; model: 8192)")
+    bench.add_argument("--block-size", type=int, default=256)
+    bench.add_argument("--repeat", type=int, default=200)
+    bench.add_argument("--preset")
+    bench.add_argument("--quick", action="store_true", help="accepted for uniformity")
+    bench.set_defaults(func=cmd_bench)
+
+    n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")
+    n.add_argument("--port", type=int, help="default: nats.embedded_port; 0 = any free port")
+    n.add_argument("--store-dir")
+    n.set_defaults(func=cmd_nats)
+
+    up = sub.add_parser("up", help="start the whole system on the embedded default")
+    up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")
+    up.set_defaults(func=cmd_up)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``cpd`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CpdError as e:
+        print(f"cpd: error [{e.code.value}]: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""``cpd up``: the whole system on one machine as supervised processes.
+
+Embedded NATS (JetStream) first, then every service that this build ships a
+``services/<name>/__main__.py`` for, each with its own node id, log file and restart on
+crash; readiness is a NATS micro PING answered by that very process. Ctrl-C (or SIGTERM)
+stops services first, then NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+
+from . import telemetry
+from .config import Settings
+from .errors import CpdError
+from .natsserver import NatsServer
+
+# Start order: the index before anything that publishes to it.
+SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router")
+
+log = telemetry.get_logger("cpd.cluster")
+
+
+@dataclass
+class Proc:
+    """One supervised service process."""
+
+    service: str
+    node_id: str
+    log_path: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", f"services.{self.service}"],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            out.close()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def terminate(self, timeout: float) -> None:
+        if not self.alive():
+            return
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def available_services() -> list[str]:
+    """Services this build can run (those with a ``__main__`` module), in start order."""
+    return [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__")]
+
+
+async def wait_ready(url: str, service: str, node_id: str, timeout: float) -> None:
+    """Wait until ``node_id`` of ``service`` answers a NATS micro PING."""
+    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    try:
+        deadline = time.monotonic() + timeout
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        while time.monotonic() < deadline:
+            await nc.publish(f"$SRV.PING.cpd-{service}", b"", reply=inbox)
+            end = time.monotonic() + 0.5
+            while (left := end - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    if json.loads(msg.data)["metadata"]["node"] == node_id:
+                        return
+        raise CpdError(f"{service} ({node_id}) not ready within {timeout}s")
+    finally:
+        await nc.close()
+
+
+def run_cluster(settings: Settings, port: int | None = None, *,
+                counts: dict[str, int] | None = None, log_dir: str | None = None,
+                ready_timeout: float = 180.0) -> int:
+    """Run until interrupted; returns the exit code."""
+    telemetry.setup("cluster", settings.telemetry)
+    logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    server = NatsServer(port=settings.nats.embedded_port if port is None else port,
+                        store_dir=settings.nats.embedded_store_dir,
+                        log_file=str(logs / "nats.log"))
+    server.start()
+    procs: list[Proc] = []
+    stop = asyncio.Event()
+
+    async def supervise() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        base_env = {**os.environ, "CPD_NATS__URL": server.url}
+        for service in available_services():
+            for i in range((counts or {}).get(service, 1)):
+                node_id = f"{service}-{i}"
+                proc = Proc(service, node_id, logs / f"{node_id}.log",
+                            {**base_env, "CPD_NODE__NODE_ID": node_id})
+                proc.start()
+                procs.append(proc)
+                await wait_ready(server.url, service, node_id, ready_timeout)
+                log.info("service.ready", service=service, node=node_id)
+        _banner(server.url, procs, logs)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            if server.proc is None or server.proc.poll() is not None:
+                log.warning("nats.restarting")
+                server.start()
+            for proc in procs:
+                if not stop.is_set() and not proc.alive():
+                    _restart(proc)
+
+    try:
+        asyncio.run(supervise())
+    finally:
+        for proc in reversed(procs):
+            proc.terminate(settings.nats.drain_timeout_s)
+        server.stop()
+        print("cpd: stopped", flush=True)
+    return 0
+
+
+def _restart(proc: Proc) -> None:
+    now = time.monotonic()
+    proc.restarts = [t for t in proc.restarts if now - t < 60] + [now]
+    code = proc.popen.returncode if proc.popen else None
+    if len(proc.restarts) > 5:
+        log.error("service.crash_loop", node=proc.node_id, exit_code=code)
+        if len(proc.restarts) < 8:
+            return  # back off: try again once the window slides
+    log.warning("service.restart", node=proc.node_id, exit_code=code)
+    proc.start()
+
+
+def _banner(url: str, procs: list[Proc], logs: Path) -> None:
+    names = ", ".join(p.node_id for p in procs) or "none yet"
+    print(f"""
+CPD is up.
+  NATS (JetStream): {url}
+  services:         {names}
+  logs:             {logs}
+Connect:            any NATS client, e.g. CPD_NATS__URL={url}
+Stop:               Ctrl-C
+""", flush=True)

@@ -1,0 +1,186 @@
+"""Typed settings for every CPD process, loaded from defaults, a TOML file, the
+environment and command-line overrides (later sources win).
+
+* File: ``--config PATH`` or ``CPD_CONFIG=PATH``; TOML with one table per section.
+* Environment: ``CPD_<SECTION>__<FIELD>`` (e.g. ``CPD_NATS__URL``, ``CPD_CACHE__BLOCK_SIZE``).
+* Overrides: ``section.field=value`` strings (the CLI's ``--set``).
+
+Everything is validated at load; a bad value raises :class:`cpd.errors.ConfigError`
+naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from .errors import ConfigError
+
+ENV_PREFIX = "CPD_"
+_NODE_ID = r"^[A-Za-z0-9_-]{1,64}$"
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class NatsSettings(_Section):
+    """How to reach NATS (and, for the embedded default, how to start it)."""
+
+    url: str = "nats://127.0.0.1:4222"
+    user: str = ""
+    password: str = ""
+    creds_file: str = ""
+    connect_timeout_s: Positive = 5.0
+    reconnect_wait_s: Positive = 0.5
+    # -1: reconnect forever; a serving process should outlive a NATS restart.
+    max_reconnect_attempts: int = -1
+    drain_timeout_s: Positive = 10.0
+    # Embedded server (cpd up / tests): data dir for JetStream, port 0 = pick a free one.
+    embedded_port: Port = 4222
+    embedded_store_dir: str = "~/.cache/cpd/nats"
+
+
+class BusSettings(_Section):
+    """Message-size and timing rules of the bus."""
+
+    # The server counts headers too; DESIGN.md §4 caps a message at ~900 KiB in all.
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 900 * 1024
+    request_timeout_s: Positive = 5.0
+    # Gap allowed between two messages of one streamed reply before the stream is declared dead.
+    stream_idle_timeout_s: Positive = 30.0
+
+
+class ModelSettings(_Section):
+    """The model every engine serves; ``preset`` names a locally built model."""
+
+    preset: Literal["tiny", "small"] = "tiny"
+    # Where built models live; one sub-folder per preset and build-recipe version.
+    cache_dir: str = "~/.cache/cpd/models"
+    # Explicit model folder (a real checkpoint); overrides the preset when set.
+    path: str = ""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class CacheSettings(_Section):
+    """Block identity and the tenant salt (DESIGN.md §5)."""
+
+    block_size: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
+    tenant_salt: str = ""
+    adapter_id: str = ""
+
+
+class TelemetrySettings(_Section):
+    """Logs, traces and metrics."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_json: bool = True
+    # OTLP/HTTP endpoint for spans; empty keeps spans in-process (still propagated).
+    otlp_endpoint: str = ""
+    # Prometheus scrape port for this process; 0 disables the exporter.
+    prometheus_port: Port = 0
+
+
+class NodeSettings(_Section):
+    """Identity of this process."""
+
+    node_id: Annotated[str, msgspec.Meta(pattern=_NODE_ID)] = ""
+    heartbeat_interval_s: Positive = 1.0
+    lease_ttl_s: Positive = 5.0
+
+
+class AdmissionSettings(_Section):
+    """Router admission control (DESIGN.md §8)."""
+
+    max_inflight: PositiveInt = 24
+    max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
+    default_deadline_s: Positive = 300.0
+
+
+class Settings(_Section):
+    """All settings of a CPD process."""
+
+    nats: NatsSettings = msgspec.field(default_factory=NatsSettings)
+    bus: BusSettings = msgspec.field(default_factory=BusSettings)
+    model: ModelSettings = msgspec.field(default_factory=ModelSettings)
+    cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
+    telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)
+    node: NodeSettings = msgspec.field(default_factory=NodeSettings)
+    admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
+
+    def __post_init__(self) -> None:
+        if not self.node.node_id:
+            # Unique per process and a valid subject token.
+            host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:40]
+            self.node.node_id = f"{host}-{os.getpid()}"
+        if self.nats.max_reconnect_attempts < -1:
+            raise ValueError("nats.max_reconnect_attempts must be -1 (forever) or >= 0")
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return Path(self.model.cache_dir).expanduser()
+
+
+def env_var_names() -> list[str]:
+    """Every environment variable the settings understand (docs, compose checks)."""
+    names = ["CPD_CONFIG"]
+    for section, stype in _sections().items():
+        for field in msgspec.structs.fields(stype):
+            names.append(f"{ENV_PREFIX}{section.upper()}__{field.name.upper()}")
+    return names
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build validated :class:`Settings` from file, environment and ``overrides``."""
+    environ = os.environ if environ is None else environ
+    raw: dict[str, dict[str, Any]] = {}
+    path = config_file or environ.get("CPD_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {path}: [{section}] must be a table")
+            raw.setdefault(section, {}).update(values)
+    sections = _sections()
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        section, _, field = key[len(ENV_PREFIX):].partition("__")
+        section, field = section.lower(), field.lower()
+        if section not in sections:
+            raise ConfigError(f"environment variable {key}: unknown section {section!r}")
+        raw.setdefault(section, {})[field] = value
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        section, dot, field = name.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        raw.setdefault(section, {})[field] = value.strip()
+    try:
+        # strict=False lets "8" from the environment become the int 8.
+        return msgspec.convert(raw, Settings, strict=False)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ConfigError(f"invalid settings: {e}") from e
+
+
+def _sections() -> dict[str, type[_Section]]:
+    return {f.name: f.type for f in msgspec.structs.fields(Settings)}

@@ -1,0 +1,111 @@
+"""Block identity (DESIGN.md §5): namespaces and chained, keyed block hashes.
+
+``h_i = BLAKE3_keyed(key = K(namespace), h_{i-1} || tokens of block i)`` over *full*
+blocks only, truncated to 128 bits. The key is derived from every field of the
+namespace, so blocks of different models, tokenizers, KV layouts, adapters or tenants
+can never collide or match, and nothing depends on ``PYTHONHASHSEED`` or engine
+internals: the router computes the same hashes from token ids alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated
+
+import blake3
+import msgspec
+import numpy as np
+
+from .wire import HASH_BYTES, TOKEN_DTYPE
+
+_KEY_CONTEXT = "cpd.v1 2026-11 block-hash namespace key"
+_ID_CONTEXT = "cpd.v1 2026-11 namespace id"
+ROOT_PARENT = bytes(HASH_BYTES)
+"""The parent hash fed to the first block of every chain."""
+
+
+class Namespace(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything that must match for two KV blocks to be interchangeable."""
+
+    model_id: str
+    model_revision: str
+    tokenizer_hash: str
+    kv_dtype: str
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    parallel_layout: str = "tp1-pp1"
+    adapter_id: str = ""
+    tenant_salt: str = ""
+
+    def with_salt(self, tenant: str, cache_salt: str = "") -> Namespace:
+        """The namespace of one tenant (and optional per-request cache salt)."""
+        salt = f"{tenant}\x1f{cache_salt}" if cache_salt else tenant
+        return msgspec.structs.replace(self, tenant_salt=salt)
+
+    @property
+    def id(self) -> str:
+        """Stable 32-hex-digit id, used on the wire and in kvindex."""
+        return _namespace_id(self)
+
+    @property
+    def key(self) -> bytes:
+        """32-byte BLAKE3 key of this namespace's block hashes."""
+        return _namespace_key(self)
+
+
+def _canonical(ns: Namespace) -> bytes:
+    # msgpack of a fixed field order: stable across processes and versions of this code.
+    return msgspec.msgpack.encode(msgspec.structs.astuple(ns))
+
+
+@functools.lru_cache(maxsize=4096)
+def _namespace_key(ns: Namespace) -> bytes:
+    return blake3.blake3(_canonical(ns), derive_key_context=_KEY_CONTEXT).digest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _namespace_id(ns: Namespace) -> str:
+    return blake3.blake3(_canonical(ns), derive_key_context=_ID_CONTEXT).hexdigest(HASH_BYTES)
+
+
+def block_hashes(ns: Namespace, tokens: np.ndarray | list[int] | bytes,
+                 parent: bytes = ROOT_PARENT) -> bytes:
+    """Chained hashes of every *full* block of ``tokens``, concatenated (n * 16 bytes).
+
+    ``tokens`` may be an int sequence, a numpy array, or packed little-endian uint32
+    bytes (the wire form). ``parent`` continues an existing chain. A trailing partial
+    block is not hashed: it is never shared.
+    """
+    data = _as_u32_bytes(tokens)
+    step = ns.block_size * TOKEN_DTYPE.itemsize
+    n = len(data) // step
+    if n == 0:
+        return b""
+    base = blake3.blake3(key=ns.key)
+    view = memoryview(data)
+    out = bytearray(n * HASH_BYTES)
+    prev = parent
+    for i in range(n):
+        h = base.copy()
+        h.update(prev)
+        h.update(view[i * step:(i + 1) * step])
+        prev = h.digest(HASH_BYTES)
+        out[i * HASH_BYTES:(i + 1) * HASH_BYTES] = prev
+    return bytes(out)
+
+
+def num_full_blocks(num_tokens: int, block_size: int) -> int:
+    """How many full blocks ``num_tokens`` tokens make."""
+    return num_tokens // block_size
+
+
+def _as_u32_bytes(tokens: np.ndarray | list[int] | bytes) -> bytes | memoryview:
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        if len(tokens) % TOKEN_DTYPE.itemsize:
+            raise ValueError("packed tokens must be a multiple of 4 bytes")
+        return tokens
+    arr = np.asarray(tokens)
+    if arr.dtype != TOKEN_DTYPE:
+        if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+            raise ValueError("token ids must fit in uint32")
+        arr = arr.astype(TOKEN_DTYPE)
+    return np.ascontiguousarray(arr).data.cast("B")

@@ -1,0 +1,15 @@
+"""The locally built model (no model hub is reachable): ``build`` and its presets."""
+
+from .build import (
+           MANIFEST,
+           PRESETS,
+           RECIPE_VERSION,
+           Preset,
+           build,
+           model_dir,
+           tokenizer_hash,
+           verify,
+)
+
+__all__ = ["MANIFEST", "PRESETS", "RECIPE_VERSION", "Preset", "build", "model_dir",
+           "tokenizer_hash", "verify"]

@@ -1,0 +1,32 @@
+"""How vLLM is started on the locally built model (shared by checks, benches, engines)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def prepare_cpu_env(kv_cache_gib: int = 1) -> None:
+    """Environment vLLM-CPU needs before import: a bounded KV cache, quiet stats."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def engine_kwargs(folder: str | os.PathLike[str], *, dtype: str = "float32",
+                  prefix_caching: bool = True, max_model_len: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` on a local model folder."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return {
+        "model": str(folder),
+        "tokenizer": str(folder),
+        "dtype": dtype,
+        "max_model_len": max_model_len or cfg["max_position_embeddings"],
+        "enable_prefix_caching": prefix_caching,
+        # A share of one NUMA node on CPU; above free memory vLLM-CPU refuses to start.
+        "gpu_memory_utilization": 0.15,
+        "seed": 0,
+    }

@@ -1,0 +1,142 @@
+"""Logs, traces and metrics (DESIGN.md §11).
+
+* structlog JSON logs; every line carries the bound ``request_id`` and the current
+  OpenTelemetry ``trace_id``/``span_id``.
+* One tracer provider per process; W3C trace context rides in NATS headers
+  (:func:`inject`, :func:`extract`) and, for durable events, as a ``traceparent`` string
+  (:func:`current_traceparent`, :func:`context_from_traceparent`).
+* One meter provider per process, exported for Prometheus when a port is configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from .config import TelemetrySettings
+
+_propagator = TraceContextTextMapPropagator()
+_configured: str | None = None
+
+
+def setup(service: str, settings: TelemetrySettings | None = None) -> None:
+    """Configure logging, tracing and metrics for this process (idempotent)."""
+    global _configured
+    settings = settings or TelemetrySettings()
+    _configure_logging(service, settings)
+    if _configured is not None:
+        return
+    _configured = service
+    resource = Resource.create({"service.name": f"cpd-{service}"})
+    provider = TracerProvider(resource=resource)
+    if settings.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint))
+        )
+    trace.set_tracer_provider(provider)
+    readers = []
+    if settings.prometheus_port:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.prometheus_port)
+        readers.append(PrometheusMetricReader())
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
+
+
+def _configure_logging(service: str, settings: TelemetrySettings) -> None:
+    level = logging.getLevelNamesMapping()[settings.log_level.upper()]
+    renderer: Any = (structlog.processors.JSONRenderer() if settings.log_json
+                     else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_service(service),
+            _add_trace_ids,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def _add_service(service: str) -> Any:
+    def processor(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        event.setdefault("service", service)
+        return event
+
+    return processor
+
+
+def _add_trace_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event
+
+
+def get_logger(name: str | None = None, **bound: Any) -> structlog.stdlib.BoundLogger:
+    """A structlog logger, optionally with bound key/values."""
+    return structlog.get_logger(name).bind(**bound) if bound else structlog.get_logger(name)
+
+
+def tracer(name: str = "cpd") -> trace.Tracer:
+    """The process tracer."""
+    return trace.get_tracer(name)
+
+
+def meter(name: str = "cpd") -> metrics.Meter:
+    """The process meter."""
+    return metrics.get_meter(name)
+
+
+@contextlib.contextmanager
+def bound_request(request_id: str, **extra: Any) -> Iterator[None]:
+    """Bind ``request_id`` (and extras) to every log line in this context."""
+    tokens = structlog.contextvars.bind_contextvars(request_id=request_id, **extra)
+    try:
+        yield
+    finally:
+        structlog.contextvars.reset_contextvars(**tokens)
+
+
+def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """Add the current W3C trace context (``traceparent``) to NATS headers."""
+    headers = {} if headers is None else headers
+    _propagator.inject(headers)
+    return headers
+
+
+def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
+    """The trace context carried by NATS headers (an empty context when absent)."""
+    return _propagator.extract(dict(headers or {}))
+
+
+def current_traceparent() -> str:
+    """The current ``traceparent`` string, for durable records (events)."""
+    return inject({}).get("traceparent", "")
+
+
+def context_from_traceparent(value: str) -> otel_context.Context:
+    """Rebuild a context from a stored ``traceparent`` string."""
+    return _propagator.extract({"traceparent": value} if value else {})

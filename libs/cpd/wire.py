@@ -1,0 +1,458 @@
+"""Every message CPD sends over NATS (DESIGN.md §4), as tagged ``msgspec.Struct``s.
+
+Rules, so that old and new processes keep talking:
+
+* Each message carries ``kind`` (its tag) and ``v``, the schema *major* version. A major
+  bump is a breaking change; within a major, fields are only ever **appended, with
+  defaults** (msgpack maps, so readers ignore fields they do not know).
+* :func:`decode` turns bad bytes into :class:`~cpd.errors.MalformedMessage`, a foreign
+  major into :class:`~cpd.errors.SchemaVersionError` and a kind this build does not know
+  into :class:`~cpd.errors.UnknownKind`, which receivers log and skip.
+* Token ids and block hashes travel as packed byte strings (``uint32`` little-endian and
+  concatenated 16-byte digests): a 100K-token prompt is one 400 KB field, not 100K ints.
+* KV bytes never travel here; the UCX data plane carries them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+from .errors import MalformedMessage, SchemaVersionError, UnknownKind, WrongKind
+
+SCHEMA_VERSION = 1
+
+HASH_BYTES = 16
+"""Width of a block hash on the wire (128 bits; see :mod:`cpd.hashing`)."""
+
+TOKEN_DTYPE = np.dtype("<u4")
+
+T = TypeVar("T", bound="Message")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class Tier(enum.StrEnum):
+    """Where a cached block lives (DESIGN.md §7)."""
+
+    GPU = "gpu"
+    DRAM = "dram"
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=False):
+    """Base of every wire message."""
+
+    v: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- client API
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """Sampling settings; greedy by default (temperature 0)."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    seed: int | None = None
+    stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class GenerateRequest(Message, tag="generate", kw_only=True):
+    """A client's request on ``cpd.v1.generate``; replies stream to the message's inbox."""
+
+    request_id: str
+    # Exactly one of prompt (text, tokenized by the router) and tokens (packed uint32).
+    prompt: str | None = None
+    tokens: bytes | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    model: str = ""
+    tenant: str = "default"
+    cache_salt: str = ""
+    priority: int = 0
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0 = the router's default deadline
+
+
+class TokenChunk(Message, tag="token", kw_only=True):
+    """Some generated tokens; ``seq`` counts every message of one reply stream from 0."""
+
+    request_id: str
+    seq: NonNegInt
+    token_ids: list[int]
+    text: str = ""
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: NonNegInt = 0
+    completion_tokens: NonNegInt = 0
+    cached_tokens: NonNegInt = 0
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Milliseconds per phase of one request, as seen by the services."""
+
+    admission_ms: NonNegFloat = 0.0
+    lookup_ms: NonNegFloat = 0.0
+    queue_ms: NonNegFloat = 0.0
+    load_ms: NonNegFloat = 0.0
+    prefill_ms: NonNegFloat = 0.0
+    handoff_ms: NonNegFloat = 0.0
+    ttft_ms: NonNegFloat = 0.0
+    decode_ms: NonNegFloat = 0.0
+    total_ms: NonNegFloat = 0.0
+
+
+class Route(msgspec.Struct, kw_only=True):
+    """What the router decided and what the workers actually did."""
+
+    policy: str = ""
+    path: Literal["", "cold", "warm", "overflow"] = ""
+    reason: str = ""
+    prefill_node: str = ""
+    decode_node: str = ""
+    tokens_gpu: NonNegInt = 0
+    tokens_dram: NonNegInt = 0
+    tokens_remote: NonNegInt = 0
+    tokens_computed: NonNegInt = 0
+
+
+class Final(Message, tag="final", kw_only=True):
+    """The last message of a successful stream."""
+
+    request_id: str
+    seq: NonNegInt
+    finish_reason: str = "stop"
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    route: Route = msgspec.field(default_factory=Route)
+
+
+class Error(Message, tag="error", kw_only=True):
+    """The last message of a failed stream, or the reply to a bad request."""
+
+    request_id: str = ""
+    seq: NonNegInt = 0
+    code: str
+    message: str
+    retryable: bool = False
+
+
+# ------------------------------------------------------------------------------ kvindex
+
+
+class LookupRequest(Message, tag="lookup", kw_only=True):
+    """Longest-prefix lookup of a prompt's chained block hashes."""
+
+    request_id: str = ""
+    namespace: str
+    block_hashes: bytes  # n * HASH_BYTES
+    include_pending: bool = True
+
+
+class TierMatch(msgspec.Struct, array_like=True):
+    """``num_blocks`` leading blocks are VISIBLE on ``node`` in ``tier``."""
+
+    node: str
+    tier: Tier
+    num_blocks: NonNegInt
+
+
+class PendingMatch(msgspec.Struct, array_like=True):
+    """Blocks past the visible prefix that ``node`` is still writing."""
+
+    node: str
+    num_blocks: NonNegInt
+
+
+class LookupReply(Message, tag="lookup_reply", kw_only=True):
+    """kvindex's authoritative answer; ``status != "ok"`` must be treated as a miss."""
+
+    request_id: str = ""
+    status: Literal["ok", "recovering", "unknown_namespace"] = "ok"
+    num_blocks: NonNegInt = 0
+    matches: list[TierMatch] = msgspec.field(default_factory=list)
+    pending: list[PendingMatch] = msgspec.field(default_factory=list)
+
+
+class BlockRef(msgspec.Struct, array_like=True):
+    """A block and its parent in the hash chain (empty parent for the first block)."""
+
+    hash: bytes
+    parent: bytes
+    num_tokens: NonNegInt
+
+
+class BlockSeal(msgspec.Struct, array_like=True):
+    hash: bytes
+    nbytes: NonNegInt
+    checksum: int
+
+
+class KvEvent(Message, kw_only=True):
+    """Base of durable block lifecycle events on ``cpd.v1.kv.events.<node>``.
+
+    ``seq`` is the node's own event counter (gap detection); ``trace`` is the W3C
+    ``traceparent`` of the request that caused the event, kept with the durable record.
+    """
+
+    node: str
+    seq: NonNegInt
+    namespace: str = ""
+    tier: Tier = Tier.DRAM
+    trace: str = ""
+
+
+class BlocksAllocated(KvEvent, tag="kv_allocated", kw_only=True):
+    blocks: list[BlockRef]
+
+
+class BlocksWriting(KvEvent, tag="kv_writing", kw_only=True):
+    hashes: list[bytes]
+
+
+class BlocksSealed(KvEvent, tag="kv_sealed", kw_only=True):
+    seals: list[BlockSeal]
+
+
+class BlocksEvicted(KvEvent, tag="kv_evicted", kw_only=True):
+    hashes: list[bytes]
+
+
+class BlocksFailed(KvEvent, tag="kv_failed", kw_only=True):
+    """The writer gave up on these blocks (cancel, error, bad checksum)."""
+
+    hashes: list[bytes]
+    reason: str = ""
+
+
+class NodeCleared(KvEvent, tag="kv_cleared", kw_only=True):
+    """Every block of ``node`` in ``tier`` is gone (restart, vLLM AllBlocksCleared)."""
+
+
+class GpuBlocksStored(KvEvent, tag="gpu_stored", kw_only=True):
+    """vLLM BlockStored, with the token ids kvindex maps onto CPD's own hashes."""
+
+    engine_hashes: list[int]
+    parent_engine_hash: int | None = None
+    tokens: bytes = b""  # packed uint32, len = len(engine_hashes) * engine_block_size
+    engine_block_size: NonNegInt = 0
+
+
+class GpuBlocksRemoved(KvEvent, tag="gpu_removed", kw_only=True):
+    engine_hashes: list[int]
+
+
+class Reannounce(Message, tag="reannounce", kw_only=True):
+    """kvindex asks a node to publish its full state again (after a gap or restart)."""
+
+    from_seq: NonNegInt = 0
+    reason: str = ""
+
+
+class BlocksVisible(Message, tag="kv_visible", kw_only=True):
+    """kvindex made these blocks VISIBLE at ``node``/``tier`` (routers keep a warm view)."""
+
+    namespace: str
+    node: str
+    tier: Tier
+    block_hashes: bytes
+
+
+class BlocksInvalidated(Message, tag="kv_invalidated", kw_only=True):
+    """These blocks (or all of ``node``'s, when ``block_hashes`` is empty) are gone."""
+
+    namespace: str = ""
+    node: str
+    tier: Tier | None = None
+    block_hashes: bytes = b""
+    reason: str = ""
+
+
+# ------------------------------------------------------------------------ node liveness
+
+
+class Heartbeat(Message, tag="heartbeat", kw_only=True):
+    """Lease renewal and identity of a node; missing heartbeats expire the lease."""
+
+    node: str
+    role: Literal["kvindex", "router", "preprefill", "prefill", "decode"]
+    started_unix_ms: NonNegInt
+    lease_ttl_ms: Annotated[int, msgspec.Meta(gt=0)]
+    ucx_address: bytes = b""
+    capacity_blocks: NonNegInt = 0
+    namespace: str = ""
+    version: str = ""
+
+
+class LoadReport(Message, tag="load", kw_only=True):
+    """A worker's load, every ~100-200 ms and on change."""
+
+    node: str
+    role: Literal["preprefill", "prefill", "decode"]
+    queue_depth: NonNegInt = 0
+    queued_new_tokens: NonNegInt = 0
+    est_queue_ms: NonNegFloat = 0.0
+    in_flight: NonNegInt = 0
+    dram_used_bytes: NonNegInt = 0
+    dram_total_bytes: NonNegInt = 0
+    kv_bandwidth_gbps: NonNegFloat = 0.0
+
+
+# ----------------------------------------------------------------------- worker requests
+
+
+class LoadSource(msgspec.Struct, kw_only=True):
+    """Where a prefill node should load a run of prefix blocks from."""
+
+    node: str
+    tier: Tier
+    first_block: NonNegInt
+    num_blocks: NonNegInt
+
+
+class PrefillRequest(Message, tag="prefill", kw_only=True):
+    """Router → pre-prefill or prefill node, on ``cpd.v1.<role>.<node>.run``."""
+
+    request_id: str
+    reply_to: str
+    tokens: bytes
+    sampling: SamplingParams
+    namespace: str
+    block_hashes: bytes
+    decode_node: str
+    deadline_unix_ms: NonNegInt
+    sources: list[LoadSource] = msgspec.field(default_factory=list)
+    route: Route = msgspec.field(default_factory=Route)
+    trace: str = ""
+
+
+class DecodeRequest(Message, tag="decode", kw_only=True):
+    """Prefill side → decode node: the sealed blocks to pull and the first token."""
+
+    request_id: str
+    reply_to: str
+    tokens: bytes
+    first_token: int
+    sampling: SamplingParams
+    namespace: str
+    block_hashes: bytes
+    source_node: str
+    lease_id: str
+    deadline_unix_ms: NonNegInt
+    seq_start: NonNegInt = 1
+    route: Route = msgspec.field(default_factory=Route)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    trace: str = ""
+
+
+class PullAck(Message, tag="pull_ack", kw_only=True):
+    """Decode → prefill side: the pull of ``lease_id`` is done; unpin the blocks."""
+
+    request_id: str
+    lease_id: str
+    ok: bool = True
+
+
+AnyMessage = (
+    GenerateRequest | TokenChunk | Final | Error
+    | LookupRequest | LookupReply
+    | BlocksAllocated | BlocksWriting | BlocksSealed | BlocksEvicted | BlocksFailed
+    | NodeCleared | GpuBlocksStored | GpuBlocksRemoved | Reannounce
+    | BlocksVisible | BlocksInvalidated
+    | Heartbeat | LoadReport
+    | PrefillRequest | DecodeRequest | PullAck
+)
+
+KINDS: frozenset[str] = frozenset(
+    t.__struct_config__.tag for t in AnyMessage.__args__  # type: ignore[attr-defined]
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+class _Header(msgspec.Struct):
+    kind: str = ""
+    v: int = -1
+
+
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize one message (msgpack)."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview, expect: type[T] | None = None) -> T:
+    """Parse one message, raising a typed :mod:`cpd.errors` exception on bad input.
+
+    With ``expect`` the message must be of that kind (or a subclass), else
+    :class:`~cpd.errors.WrongKind`.
+    """
+    try:
+        msg = _decoder.decode(data)
+    except msgspec.MsgspecError as e:
+        raise _classify(data, e) from None
+    if msg.v != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{msg.__struct_config__.tag} has schema v{msg.v}; this build speaks v{SCHEMA_VERSION}"
+        )
+    if expect is not None and not isinstance(msg, expect):
+        raise WrongKind(
+            f"expected {expect.__struct_config__.tag!r}, got {msg.__struct_config__.tag!r}"
+        )
+    return msg  # type: ignore[return-value]
+
+
+def _classify(data: bytes | memoryview, err: Exception) -> Exception:
+    try:
+        head = _header_decoder.decode(data)
+    except msgspec.MsgspecError:
+        return MalformedMessage(f"undecodable message: {err}")
+    if head.v not in (-1, SCHEMA_VERSION):
+        return SchemaVersionError(
+            f"message has schema v{head.v}; this build speaks v{SCHEMA_VERSION}")
+    if head.kind and head.kind not in KINDS:
+        return UnknownKind(f"unknown message kind {head.kind!r}")
+    return MalformedMessage(f"invalid {head.kind or 'message'}: {err}")
+
+
+# -------------------------------------------------------------------- packed arrays
+
+
+def pack_tokens(tokens: Any) -> bytes:
+    """Token ids (list or array) → packed little-endian uint32 bytes."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError("tokens must be one-dimensional")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
+
+
+def unpack_tokens(data: bytes) -> np.ndarray:
+    """Packed uint32 bytes → a read-only numpy array (no copy)."""
+    if len(data) % TOKEN_DTYPE.itemsize:
+        raise MalformedMessage(f"token array of {len(data)} bytes is not a multiple of 4")
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+def split_hashes(data: bytes) -> list[bytes]:
+    """Concatenated block hashes → a list of ``HASH_BYTES`` digests."""
+    if len(data) % HASH_BYTES:
+        raise MalformedMessage(f"hash array of {len(data)} bytes is not a multiple of {HASH_BYTES}")
+    return [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+def join_hashes(hashes: list[bytes]) -> bytes:
+    """A list of block hashes → their concatenation (the wire form)."""
+    if any(len(h) != HASH_BYTES for h in hashes):
+        raise ValueError(f"every block hash must be {HASH_BYTES} bytes")
+    return b"".join(hashes)

@@ -1,0 +1,1 @@
+"""CPD services, one package and one process each (``python -m services.<name>``)."""

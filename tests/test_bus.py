@@ -1,0 +1,303 @@
+"""The NATS bus against a real nats-server: request/reply, streaming, typed errors,
+size guard, tracing, graceful stop and reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from cpd import wire
+from cpd.bus import Bus, Request, Service, encoded_size
+from cpd.config import Settings, load_settings
+from cpd.errors import (
+    ErrorCode,
+    MalformedMessage,
+    NoResponders,
+    Overloaded,
+    PayloadTooLarge,
+    RemoteError,
+    RequestTimeout,
+    StreamGap,
+)
+from cpd.natsserver import NatsServer
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+pytestmark = pytest.mark.timeout(60)
+
+_spans = InMemorySpanExporter()
+_provider = TracerProvider()
+_provider.add_span_processor(SimpleSpanProcessor(_spans))
+trace.set_tracer_provider(_provider)
+
+
+class EchoService(Service):
+    """A test service: streams the prompt's characters back, with switches for faults."""
+
+    name = "echo"
+
+    def __init__(self, settings: Settings, prefix: str) -> None:
+        super().__init__(settings)
+        self.prefix = prefix
+        self.seen_trace_ids: list[int] = []
+
+    async def setup(self) -> None:
+        await self.add_endpoint("generate", f"{self.prefix}.generate", self.generate,
+                                expect=wire.GenerateRequest, queue="echo")
+        await self.add_endpoint("lookup", f"{self.prefix}.lookup", self.lookup,
+                                expect=wire.LookupRequest, queue="echo")
+
+    async def lookup(self, msg: wire.LookupRequest, req: Request) -> wire.LookupReply:
+        self.seen_trace_ids.append(trace.get_current_span().get_span_context().trace_id)
+        if msg.namespace == "slow":
+            await asyncio.sleep(1.0)
+        if msg.namespace == "busy":
+            raise Overloaded("too many requests")
+        if msg.namespace == "crash":
+            raise RuntimeError("boom")
+        return wire.LookupReply(request_id=msg.request_id,
+                                num_blocks=len(msg.block_hashes) // wire.HASH_BYTES)
+
+    async def generate(self, msg: wire.GenerateRequest, req: Request) -> None:
+        out = req.stream(msg.request_id)
+        prompt = msg.prompt or ""
+        if prompt == "reorder":
+            # Two publishers in real life (prefill sends seq 0, decode the rest).
+            await self.bus.publish(req.reply_to, wire.TokenChunk(request_id=msg.request_id,
+                                                                 seq=1, token_ids=[2]))
+            await self.bus.publish(req.reply_to, wire.TokenChunk(request_id=msg.request_id,
+                                                                 seq=0, token_ids=[1]))
+            await self.bus.publish(req.reply_to, wire.Final(request_id=msg.request_id, seq=2))
+            return
+        if prompt == "gap":
+            await self.bus.publish(req.reply_to, wire.TokenChunk(request_id=msg.request_id,
+                                                                 seq=0, token_ids=[1]))
+            await self.bus.publish(req.reply_to, wire.Final(request_id=msg.request_id, seq=2))
+            return
+        if prompt == "fail-midway":
+            await out.tokens([1])
+            raise Overloaded("decode lost")
+        for ch in prompt:
+            await out.tokens([ord(ch)], ch)
+        await out.final(finish_reason="stop",
+                        usage=wire.Usage(prompt_tokens=len(prompt), completion_tokens=len(prompt)))
+
+
+@pytest.fixture
+async def echo(settings: Settings) -> AsyncIterator[EchoService]:
+    svc = EchoService(settings, f"test.{uuid.uuid4().hex[:8]}")
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+def _lookup(ns: str = "ns", n: int = 2) -> wire.LookupRequest:
+    return wire.LookupRequest(request_id="r", namespace=ns, block_hashes=b"\x01" * 16 * n)
+
+
+async def test_request_reply(bus: Bus, echo: EchoService) -> None:
+    reply = await bus.request(f"{echo.prefix}.lookup", _lookup(n=3), expect=wire.LookupReply)
+    assert reply.num_blocks == 3 and reply.request_id == "r"
+
+
+async def test_stream_in_order_ends_with_final(bus: Bus, echo: EchoService) -> None:
+    msgs = [m async for m in bus.stream(f"{echo.prefix}.generate",
+                                        wire.GenerateRequest(request_id="g", prompt="abc"),
+                                        timeout=10)]
+    assert [m.seq for m in msgs] == [0, 1, 2, 3]
+    assert [m.text for m in msgs[:3]] == ["a", "b", "c"]
+    assert isinstance(msgs[-1], wire.Final) and msgs[-1].usage.completion_tokens == 3
+
+
+async def test_stream_reorders_replies_from_two_publishers(bus: Bus, echo: EchoService) -> None:
+    msgs = [m async for m in bus.stream(f"{echo.prefix}.generate",
+                                        wire.GenerateRequest(request_id="g", prompt="reorder"),
+                                        timeout=10)]
+    assert [m.seq for m in msgs] == [0, 1, 2]
+    assert [m.token_ids for m in msgs[:2]] == [[1], [2]]
+
+
+async def test_stream_gap_is_a_typed_error(bus: Bus, echo: EchoService) -> None:
+    with pytest.raises(StreamGap):
+        async for _ in bus.stream(f"{echo.prefix}.generate",
+                                  wire.GenerateRequest(request_id="g", prompt="gap"),
+                                  timeout=10, idle_timeout=0.5):
+            pass
+
+
+async def test_stream_error_midway_is_raised_after_the_tokens(bus: Bus, echo: EchoService) -> None:
+    got = []
+    with pytest.raises(Overloaded) as e:
+        async for m in bus.stream(f"{echo.prefix}.generate",
+                                  wire.GenerateRequest(request_id="g", prompt="fail-midway"),
+                                  timeout=10):
+            got.append(m)
+    assert [m.token_ids for m in got] == [[1]]
+    assert e.value.retryable
+
+
+async def test_no_responders(bus: Bus) -> None:
+    with pytest.raises(NoResponders):
+        await bus.request("test.nobody.home", _lookup(), expect=wire.LookupReply)
+    with pytest.raises(NoResponders):
+        async for _ in bus.stream("test.nobody.home",
+                                  wire.GenerateRequest(request_id="g", prompt="x"), timeout=5):
+            pass
+
+
+async def test_timeout(bus: Bus, echo: EchoService) -> None:
+    with pytest.raises(RequestTimeout):
+        await bus.request(f"{echo.prefix}.lookup", _lookup("slow"), expect=wire.LookupReply,
+                          timeout=0.2)
+
+
+async def test_handler_errors_become_typed_replies(bus: Bus, echo: EchoService) -> None:
+    with pytest.raises(Overloaded) as e:
+        await bus.request(f"{echo.prefix}.lookup", _lookup("busy"), expect=wire.LookupReply)
+    assert e.value.retryable
+    with pytest.raises(RemoteError) as e2:
+        await bus.request(f"{echo.prefix}.lookup", _lookup("crash"), expect=wire.LookupReply)
+    assert e2.value.code == ErrorCode.INTERNAL and "boom" in str(e2.value)
+    # The service is still serving.
+    assert (await bus.request(f"{echo.prefix}.lookup", _lookup(),
+                              expect=wire.LookupReply)).num_blocks == 2
+
+
+@pytest.mark.parametrize("payload, code", [
+    (b"\xc1garbage", ErrorCode.MALFORMED),
+    (b"", ErrorCode.MALFORMED),
+    (msgspec.msgpack.encode({"kind": "lookup", "v": 9, "namespace": "n", "block_hashes": b""}),
+     ErrorCode.SCHEMA_VERSION),
+    (msgspec.msgpack.encode({"kind": "from_the_future", "v": 1}), ErrorCode.UNKNOWN_KIND),
+    (wire.encode(wire.PullAck(request_id="r", lease_id="l")), ErrorCode.INVALID_REQUEST),
+])
+async def test_bad_input_gets_typed_error_and_service_survives(
+        bus: Bus, echo: EchoService, payload: bytes, code: ErrorCode) -> None:
+    before = echo.rejected
+    raw = await bus.nc.request(f"{echo.prefix}.lookup", payload, timeout=5)
+    err = wire.decode(raw.data, wire.Error)
+    assert err.code == code.value
+    assert echo.rejected == before + 1
+    assert (await bus.request(f"{echo.prefix}.lookup", _lookup(),
+                              expect=wire.LookupReply)).num_blocks == 2
+
+
+async def test_size_guard_counts_headers(bus: Bus) -> None:
+    limit = bus.max_message_bytes
+    msg = wire.GenerateRequest(request_id="r", prompt="x" * (limit - 400))
+    payload = wire.encode(msg)
+    assert len(payload) < limit
+    # The payload alone fits, but with a large header it does not.
+    with pytest.raises(PayloadTooLarge):
+        await bus.publish("test.sink", msg, headers={"x-pad": "y" * 500})
+    await bus.publish("test.sink", msg)  # fits without it
+    assert encoded_size(b"abc", {"k": "v"}) == 3 + len(b"NATS/1.0\r\nk: v\r\n\r\n")
+
+
+async def test_size_guard_matches_the_server_limit(tmp_path: Path) -> None:
+    conf = tmp_path / "nats.conf"
+    conf.write_text("max_payload: 4096\n")
+    with NatsServer(store_dir=tmp_path / "js", config_file=str(conf)) as server:
+        s = load_settings(environ={}, overrides=[f"nats.url={server.url}"])
+        b = await Bus.open(s, "size-test")
+        try:
+            assert b.max_message_bytes == 4096
+            sub = await b.nc.subscribe("test.size")
+            headers = {"x-pad": "p" * 100}
+            base = wire.GenerateRequest(request_id="r", prompt="")
+            hdrs_len = encoded_size(b"", {**headers, "traceparent": "0" * 55})
+            room = 4096 - hdrs_len - len(wire.encode(base))
+            while hdrs_len + len(wire.encode(wire.GenerateRequest(request_id="r",
+                                                                  prompt="z" * room))) > 4096:
+                room -= 1  # msgpack's string length prefix grows with the string
+            exact = wire.GenerateRequest(request_id="r", prompt="z" * room)
+            ctx = trace.get_tracer("t").start_as_current_span("size")
+            with ctx:  # a traceparent header of known length (55 chars)
+                await b.publish("test.size", exact, headers=headers)
+                got = await sub.next_msg(timeout=5)  # the server accepted exactly the limit
+                assert wire.decode(got.data, wire.GenerateRequest).prompt == "z" * room
+                over = wire.GenerateRequest(request_id="r", prompt="z" * (room + 1))
+                with pytest.raises(PayloadTooLarge):
+                    await b.publish("test.size", over, headers=headers)
+        finally:
+            await b.close()
+
+
+async def test_trace_context_crosses_the_bus(bus: Bus, echo: EchoService) -> None:
+    with trace.get_tracer("test").start_as_current_span("client") as span:
+        await bus.request(f"{echo.prefix}.lookup", _lookup(), expect=wire.LookupReply)
+        tid = span.get_span_context().trace_id
+    assert echo.seen_trace_ids[-1] == tid
+    server_spans = [s for s in _spans.get_finished_spans() if s.name == "echo.lookup"]
+    assert any(s.context.trace_id == tid and s.parent is not None for s in server_spans)
+
+
+async def test_micro_health_and_info(bus: Bus, echo: EchoService) -> None:
+    pings = []
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox)
+    await bus.nc.publish("$SRV.PING.cpd-echo", b"", reply=inbox)
+    while True:
+        try:
+            pings.append(json.loads((await sub.next_msg(timeout=0.5)).data))
+        except Exception:
+            break
+    assert any(p["metadata"]["node"] == echo.node_id for p in pings)
+    info = json.loads((await bus.nc.request("$SRV.INFO.cpd-echo", b"", timeout=2)).data)
+    assert {e["name"] for e in info["endpoints"]} == {"generate", "lookup"}
+
+
+async def test_graceful_stop_finishes_in_flight_work(settings: Settings, bus: Bus) -> None:
+    svc = EchoService(settings, f"test.{uuid.uuid4().hex[:8]}")
+    await svc.start()
+    pending = asyncio.create_task(bus.request(f"{svc.prefix}.lookup", _lookup("slow"),
+                                              expect=wire.LookupReply, timeout=10))
+    await asyncio.sleep(0.3)  # the slow request is in flight
+    await svc.stop()
+    assert (await pending).num_blocks == 2
+    with pytest.raises(NoResponders):
+        await bus.request(f"{svc.prefix}.lookup", _lookup(), expect=wire.LookupReply)
+
+
+async def test_service_and_client_survive_a_nats_restart(fresh_nats: NatsServer) -> None:
+    s = load_settings(environ={}, overrides=[f"nats.url={fresh_nats.url}",
+                                             "nats.reconnect_wait_s=0.1"])
+    svc = EchoService(s, "test.restart")
+    await svc.start()
+    client = await Bus.open(s, "restart-client")
+    try:
+        await client.request("test.restart.lookup", _lookup(), expect=wire.LookupReply)
+        fresh_nats.restart()
+        for _ in range(100):
+            try:
+                r = await client.request("test.restart.lookup", _lookup(),
+                                         expect=wire.LookupReply, timeout=0.5)
+                break
+            except (NoResponders, RequestTimeout, Exception):
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("no reply after the NATS restart")
+        assert r.num_blocks == 2
+    finally:
+        await client.close()
+        await svc.stop()
+
+
+async def test_malformed_reply_is_typed(bus: Bus) -> None:
+    sub = await bus.nc.subscribe("test.badreply")
+
+    async def answer() -> None:
+        msg = await sub.next_msg(timeout=5)
+        await bus.nc.publish(msg.reply, b"\xc1")
+
+    task = asyncio.create_task(answer())
+    with pytest.raises(MalformedMessage):
+        await bus.request("test.badreply", _lookup(), expect=wire.LookupReply)
+    await task

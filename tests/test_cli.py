@@ -1,0 +1,76 @@
+"""The ``cpd`` command: benches write their JSON, ``cpd up`` starts and stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cpd.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_hashing_writes_the_documented_keys(tmp_path: Path) -> None:
+    out = tmp_path / "h.json"
+    assert main(["bench", "hashing", "--repeat", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 100_000
+    assert result["blocks"] == 100_000 // 256
+    for key in ("hash_ms", "lookup_request_encode_ms", "hash_plus_encode_ms"):
+        assert result[key] > 0
+
+
+def test_model_build_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model", "build", "--cache-dir", str(tmp_path)]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert (folder / "config.json").exists() and folder.parent == tmp_path
+
+
+def test_bad_settings_exit_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--set", "cache.block_size=zero", "model", "build"]) == 2
+    assert "block_size" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_cpd_up_starts_and_stops_cleanly(tmp_path: Path) -> None:
+    env = {**os.environ, "CPD_NATS__EMBEDDED_STORE_DIR": str(tmp_path / "nats"),
+           "CPD_TELEMETRY__LOG_JSON": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "cpd.cli", "up", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    url = None
+    deadline = time.monotonic() + 60
+    lines = []
+    while time.monotonic() < deadline and url is None:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if m := re.search(r"NATS \(JetStream\): (nats://\S+)", line):
+            url = m.group(1)
+    assert url, "".join(lines)
+    probe = ("import asyncio, nats, sys\n"
+             "async def m():\n"
+             "    nc = await nats.connect(sys.argv[1])\n"
+             "    js = nc.jetstream()\n"
+             "    print((await js.account_info()).limits is not None)\n"
+             "    await nc.close()\n"
+             "asyncio.run(m())\n")
+    out = subprocess.run([sys.executable, "-c", probe, url], capture_output=True, text=True,
+                         timeout=30)
+    assert out.stdout.strip() == "True", out.stderr  # JetStream is enabled
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, rest
+    assert "cpd: stopped" in rest
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in ci and "make test" in readme and "make run" in readme

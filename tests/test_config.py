@@ -1,0 +1,84 @@
+"""Settings: sources, precedence and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cpd import subjects
+from cpd.config import Settings, env_var_names, load_settings
+from cpd.errors import ConfigError
+
+
+def test_defaults() -> None:
+    s = load_settings(environ={})
+    assert s.cache.block_size == 256
+    assert s.admission.max_inflight == 24
+    assert s.bus.max_message_bytes == 900 * 1024
+    subjects.check_token(s.node.node_id)
+
+
+def test_precedence_file_then_env_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "cpd.toml"
+    f.write_text('[cache]\nblock_size = 128\n[nats]\nurl = "nats://file:1"\n')
+    s = load_settings(f, environ={"CPD_CACHE__BLOCK_SIZE": "512"},
+                      overrides=["admission.max_inflight=3"])
+    assert s.cache.block_size == 512          # env beats file
+    assert s.nats.url == "nats://file:1"      # file beats default
+    assert s.admission.max_inflight == 3      # override
+    s = load_settings(environ={"CPD_CONFIG": str(f)}, overrides=["cache.block_size=64"])
+    assert s.cache.block_size == 64
+
+
+def test_env_strings_are_converted() -> None:
+    s = load_settings(environ={"CPD_TELEMETRY__LOG_JSON": "false",
+                               "CPD_BUS__REQUEST_TIMEOUT_S": "2.5"})
+    assert s.telemetry.log_json is False and s.bus.request_timeout_s == 2.5
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"CPD_CACHE__BLOCK_SIZE": "ten"}, "block_size"),
+    ({"CPD_CACHE__BLOCK_SIZE": "0"}, "block_size"),
+    ({"CPD_ADMISSION__MAX_INFLIGHT": "-1"}, "max_inflight"),
+    ({"CPD_MODEL__PRESET": "huge"}, "preset"),
+    ({"CPD_NODE__NODE_ID": "has.dot"}, "node_id"),
+    ({"CPD_CACHE__NO_SUCH": "1"}, "no_such"),
+    ({"CPD_NOSECTION__X": "1"}, "nosection"),
+])
+def test_bad_values_name_the_setting(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(environ=env)
+    assert needle in str(e.value)
+
+
+def test_bad_file_and_override(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.toml", environ={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("not toml [")
+    with pytest.raises(ConfigError):
+        load_settings(bad, environ={})
+    with pytest.raises(ConfigError, match=r"section\.field=value"):
+        load_settings(environ={}, overrides=["nodot=1"])
+
+
+def test_env_var_names_cover_every_field() -> None:
+    names = env_var_names()
+    assert "CPD_NATS__URL" in names and "CPD_CACHE__BLOCK_SIZE" in names
+    env = {n: "x" for n in names if n != "CPD_CONFIG"}
+    # Every listed name is accepted as a key (values may still be invalid).
+    with pytest.raises(ConfigError) as e:
+        load_settings(environ=env)
+    assert "unknown" not in str(e.value)
+    assert isinstance(Settings(), Settings)
+
+
+def test_subjects_validate_tokens() -> None:
+    assert subjects.run("prefill", "node-1") == "cpd.v1.prefill.node-1.run"
+    assert subjects.kv_events("n1") == "cpd.v1.kv.events.n1"
+    assert subjects.node_of(subjects.heartbeat("n7")) == "n7"
+    for bad in ("a.b", "*", ">", "", "x" * 65, "sp ace"):
+        with pytest.raises(ValueError):
+            subjects.kv_events(bad)
+    with pytest.raises(ValueError):
+        subjects.run("router", "n1")
