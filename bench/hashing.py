@@ -12,6 +12,7 @@ import statistics
 import time
 
 import numpy as np
+
 from cpd import wire
 from cpd.hashing import ROOT_PARENT, Namespace, block_hashes
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from cpd.config import Settings
 from cpd.modelbuild import PRESETS, build
 from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
 from cpd.bus import Bus
 from cpd.config import Settings, load_settings
 from cpd.natsserver import NatsServer

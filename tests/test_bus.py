@@ -11,6 +11,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from cpd import wire
 from cpd.bus import Bus, Request, Service, encoded_size
 from cpd.config import Settings, load_settings
@@ -25,10 +30,6 @@ from cpd.errors import (
     StreamGap,
 )
 from cpd.natsserver import NatsServer
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 pytestmark = pytest.mark.timeout(60)
 

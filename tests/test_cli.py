@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from cpd.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

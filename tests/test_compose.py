@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import yaml
+
 from cpd.config import env_var_names
 
 ROOT = Path(__file__).resolve().parent.parent

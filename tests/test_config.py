@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from cpd import subjects
 from cpd.config import Settings, env_var_names, load_settings
 from cpd.errors import ConfigError

@@ -10,10 +10,11 @@ import sys
 import msgspec
 import numpy as np
 import pytest
-from cpd.hashing import ROOT_PARENT, Namespace, block_hashes, num_full_blocks
-from cpd.wire import HASH_BYTES
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from cpd.hashing import ROOT_PARENT, Namespace, block_hashes, num_full_blocks
+from cpd.wire import HASH_BYTES
 
 BS = 16
 NS = Namespace(model_id="cpd-tiny", model_revision="r1", tokenizer_hash="abc",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cpd.modelbuild import MANIFEST, PRESETS, build, model_dir, verify
 from cpd.modelbuild.tokenizer import BOS, EOS
 

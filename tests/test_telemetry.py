@@ -6,9 +6,10 @@ import json
 import subprocess
 import sys
 
-from cpd import telemetry
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+
+from cpd import telemetry
 
 _SCRIPT = """
 from cpd import telemetry

@@ -8,10 +8,11 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from cpd import wire
-from cpd.errors import CpdError, MalformedMessage, SchemaVersionError, UnknownKind, WrongKind
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from cpd import wire
+from cpd.errors import CpdError, MalformedMessage, SchemaVersionError, UnknownKind, WrongKind
 
 H = bytes(range(16))
 SAMPLES: list[wire.Message] = [
@@ -38,6 +39,7 @@ SAMPLES: list[wire.Message] = [
     wire.BlocksEvicted(node="n1", seq=4, hashes=[H]),
     wire.BlocksFailed(node="n1", seq=5, hashes=[H], reason="checksum"),
     wire.NodeCleared(node="n1", seq=6, tier=wire.Tier.GPU),
+    wire.LeaseExpired(node="n1", seq=0, epoch=5, reason="no heartbeat"),
     wire.GpuBlocksStored(node="n1", seq=7, engine_hashes=[1, 2], parent_engine_hash=None,
                          tokens=wire.pack_tokens(range(32)), engine_block_size=16),
     wire.GpuBlocksRemoved(node="n1", seq=8, engine_hashes=[1]),

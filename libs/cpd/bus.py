@@ -117,10 +117,10 @@ class Bus:
         """The effective limit: ours, or the server's when that is smaller."""
         return min(self.settings.max_message_bytes, self.nc.max_payload or 1 << 62)
 
-    def _prepare(self, msg: wire.Message,
-                 headers: dict[str, str] | None) -> tuple[bytes, dict[str, str]]:
+    def _prepare(self, msg: wire.Message, headers: dict[str, str] | None,
+                 trace: bool = True) -> tuple[bytes, dict[str, str] | None]:
         payload = wire.encode(msg)
-        hdrs = telemetry.inject(dict(headers or {}))
+        hdrs = telemetry.inject(dict(headers or {})) if trace else headers
         size = encoded_size(payload, hdrs)
         if size > self.max_message_bytes:
             raise PayloadTooLarge(
@@ -130,10 +130,11 @@ class Bus:
         return payload, hdrs
 
     async def publish(self, subject: str, msg: wire.Message, *, reply: str = "",
-                      headers: dict[str, str] | None = None) -> None:
-        """Publish one message (size-checked, with trace context)."""
-        payload, hdrs = self._prepare(msg, headers)
-        await self.nc.publish(subject, payload, reply=reply, headers=hdrs)
+                      headers: dict[str, str] | None = None, trace: bool = True) -> None:
+        """Publish one message (size-checked; with trace context unless ``trace`` is off,
+        as for a reply, whose receiver already holds the trace)."""
+        payload, hdrs = self._prepare(msg, headers, trace)
+        await self.nc.publish(subject, payload, reply=reply, headers=hdrs or None)
 
     async def request(self, subject: str, msg: wire.Message, *, expect: type[T],
                       timeout: float | None = None) -> T:
@@ -297,6 +298,7 @@ class Service:
         self.bus: Bus
         self._micro: nats.micro.Service | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self.rejected = 0
@@ -333,6 +335,10 @@ class Service:
         if self._micro is not None:
             with contextlib.suppress(Exception):
                 await self._micro.stop()
+        for task in self._background:
+            task.cancel()
+        if self._background:
+            await asyncio.wait(self._background, timeout=1.0)
         if self._tasks:
             _, pending = await asyncio.wait(self._tasks,
                                             timeout=self.settings.nats.drain_timeout_s)
@@ -365,8 +371,14 @@ class Service:
     # -- endpoints -------------------------------------------------------------------
 
     async def add_endpoint(self, name: str, subject: str, handler: Handler, *,
-                           expect: type[wire.Message], queue: str | None = None) -> None:
-        """Serve ``subject`` (in queue group ``queue``, else a per-node group)."""
+                           expect: type[wire.Message], queue: str | None = None,
+                           inline: bool = False) -> None:
+        """Serve ``subject`` (in queue group ``queue``, else a per-node group).
+
+        Handlers run as tasks so slow ones do not block the subscription; ``inline``
+        handlers (fast, CPU-only, e.g. index lookups) run in the subscription callback,
+        which saves a task per message.
+        """
         assert self._micro is not None, "call add_endpoint from setup()"
 
         async def on_request(req: nats.micro.Request) -> None:
@@ -374,6 +386,9 @@ class Service:
                 await self._reply_error(req._msg, CpdError("service is stopping",
                                                            code=ErrorCode.UNAVAILABLE,
                                                            retryable=True))
+                return
+            if inline:
+                await self._dispatch(name, req._msg, handler, expect)
                 return
             task = asyncio.create_task(self._dispatch(name, req._msg, handler, expect))
             self._tasks.add(task)
@@ -412,7 +427,7 @@ class Service:
                     return
                 if answer is not None and msg.reply:
                     try:
-                        await self.bus.publish(msg.reply, answer)
+                        await self.bus.publish(msg.reply, answer, trace=False)
                     except CpdError as e:
                         await self._reply_error(msg, e, request_id)
 
@@ -420,13 +435,16 @@ class Service:
         if not msg.reply:
             return
         with contextlib.suppress(Exception):
-            await self.bus.publish(msg.reply, _error_message(exc, request_id))
+            await self.bus.publish(msg.reply, _error_message(exc, request_id), trace=False)
 
-    def spawn(self, coro: Awaitable[None], name: str = "") -> asyncio.Task[None]:
-        """Run background work that :meth:`stop` waits for (or cancels at the deadline)."""
+    def spawn(self, coro: Awaitable[None], name: str = "", *,
+              background: bool = True) -> asyncio.Task[None]:
+        """Run work owned by the service. ``background`` loops (sweepers, reporters) are
+        cancelled at stop; other tasks are in-flight work that stop lets finish first."""
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        group = self._background if background else self._tasks
+        group.add(task)
+        task.add_done_callback(group.discard)
         if name:
             task.set_name(name)
         return task
@@ -434,6 +452,17 @@ class Service:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+
+def run_service(service: Service) -> None:
+    """Run ``service`` until SIGTERM/SIGINT on uvloop when available (a faster event
+    loop; the stdlib one otherwise)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(service.run())
+    else:
+        uvloop.run(service.run())
 
 
 def current_span() -> trace.Span:

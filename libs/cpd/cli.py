@@ -45,6 +45,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "hashing":
         from bench.hashing import run
         result = run(tokens=args.tokens, block_size=args.block_size, repeat=args.repeat)
+    elif args.what == "kvindex":
+        from bench.kvindex import run as run_kvindex
+        result = run_kvindex(quick=args.quick, blocks=args.blocks)
     elif args.what == "model":
         from bench.model import run as run_model
         result = run_model(_settings(args), preset=args.preset, prefill_tokens=args.tokens)
@@ -99,14 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_model_check)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
-    bench.add_argument("what", choices=["hashing", "model"])
+    bench.add_argument("what", choices=["hashing", "kvindex", "model"])
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.add_argument("--tokens", type=int, default=None,
                        help="prompt tokens (hashing: 100000; model: 8192)")
     bench.add_argument("--block-size", type=int, default=256)
     bench.add_argument("--repeat", type=int, default=200)
     bench.add_argument("--preset")
-    bench.add_argument("--quick", action="store_true", help="accepted for uniformity")
+    bench.add_argument("--quick", action="store_true", help="a short run (tests, CI)")
+    bench.add_argument("--blocks", type=int, help="kvindex: index size (default 1M)")
     bench.set_defaults(func=cmd_bench)
 
     n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")

@@ -107,6 +107,20 @@ class AdmissionSettings(_Section):
     default_deadline_s: Positive = 300.0
 
 
+class KvIndexSettings(_Section):
+    """kvindex: durability and lease enforcement (DESIGN.md §6)."""
+
+    # Snapshots bound replay time after a crash; one file per replica.
+    snapshot_dir: str = "~/.cache/cpd/kvindex"
+    snapshot_interval_s: Positive = 30.0
+    lease_sweep_interval_s: Positive = 0.25
+    # Retention of the CPD_KV stream; older events are covered by snapshots/re-announce.
+    stream_max_age_s: Positive = 24 * 3600.0
+    stream_max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 8 << 30
+    # Longest chain one lookup may ask about (~2M tokens at 256 tokens per block).
+    max_lookup_blocks: PositiveInt = 8192
+
+
 class Settings(_Section):
     """All settings of a CPD process."""
 
@@ -117,6 +131,7 @@ class Settings(_Section):
     telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)
     node: NodeSettings = msgspec.field(default_factory=NodeSettings)
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
+    kvindex: KvIndexSettings = msgspec.field(default_factory=KvIndexSettings)
 
     def __post_init__(self) -> None:
         if not self.node.node_id:

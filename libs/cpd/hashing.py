@@ -41,6 +41,15 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
         salt = f"{tenant}\x1f{cache_salt}" if cache_salt else tenant
         return msgspec.structs.replace(self, tenant_salt=salt)
 
+    def to_spec(self) -> bytes:
+        """Wire form (msgpack) of this namespace, e.g. for ``Heartbeat.namespace_spec``."""
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_spec(cls, data: bytes) -> Namespace:
+        """Parse :meth:`to_spec` output; raises ``msgspec.ValidationError``/``DecodeError``."""
+        return msgspec.msgpack.decode(data, type=cls)
+
     @property
     def id(self) -> str:
         """Stable 32-hex-digit id, used on the wire and in kvindex."""

@@ -16,6 +16,7 @@ KVINDEX_LOOKUP: Final = f"{PREFIX}.kvindex.lookup"
 KV_EVENTS_ALL: Final = f"{PREFIX}.kv.events.>"
 KV_VISIBLE: Final = f"{PREFIX}.kv.visible"
 KV_INVALIDATE: Final = f"{PREFIX}.kv.invalidate"
+KV_DEADLETTER: Final = f"{PREFIX}.kv.deadletter"
 HEARTBEAT_ALL: Final = f"{PREFIX}.node.heartbeat.>"
 LOAD_ALL: Final = f"{PREFIX}.load.>"
 
@@ -41,6 +42,10 @@ def check_token(value: str, what: str = "token") -> str:
 def kv_events(node: str) -> str:
     """Subject a node publishes its block lifecycle events on (JetStream ``CPD_KV``)."""
     return f"{PREFIX}.kv.events.{check_token(node, 'node id')}"
+
+
+KVINDEX_EVENTS_NODE: Final = "_kvindex"
+"""Pseudo node under which kvindex itself writes into ``CPD_KV`` (lease expiries)."""
 
 
 def kv_reannounce(node: str) -> str:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -100,8 +101,10 @@ def get_logger(name: str | None = None, **bound: Any) -> structlog.stdlib.BoundL
     return structlog.get_logger(name).bind(**bound) if bound else structlog.get_logger(name)
 
 
+@functools.cache
 def tracer(name: str = "cpd") -> trace.Tracer:
-    """The process tracer."""
+    """The process tracer (cached: the SDK's get_tracer is costly on hot paths; a tracer
+    fetched before :func:`setup` is a proxy that follows the provider set later)."""
     return trace.get_tracer(name)
 
 

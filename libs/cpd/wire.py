@@ -197,8 +197,10 @@ class BlockSeal(msgspec.Struct, array_like=True):
 class KvEvent(Message, kw_only=True):
     """Base of durable block lifecycle events on ``cpd.v1.kv.events.<node>``.
 
-    ``seq`` is the node's own event counter (gap detection); ``trace`` is the W3C
-    ``traceparent`` of the request that caused the event, kept with the durable record.
+    ``epoch`` identifies one incarnation of the node (its start time in ms): a restarted
+    node starts a new epoch with empty caches. ``seq`` counts the node's events within
+    its epoch from 1 (gap detection). ``trace`` is the W3C ``traceparent`` of the request
+    that caused the event, kept with the durable record.
     """
 
     node: str
@@ -206,6 +208,7 @@ class KvEvent(Message, kw_only=True):
     namespace: str = ""
     tier: Tier = Tier.DRAM
     trace: str = ""
+    epoch: NonNegInt = 0
 
 
 class BlocksAllocated(KvEvent, tag="kv_allocated", kw_only=True):
@@ -235,17 +238,24 @@ class NodeCleared(KvEvent, tag="kv_cleared", kw_only=True):
     """Every block of ``node`` in ``tier`` is gone (restart, vLLM AllBlocksCleared)."""
 
 
+class LeaseExpired(KvEvent, tag="kv_lease_expired"):
+    """Published by kvindex (not the node) into ``CPD_KV`` when ``node``'s lease of
+    ``epoch`` expired, so every replica and every replay forgets its blocks alike."""
+
+    reason: str = ""
+
+
 class GpuBlocksStored(KvEvent, tag="gpu_stored", kw_only=True):
     """vLLM BlockStored, with the token ids kvindex maps onto CPD's own hashes."""
 
-    engine_hashes: list[int]
-    parent_engine_hash: int | None = None
+    engine_hashes: list[int | bytes]
+    parent_engine_hash: int | bytes | None = None
     tokens: bytes = b""  # packed uint32, len = len(engine_hashes) * engine_block_size
     engine_block_size: NonNegInt = 0
 
 
 class GpuBlocksRemoved(KvEvent, tag="gpu_removed", kw_only=True):
-    engine_hashes: list[int]
+    engine_hashes: list[int | bytes]
 
 
 class Reannounce(Message, tag="reannounce", kw_only=True):
@@ -288,6 +298,9 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     capacity_blocks: NonNegInt = 0
     namespace: str = ""
     version: str = ""
+    # msgpack of the node's base cpd.hashing.Namespace: lets kvindex hash vLLM's GPU-tier
+    # events (token ids) into CPD block hashes for that namespace.
+    namespace_spec: bytes = b""
 
 
 class LoadReport(Message, tag="load", kw_only=True):
@@ -363,7 +376,7 @@ AnyMessage = (
     GenerateRequest | TokenChunk | Final | Error
     | LookupRequest | LookupReply
     | BlocksAllocated | BlocksWriting | BlocksSealed | BlocksEvicted | BlocksFailed
-    | NodeCleared | GpuBlocksStored | GpuBlocksRemoved | Reannounce
+    | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
     | PrefillRequest | DecodeRequest | PullAck

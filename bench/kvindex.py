@@ -1,0 +1,233 @@
+"""``cpd bench kvindex``: lookup throughput and latency, ingest rate, recovery time.
+
+Index: ``blocks`` blocks (1M; 100K with ``--quick``) as chains of 391 blocks (a
+100K-token prompt at 256 tokens per block) spread over 4 nodes. Measured in one run:
+
+* in-process: event apply rate (one lifecycle transition of one block = one event) and
+  lookup cost;
+* end to end on an embedded NATS: a kvindex process recovering the whole index from a
+  snapshot plus a stream tail, then lookups from this process over NATS loopback:
+  closed-loop throughput and open-loop latency at a fixed offered rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cpd import kvevents, subjects, wire
+from cpd.bus import Bus
+from cpd.config import load_settings
+from cpd.hashing import Namespace
+from cpd.natsserver import NatsServer
+from services.kvindex.index import Index
+
+CHAIN = 391
+NODES = ("w0", "w1", "w2", "w3")
+NS = Namespace(model_id="bench", model_revision="r1", tokenizer_hash="t", kv_dtype="float32",
+               block_size=256)
+
+
+def _chains(n_blocks: int) -> list[list[bytes]]:
+    rng = np.random.default_rng(7)
+    raw = rng.bytes(n_blocks * 16)
+    return [[raw[(c * CHAIN + i) * 16:(c * CHAIN + i + 1) * 16] for i in range(CHAIN)]
+            for c in range(n_blocks // CHAIN)]
+
+
+def _events(chains: list[list[bytes]]) -> list[wire.KvEvent]:
+    out: list[wire.KvEvent] = []
+    seqs = dict.fromkeys(NODES, 0)
+    for c, chain in enumerate(chains):
+        node = NODES[c % len(NODES)]
+        refs = [wire.BlockRef(h, chain[i - 1] if i else b"", 256) for i, h in enumerate(chain)]
+        for ev in (wire.BlocksAllocated(node=node, seq=0, namespace=NS.id, blocks=refs),
+                   wire.BlocksSealed(node=node, seq=0, namespace=NS.id,
+                                     seals=[wire.BlockSeal(h, 1 << 20, 1) for h in chain])):
+            seqs[node] += 1
+            ev.seq, ev.epoch = seqs[node], 1
+            out.append(ev)
+    return out
+
+
+def _heartbeat(node: str) -> wire.Heartbeat:
+    return wire.Heartbeat(node=node, role="prefill", started_unix_ms=1, lease_ttl_ms=600_000)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run(quick: bool = False, blocks: int | None = None, offered_rate: int = 5000,
+        seconds: float | None = None) -> dict:
+    """Run the benchmark; returns the JSON-able result."""
+    n_blocks = blocks or (100_000 if quick else 1_000_000)
+    seconds = seconds or (2.0 if quick else 5.0)
+    chains = _chains(n_blocks)
+    events = _events(chains)
+    # -- in-process ingest and lookup
+    idx = Index()
+    t0 = time.perf_counter()
+    for ev in events:
+        idx.apply(ev)
+    apply_s = time.perf_counter() - t0
+    transitions = 2 * len(chains) * CHAIN
+    now = time.monotonic()
+    for node in NODES:
+        idx.heartbeat(_heartbeat(node), now)
+    queries = [b"".join(ch) for ch in chains[: min(200, len(chains))]]
+    misses = [b"".join(ch[:100]) + os.urandom(16 * (CHAIN - 100)) for ch in chains[:50]]
+    t0 = time.perf_counter()
+    reps = 0
+    while time.perf_counter() - t0 < 1.0:
+        for q in queries:
+            idx.lookup(NS.id, q, now)
+        reps += len(queries)
+    inproc_us = (time.perf_counter() - t0) / reps * 1e6
+    assert all(idx.lookup(NS.id, q, now).num_blocks == CHAIN for q in queries[:5])
+    assert all(idx.lookup(NS.id, q, now).num_blocks == 100 for q in misses[:5])
+    t0 = time.perf_counter()
+    snap = idx.snapshot(stream_seq=0)
+    snapshot_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    Index.restore(snap)
+    restore_s = time.perf_counter() - t0
+    result = {
+        "blocks": idx.num_blocks,
+        "chain_blocks": CHAIN,
+        "ingest_events_per_s": round(transitions / apply_s),
+        "ingest_messages_per_s": round(len(events) / apply_s),
+        "inproc_lookup_us": round(inproc_us, 1),
+        "snapshot_write_s": round(snapshot_s, 2),
+        "snapshot_bytes": len(snap),
+        "snapshot_restore_s": round(restore_s, 2),
+    }
+    del idx
+    result.update(asyncio.run(_over_nats(snap, events, queries, misses, offered_rate, seconds)))
+    result["targets"] = {"lookups_per_s": 10_000, "lookup_p99_ms_at_5000": 2.0,
+                         "ingest_events_per_s": 50_000, "recovery_s_1m_blocks": 10.0}
+    return result
+
+
+async def _over_nats(snap: bytes, events: list[wire.KvEvent], queries: list[bytes],
+                     misses: list[bytes], rate: int, seconds: float) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="cpd-bench-kvindex-"))
+    with NatsServer(store_dir=tmp / "nats") as server:
+        s = load_settings(environ={}, overrides=[f"nats.url={server.url}"])
+        bus = await Bus.open(s, "bench-kvindex")
+        js = bus.nc.jetstream()
+        await kvevents.ensure_stream(js)
+        # The snapshot covers everything but a tail of events still in the stream.
+        tail = events[-200:]
+        (tmp / "snap").mkdir()
+        seq_before_tail = 0
+        (tmp / "snap" / "kvindex-bench-kvi.snap").write_bytes(
+            _rebase(snap, seq_before_tail))
+        t_tail = time.perf_counter()
+        for ev in tail:
+            await js.publish(subjects.kv_events(ev.node), wire.encode(ev))
+        tail_publish_s = time.perf_counter() - t_tail
+        env = {**os.environ, "CPD_NATS__URL": server.url, "CPD_NODE__NODE_ID": "bench-kvi",
+               "CPD_KVINDEX__SNAPSHOT_DIR": str(tmp / "snap"),
+               "CPD_TELEMETRY__LOG_LEVEL": "warning"}
+        hb_task = asyncio.create_task(_heartbeats(bus))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "services.kvindex"], env=env)
+        try:
+            probe = wire.LookupRequest(namespace=NS.id, block_hashes=queries[0])
+            while True:
+                try:
+                    r = await bus.request(subjects.KVINDEX_LOOKUP, probe,
+                                          expect=wire.LookupReply, timeout=1)
+                    if r.status == "ok" and r.num_blocks == CHAIN:
+                        break
+                except Exception:
+                    pass
+                await asyncio.sleep(0.02)
+            recovery_s = time.perf_counter() - t0
+            out = {"recovery_s_1m_blocks": round(recovery_s, 2),
+                   "recovery_tail_events": len(tail),
+                   "tail_publish_s": round(tail_publish_s, 3)}
+            out.update(await _closed_loop(bus, queries + misses, seconds))
+            out.update(await _open_loop(bus, queries + misses, rate, seconds))
+        finally:
+            hb_task.cancel()
+            proc.terminate()
+            proc.wait(30)
+            await bus.close()
+    return out
+
+
+def _rebase(snap: bytes, seq: int) -> bytes:
+    import msgspec
+
+    raw = msgspec.msgpack.decode(snap)
+    raw["stream_seq"] = seq
+    return msgspec.msgpack.encode(raw)
+
+
+async def _heartbeats(bus: Bus) -> None:
+    while True:
+        for node in NODES:
+            await bus.publish(subjects.heartbeat(node), _heartbeat(node))
+        await asyncio.sleep(0.5)
+
+
+async def _closed_loop(bus: Bus, qs: list[bytes], seconds: float, workers: int = 32) -> dict:
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker(i: int) -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            q = qs[(i + done) % len(qs)]
+            await bus.request(subjects.KVINDEX_LOOKUP,
+                              wire.LookupRequest(namespace=NS.id, block_hashes=q),
+                              expect=wire.LookupReply, timeout=5)
+            done += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(workers)))
+    return {"lookups_per_s": round(done / (time.perf_counter() - t0))}
+
+
+async def _open_loop(bus: Bus, qs: list[bytes], rate: int, seconds: float) -> dict:
+    lat: list[float] = []
+    errors = 0
+    tasks = set()
+
+    async def one(q: bytes, t_sched: float) -> None:
+        nonlocal errors
+        try:
+            await bus.request(subjects.KVINDEX_LOOKUP,
+                              wire.LookupRequest(namespace=NS.id, block_hashes=q),
+                              expect=wire.LookupReply, timeout=5)
+            lat.append((time.perf_counter() - t_sched) * 1e3)
+        except Exception:
+            errors += 1
+
+    t0 = time.perf_counter()
+    n = int(rate * seconds)
+    for i in range(n):
+        t_sched = t0 + i / rate
+        delay = t_sched - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one(qs[i % len(qs)], t_sched))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks)
+    achieved = len(lat) / (time.perf_counter() - t0)
+    return {"offered_per_s": rate, "achieved_per_s": round(achieved),
+            "lookup_p50_ms": round(statistics.median(lat), 3) if lat else None,
+            "lookup_p99_ms": round(_pct(lat, 0.99), 3) if lat else None,
+            "lookup_errors": errors}

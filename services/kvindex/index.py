@@ -1,0 +1,540 @@
+"""kvindex's state and rules, without I/O: every decision of DESIGN.md §5-6 lives here.
+
+* Blocks are keyed by (namespace id, 16-byte hash); each has per-location records keyed
+  by (node, tier) with a lifecycle :class:`~cpd.lifecycle.State`.
+* Only this index makes a location VISIBLE: sealed, checksum present (DRAM), namespace
+  well formed, parent VISIBLE at the same location (so each location's chain is
+  prefix-closed), in the writer's current epoch. Leases are applied at lookup time: a
+  location is a hit only while its node's lease is alive, so replaying the same events
+  rebuilds the same state.
+* Eviction, failure, a node clearing its tier, a new node epoch or a lease-expiry event
+  remove locations, always with their descendants at that location (prefix-closed).
+* Lookups binary-search the longest visible prefix per location (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from cpd import wire
+from cpd.hashing import ROOT_PARENT, Namespace, block_hashes
+from cpd.lifecycle import PENDING, State, can_transition
+
+Tier = wire.Tier
+LocKey = tuple[str, Tier]
+_NS_ID = re.compile(r"^[0-9a-f]{32}$")
+SNAPSHOT_VERSION = 1
+
+
+def valid_namespace(ns: str) -> bool:
+    """Whether ``ns`` is a namespace id as :attr:`cpd.hashing.Namespace.id` makes them."""
+    return bool(_NS_ID.match(ns))
+
+
+class Location:
+    """One copy of a block at (node, tier)."""
+
+    __slots__ = ("checksum", "epoch", "nbytes", "state")
+
+    def __init__(self, state: State, epoch: int, nbytes: int = 0,
+                 checksum: int | None = None) -> None:
+        self.state = state
+        self.epoch = epoch
+        self.nbytes = nbytes
+        self.checksum = checksum
+
+
+class Block:
+    """A block's identity and its copies."""
+
+    __slots__ = ("children", "locs", "num_tokens", "parent")
+
+    def __init__(self, parent: bytes, num_tokens: int) -> None:
+        self.parent = parent  # b"" for the first block of a chain
+        self.num_tokens = num_tokens
+        self.locs: dict[LocKey, Location] = {}
+        self.children: set[bytes] | None = None
+
+
+class _EngineBlock:
+    """Where one vLLM engine block sits in CPD's chain (GPU-tier mapping)."""
+
+    __slots__ = ("cpd_hash", "cpd_parent", "ns", "tokens")
+
+    def __init__(self, ns: str, cpd_parent: bytes, tokens: bytes, cpd_hash: bytes) -> None:
+        self.ns = ns
+        self.cpd_parent = cpd_parent  # chain hash before the CPD block being formed
+        self.tokens = tokens          # packed tokens of that CPD block so far
+        self.cpd_hash = cpd_hash      # set when this engine block completed a CPD block
+
+
+@dataclass
+class NodeInfo:
+    """What kvindex knows about one node."""
+
+    epoch: int = 0              # newest epoch seen in events
+    last_seq: int = 0           # last applied seq within ``epoch``
+    live_epoch: int = -1        # epoch of the latest heartbeat (not persisted)
+    lease_until: float = 0.0    # monotonic deadline of the lease (not persisted)
+    lease_ttl: float = 0.0
+    expired_epoch: int = -1     # newest epoch whose lease expiry was applied
+    needs_reannounce: bool = False
+    engine: dict[Any, _EngineBlock] = field(default_factory=dict)
+
+    def alive(self, now: float) -> bool:
+        return self.lease_until >= now
+
+
+@dataclass
+class Changes:
+    """What applying input changed, for the service to publish and log."""
+
+    visible: list[tuple[str, str, Tier, bytes]] = field(default_factory=list)
+    invalidated: list[tuple[str, str, Tier, bytes]] = field(default_factory=list)
+    reannounce: set[str] = field(default_factory=set)
+    illegal: list[str] = field(default_factory=list)
+    duplicates: int = 0
+    stale: int = 0
+    unmapped: int = 0
+    transitions: int = 0
+
+    def merge(self, other: Changes) -> None:
+        self.visible += other.visible
+        self.invalidated += other.invalidated
+        self.reannounce |= other.reannounce
+        self.illegal += other.illegal
+        self.duplicates += other.duplicates
+        self.stale += other.stale
+        self.unmapped += other.unmapped
+        self.transitions += other.transitions
+
+
+class Index:
+    """The whole kvindex state."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, dict[bytes, Block]] = {}
+        self.nodes: dict[str, NodeInfo] = {}
+        self.namespaces: dict[str, Namespace] = {}
+        self.num_locations = 0
+        # (namespace, hash, tier) of every location per node: drops touch only that node.
+        self._by_node: dict[str, set[tuple[str, bytes, Tier]]] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(d) for d in self.blocks.values())
+
+    def location(self, ns: str, h: bytes, node: str, tier: Tier) -> Location | None:
+        """The record of ``h`` at (node, tier), if any."""
+        block = self.blocks.get(ns, {}).get(h)
+        return block.locs.get((node, tier)) if block else None
+
+    def lookup(self, ns: str, hashes: bytes, now: float,
+               include_pending: bool = True) -> wire.LookupReply:
+        """Longest VISIBLE prefix of ``hashes`` per live (node, tier), plus pending coverage.
+
+        Per location the visible blocks of a chain form a prefix, so each location costs
+        one binary search (~9 probes for a 100K-token prompt), not a scan.
+        """
+        table = self.blocks.get(ns)
+        if table is None:
+            return wire.LookupReply(status="unknown_namespace")
+        n = len(hashes) // 16
+        first = table.get(hashes[:16]) if n else None
+        if first is None:
+            return wire.LookupReply()
+        nodes = self.nodes
+        matches: list[wire.TierMatch] = []
+        best = 0
+        pending_nodes: list[tuple[str, NodeInfo, int]] = []
+        seen_nodes: dict[str, int] = {}
+        for key, loc in first.locs.items():
+            node = key[0]
+            info = nodes.get(node)
+            if info is None or not info.alive(now) or loc.epoch != info.live_epoch:
+                continue
+            if loc.state is not State.VISIBLE:
+                seen_nodes.setdefault(node, 0)
+                continue
+            lo = _prefix(table, hashes, n, lambda b, k=key: _visible_at(b, k))
+            matches.append(wire.TierMatch(node, key[1], lo))
+            best = max(best, lo)
+            seen_nodes[node] = max(seen_nodes.get(node, 0), lo)
+        if include_pending:
+            for node, vis in seen_nodes.items():
+                if vis < n:
+                    pending_nodes.append((node, nodes[node], vis))
+        pending: list[wire.PendingMatch] = []
+        for node, info, vis in pending_nodes:
+            nxt = table.get(hashes[vis * 16:(vis + 1) * 16])
+            if nxt is None or not _coming_at(nxt, node, info.live_epoch):
+                continue
+            cover = _prefix(table, hashes, n,
+                            lambda b, nd=node, ep=info.live_epoch: _coming_at(b, nd, ep))
+            if cover > vis:
+                pending.append(wire.PendingMatch(node, cover))
+        matches.sort(key=lambda m: (-m.num_blocks, m.tier != Tier.GPU, m.node))
+        pending.sort(key=lambda p: (-p.num_blocks, p.node))
+        return wire.LookupReply(num_blocks=best, matches=matches, pending=pending)
+
+    # ---------------------------------------------------------------- heartbeats
+
+    def heartbeat(self, hb: wire.Heartbeat, now: float) -> Changes:
+        """Renew ``hb.node``'s lease (and register its namespace)."""
+        ch = Changes()
+        info = self.nodes.setdefault(hb.node, NodeInfo())
+        was_alive = info.alive(now) and info.live_epoch == hb.started_unix_ms
+        info.live_epoch = hb.started_unix_ms
+        info.lease_ttl = hb.lease_ttl_ms / 1000.0
+        info.lease_until = now + info.lease_ttl
+        if hb.namespace_spec:
+            try:
+                spec = Namespace.from_spec(hb.namespace_spec)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                ch.illegal.append(f"{hb.node}: undecodable namespace spec")
+            else:
+                if spec.id == hb.namespace:
+                    self.namespaces[spec.id] = spec
+                else:
+                    ch.illegal.append(f"{hb.node}: namespace spec does not match its id")
+        # Its blocks were dropped (lease expiry, gap) while it lived on: ask for them again.
+        if info.needs_reannounce or (not was_alive and info.expired_epoch == hb.started_unix_ms):
+            ch.reannounce.add(hb.node)
+            info.needs_reannounce = False
+        return ch
+
+    def expired_leases(self, now: float) -> list[tuple[str, int]]:
+        """Nodes whose lease ran out and whose blocks are still indexed: (node, epoch)."""
+        return [(node, info.live_epoch) for node, info in self.nodes.items()
+                if info.live_epoch >= 0 and not info.alive(now)
+                and info.expired_epoch < info.live_epoch]
+
+    def mark_expiry_published(self, node: str, epoch: int) -> None:
+        """The service published the lease-expiry event; don't report it again."""
+        info = self.nodes.setdefault(node, NodeInfo())
+        info.expired_epoch = max(info.expired_epoch, epoch)
+
+    # -------------------------------------------------------------------- events
+
+    def apply(self, ev: wire.KvEvent) -> Changes:
+        """Apply one durable event idempotently."""
+        ch = Changes()
+        if isinstance(ev, wire.LeaseExpired):
+            info = self.nodes.setdefault(ev.node, NodeInfo())
+            info.expired_epoch = max(info.expired_epoch, ev.epoch)
+            self._drop_node(ev.node, ch, lambda loc: loc.epoch <= ev.epoch,
+                            reason_tier=None)
+            return ch
+        info = self.nodes.setdefault(ev.node, NodeInfo())
+        if ev.epoch < info.epoch:
+            ch.stale += 1
+            return ch
+        if ev.epoch > info.epoch:
+            # A new incarnation starts with empty caches: forget the old one's blocks.
+            self._drop_node(ev.node, ch, lambda loc: loc.epoch < ev.epoch, reason_tier=None)
+            info.engine.clear()
+            info.epoch, info.last_seq = ev.epoch, 0
+        if ev.seq <= info.last_seq:
+            ch.duplicates += 1
+            return ch
+        if ev.seq != info.last_seq + 1:
+            # Lost events: what we hold for this node may be incomplete. Keep applying
+            # (every event is self-contained) and ask the node to re-announce.
+            ch.reannounce.add(ev.node)
+            info.needs_reannounce = True
+        info.last_seq = ev.seq
+        ns = ev.namespace
+        if isinstance(ev, wire.NodeCleared):
+            self._drop_node(ev.node, ch, lambda loc: True, reason_tier=ev.tier)
+            if ev.tier is Tier.GPU:
+                info.engine.clear()
+            info.needs_reannounce = False
+            ch.reannounce.discard(ev.node)
+            return ch
+        if isinstance(ev, (wire.GpuBlocksStored, wire.GpuBlocksRemoved)):
+            self._gpu_event(ev, info, ch)
+            return ch
+        if not valid_namespace(ns):
+            ch.illegal.append(f"{ev.node}: event in malformed namespace {ns!r}")
+            return ch
+        key = (ev.node, ev.tier)
+        if isinstance(ev, wire.BlocksAllocated):
+            for ref in ev.blocks:
+                self._allocate(ns, ref.hash, ref.parent, ref.num_tokens, key, ev.epoch, ch)
+        elif isinstance(ev, wire.BlocksWriting):
+            for h in ev.hashes:
+                self._step(ns, h, key, State.WRITING, ch)
+        elif isinstance(ev, wire.BlocksSealed):
+            for seal in ev.seals:
+                loc = self._step(ns, seal.hash, key, State.SEALED, ch)
+                if loc is not None:
+                    loc.nbytes, loc.checksum = seal.nbytes, seal.checksum
+                    self._try_visible(ns, seal.hash, key, ch)
+        elif isinstance(ev, (wire.BlocksEvicted, wire.BlocksFailed)):
+            for h in ev.hashes:
+                self._remove(ns, h, key, ch)
+        return ch
+
+    def _allocate(self, ns: str, h: bytes, parent: bytes, num_tokens: int, key: LocKey,
+                  epoch: int, ch: Changes) -> None:
+        if len(h) != wire.HASH_BYTES or (parent and len(parent) != wire.HASH_BYTES):
+            ch.illegal.append(f"{key[0]}: malformed block hash")
+            return
+        table = self.blocks.setdefault(ns, {})
+        block = table.get(h)
+        if block is None:
+            block = table[h] = Block(parent, num_tokens)
+            if parent:
+                p = table.get(parent)
+                if p is None:
+                    # The parent's record may arrive later (another node); index the edge.
+                    p = table[parent] = Block(b"", 0)
+                if p.children is None:
+                    p.children = set()
+                p.children.add(h)
+        elif block.num_tokens == 0 and not block.parent and num_tokens:
+            block.parent, block.num_tokens = parent, num_tokens  # placeholder filled in
+            if parent:
+                p = table.setdefault(parent, Block(b"", 0))
+                if p.children is None:
+                    p.children = set()
+                p.children.add(h)
+        elif block.parent != parent:
+            ch.illegal.append(f"{key[0]}: block {h.hex()} re-allocated with another parent")
+            return
+        old = block.locs.get(key)
+        if old is not None:
+            ch.illegal.append(f"{key[0]}: allocate {h.hex()} while {old.state.name}")
+            return
+        block.locs[key] = Location(State.ALLOCATED, epoch)
+        self._by_node.setdefault(key[0], set()).add((ns, h, key[1]))
+        self.num_locations += 1
+        ch.transitions += 1
+
+    def _step(self, ns: str, h: bytes, key: LocKey, new: State, ch: Changes) -> Location | None:
+        block = self.blocks.get(ns, {}).get(h)
+        loc = block.locs.get(key) if block else None
+        if loc is None or not can_transition(loc.state, new):
+            was = loc.state.name if loc else "ABSENT"
+            ch.illegal.append(f"{key[0]}: {h.hex()} {was} → {new.name}")
+            return None
+        loc.state = new
+        ch.transitions += 1
+        return loc
+
+    def _try_visible(self, ns: str, h: bytes, key: LocKey, ch: Changes) -> None:
+        """Make ``h`` at ``key`` VISIBLE if the rules allow, then its waiting children."""
+        table = self.blocks[ns]
+        todo = [h]
+        while todo:
+            h = todo.pop()
+            block = table.get(h)
+            loc = block.locs.get(key) if block else None
+            if block is None or loc is None or loc.state is not State.SEALED:
+                continue
+            if key[1] is Tier.DRAM and (loc.checksum is None or loc.nbytes <= 0):
+                continue
+            if block.parent:
+                parent = table.get(block.parent)
+                ploc = parent.locs.get(key) if parent else None
+                if ploc is None or ploc.state is not State.VISIBLE:
+                    continue  # becomes visible when its parent does
+            loc.state = State.VISIBLE
+            ch.transitions += 1
+            ch.visible.append((ns, key[0], key[1], h))
+            if block.children:
+                todo.extend(block.children)
+
+    def _remove(self, ns: str, h: bytes, key: LocKey, ch: Changes) -> None:
+        """Drop ``h`` at ``key`` and every descendant there (prefix-closed eviction)."""
+        table = self.blocks.get(ns)
+        if table is None or h not in table:
+            return
+        todo = [h]
+        while todo:
+            cur = todo.pop()
+            block = table.get(cur)
+            if block is None:
+                continue
+            loc = block.locs.pop(key, None)
+            if loc is None:
+                continue
+            self._by_node[key[0]].discard((ns, cur, key[1]))
+            self.num_locations -= 1
+            ch.transitions += 1
+            if loc.state is State.VISIBLE:
+                ch.invalidated.append((ns, key[0], key[1], cur))
+            if block.children:
+                todo.extend(block.children)
+            self._gc(ns, table, cur, block)
+
+    def _gc(self, ns: str, table: dict[bytes, Block], h: bytes, block: Block) -> None:
+        # Keep records that still have a copy or children (their edges matter).
+        if block.locs or block.children:
+            return
+        del table[h]
+        if block.parent:
+            parent = table.get(block.parent)
+            if parent is not None and parent.children is not None:
+                parent.children.discard(h)
+                if not parent.children:
+                    parent.children = None
+                    self._gc(ns, table, block.parent, parent)
+        if not table:
+            self.blocks.pop(ns, None)
+
+    def _drop_node(self, node: str, ch: Changes, which: Any, reason_tier: Tier | None) -> None:
+        for ns, h, tier in list(self._by_node.get(node, ())):
+            if reason_tier is not None and tier is not reason_tier:
+                continue
+            loc = self.location(ns, h, node, tier)
+            if loc is not None and which(loc):
+                self._remove(ns, h, (node, tier), ch)
+
+    # ------------------------------------------------------------ vLLM GPU tier
+
+    def _gpu_event(self, ev: wire.GpuBlocksStored | wire.GpuBlocksRemoved, info: NodeInfo,
+                   ch: Changes) -> None:
+        key = (ev.node, Tier.GPU)
+        if isinstance(ev, wire.GpuBlocksRemoved):
+            for eh in ev.engine_hashes:
+                eb = info.engine.pop(_ehash(eh), None)
+                if eb is not None and eb.cpd_hash:
+                    self._remove(eb.ns, eb.cpd_hash, key, ch)
+            return
+        spec = self.namespaces.get(ev.namespace)
+        bs = ev.engine_block_size
+        if spec is None or bs <= 0 or spec.block_size % bs:
+            ch.unmapped += len(ev.engine_hashes)
+            return
+        step = bs * wire.TOKEN_DTYPE.itemsize
+        if len(ev.tokens) != step * len(ev.engine_hashes):
+            ch.illegal.append(f"{ev.node}: gpu_stored token count does not match its blocks")
+            return
+        if ev.parent_engine_hash is None:
+            parent, acc = ROOT_PARENT, b""
+        else:
+            prev = info.engine.get(_ehash(ev.parent_engine_hash))
+            if prev is None:
+                ch.unmapped += len(ev.engine_hashes)  # its chain is unknown to us
+                return
+            parent = prev.cpd_hash or prev.cpd_parent
+            acc = b"" if prev.cpd_hash else prev.tokens
+        want = spec.block_size * wire.TOKEN_DTYPE.itemsize
+        for i, eh in enumerate(ev.engine_hashes):
+            acc += ev.tokens[i * step:(i + 1) * step]
+            done = b""
+            if len(acc) == want:
+                done = block_hashes(spec, acc, parent=parent)
+                self._allocate(spec.id, done, b"" if parent == ROOT_PARENT else parent,
+                               spec.block_size, key, ev.epoch, ch)
+                loc = self.location(spec.id, done, ev.node, Tier.GPU)
+                if loc is not None and loc.state is State.ALLOCATED:
+                    loc.state = State.SEALED
+                    self._try_visible(spec.id, done, key, ch)
+            info.engine[_ehash(eh)] = _EngineBlock(spec.id, parent, b"" if done else acc, done)
+            if done:
+                parent, acc = done, b""
+
+    # ----------------------------------------------------------------- snapshot
+
+    def snapshot(self, stream_seq: int) -> bytes:
+        """The durable state as bytes (leases are not part of it: they are live facts)."""
+        blocks = [
+            [ns, h, b.parent, b.num_tokens,
+             [[k[0], k[1].value, int(loc.state), loc.nbytes, loc.checksum, loc.epoch]
+              for k, loc in b.locs.items()]]
+            for ns, table in self.blocks.items() for h, b in table.items()
+        ]
+        nodes = [[n, i.epoch, i.last_seq, i.expired_epoch, i.needs_reannounce,
+                  [[k, e.ns, e.cpd_parent, e.tokens, e.cpd_hash] for k, e in i.engine.items()]]
+                 for n, i in self.nodes.items()]
+        return msgspec.msgpack.encode({
+            "v": SNAPSHOT_VERSION, "stream_seq": stream_seq, "blocks": blocks, "nodes": nodes,
+            "namespaces": [ns.to_spec() for ns in self.namespaces.values()],
+        })
+
+    @classmethod
+    def restore(cls, data: bytes) -> tuple[Index, int]:
+        """Rebuild from :meth:`snapshot` output; returns the index and its stream seq."""
+        raw = msgspec.msgpack.decode(data)
+        if raw.get("v") != SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {raw.get('v')} is not {SNAPSHOT_VERSION}")
+        idx = cls()
+        for spec in raw["namespaces"]:
+            ns = Namespace.from_spec(spec)
+            idx.namespaces[ns.id] = ns
+        tiers = {t.value: t for t in Tier}
+        for ns, h, parent, num_tokens, locs in raw["blocks"]:
+            table = idx.blocks.setdefault(ns, {})
+            block = table.get(h)
+            if block is None:
+                block = table[h] = Block(parent, num_tokens)
+            else:
+                block.parent, block.num_tokens = parent, num_tokens
+            for node, tier, state, nbytes, checksum, epoch in locs:
+                block.locs[(node, tiers[tier])] = Location(State(state), epoch, nbytes, checksum)
+                idx._by_node.setdefault(node, set()).add((ns, h, tiers[tier]))
+                idx.num_locations += 1
+            if parent:
+                p = table.get(parent)
+                if p is None:
+                    p = table[parent] = Block(b"", 0)
+                if p.children is None:
+                    p.children = set()
+                p.children.add(h)
+        for node, epoch, last_seq, expired, reannounce, engine in raw["nodes"]:
+            info = idx.nodes[node] = NodeInfo(epoch=epoch, last_seq=last_seq,
+                                              expired_epoch=expired,
+                                              needs_reannounce=reannounce)
+            for k, ns, cpd_parent, tokens, cpd_hash in engine:
+                info.engine[_ehash(k)] = _EngineBlock(ns, cpd_parent, tokens, cpd_hash)
+        return idx, raw["stream_seq"]
+
+    def fingerprint(self) -> bytes:
+        """Canonical bytes of the durable state (to compare replicas and rebuilds)."""
+        blocks = sorted(
+            (ns, h, b.parent, b.num_tokens,
+             sorted((k[0], k[1].value, int(loc.state), loc.nbytes, loc.checksum or 0,
+                     loc.epoch) for k, loc in b.locs.items()))
+            for ns, table in self.blocks.items() for h, b in table.items())
+        nodes = sorted((n, i.epoch, i.last_seq) for n, i in self.nodes.items()
+                       if i.epoch or i.last_seq)  # heartbeat-only records are not durable
+        return msgspec.msgpack.encode([blocks, nodes])
+
+
+def _prefix(table: dict[bytes, Block], hashes: bytes, n: int, ok: Any) -> int:
+    """Largest k such that ``ok`` holds for blocks 0..k-1 (``ok`` is monotone, true at 0)."""
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        b = table.get(hashes[(mid - 1) * 16:mid * 16])
+        if b is not None and ok(b):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _visible_at(block: Block, key: LocKey) -> bool:
+    loc = block.locs.get(key)
+    return loc is not None and loc.state is State.VISIBLE
+
+
+def _coming_at(block: Block, node: str, epoch: int) -> bool:
+    """Visible or being written at ``node`` (any tier) in its live epoch."""
+    return any(k[0] == node and loc.epoch == epoch
+               and (loc.state in PENDING or loc.state is State.VISIBLE)
+               for k, loc in block.locs.items())
+
+
+def _ehash(h: int | bytes | list[Any]) -> int | bytes:
+    # msgpack gives bytes back as bytes and ints as ints; lists never occur but are
+    # tolerated as tuples so a malformed value cannot break the dict.
+    return tuple(h) if isinstance(h, list) else h  # type: ignore[return-value]

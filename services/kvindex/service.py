@@ -1,0 +1,252 @@
+"""The kvindex service: consumes ``CPD_KV``, tracks leases, answers lookups (DESIGN.md §6).
+
+I/O only; every decision is in :mod:`services.kvindex.index`.
+
+* Events: an ordered JetStream consumer over ``CPD_KV`` from the last snapshot's stream
+  sequence. Undecodable events go to ``cpd.v1.kv.deadletter`` with a log line.
+* Recovery: load the newest snapshot, replay the stream tail; until the tail is applied
+  lookups answer ``recovering`` (the router treats that as a miss).
+* Leases: heartbeats renew them; on expiry a ``LeaseExpired`` event goes into the stream
+  (so replicas and replays forget the node alike) and an invalidation is published.
+* Replicas: each consumes the whole stream and serves lookups in queue group ``kvindex``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from nats.aio.msg import Msg
+from nats.js import api
+
+from cpd import kvevents, subjects, telemetry, wire
+from cpd.bus import Request, Service
+from cpd.config import Settings
+from cpd.errors import CpdError, InvalidRequest
+
+from .index import Changes, Index, valid_namespace
+
+
+class KvIndexService(Service):
+    """One kvindex replica."""
+
+    name = "kvindex"
+
+    def __init__(self, settings: Settings, *, nats_url: str | None = None) -> None:
+        super().__init__(settings, nats_url=nats_url)
+        self.cfg = settings.kvindex
+        self.index = Index()
+        self.applied_seq = 0
+        self.target_seq = 0
+        self.recovering = True
+        self.ready = asyncio.Event()
+        self.dead_letters = 0
+        self._snapshot_seq = 0
+        self._reannounce_all = False
+        self._asked: set[str] = set()
+        self._sub = None
+        m = telemetry.meter()
+        self._m_events = m.create_counter("cpd_kvindex_events_total",
+                                          description="lifecycle events applied")
+        self._m_lookups = m.create_counter("cpd_kvindex_lookups_total")
+        self._m_illegal = m.create_counter("cpd_kvindex_illegal_transitions_total")
+        self._m_evictions = m.create_counter("cpd_kvindex_invalidated_blocks_total",
+                                             description="visible blocks made unreadable")
+
+    @property
+    def snapshot_path(self) -> Path:
+        return Path(self.cfg.snapshot_dir).expanduser() / f"kvindex-{self.node_id}.snap"
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def setup(self) -> None:
+        self.js = self.bus.nc.jetstream()
+        await kvevents.ensure_stream(self.js, max_age_s=self.cfg.stream_max_age_s,
+                                     max_bytes=self.cfg.stream_max_bytes)
+        t0 = time.perf_counter()
+        self._load_snapshot()
+        info = await self.js.stream_info(subjects.KV_STREAM)
+        self.target_seq = info.state.last_seq
+        if info.state.first_seq > self.applied_seq + 1 and info.state.messages:
+            # Events between our snapshot and the stream's oldest one aged out: what
+            # nodes hold may be unknown to us, so every node is asked to re-announce.
+            self._reannounce_all = True
+            self.log.warning("kvindex.stream_truncated", snapshot_seq=self.applied_seq,
+                             first_seq=info.state.first_seq)
+        self.recovering = self.applied_seq < self.target_seq
+        self._sub = await self.js.subscribe(
+            subjects.KV_EVENTS_ALL, cb=self._on_event, ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            config=api.ConsumerConfig(opt_start_seq=self.applied_seq + 1),
+        )
+        await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
+        await self.add_endpoint("lookup", subjects.KVINDEX_LOOKUP, self._lookup,
+                                expect=wire.LookupRequest, queue=subjects.QUEUE_KVINDEX,
+                                inline=True)
+        self.spawn(self._sweep_leases(), "lease-sweeper")
+        self.spawn(self._snapshots(), "snapshots")
+        if not self.recovering:
+            self._mark_ready(t0)
+        else:
+            self._t_recovery = t0
+        self.log.info("kvindex.started", snapshot_seq=self.applied_seq,
+                      target_seq=self.target_seq, blocks=self.index.num_blocks)
+
+    async def on_stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        self._write_snapshot()
+
+    def _mark_ready(self, t0: float) -> None:
+        self.recovering = False
+        self.ready.set()
+        self.recovery_s = time.perf_counter() - t0
+        self.log.info("kvindex.ready", applied_seq=self.applied_seq,
+                      blocks=self.index.num_blocks, recovery_s=round(self.recovery_s, 3))
+
+    # -------------------------------------------------------------- snapshots
+
+    def _load_snapshot(self) -> None:
+        path = self.snapshot_path
+        if not path.exists():
+            return
+        try:
+            self.index, self.applied_seq = Index.restore(path.read_bytes())
+            self._snapshot_seq = self.applied_seq
+        except Exception as e:  # a torn or foreign file: rebuild from the stream instead
+            self.log.error("kvindex.snapshot_unreadable", path=str(path), error=repr(e))
+            self.index, self.applied_seq = Index(), 0
+
+    def _write_snapshot(self) -> None:
+        if self.applied_seq == self._snapshot_seq or self.recovering:
+            return
+        path = self.snapshot_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(self.index.snapshot(self.applied_seq))
+        os.replace(tmp, path)  # atomic: a crash leaves the old or the new snapshot
+        self._snapshot_seq = self.applied_seq
+
+    async def _snapshots(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(self.cfg.snapshot_interval_s)
+            try:
+                self._write_snapshot()
+            except OSError as e:
+                self.log.error("kvindex.snapshot_failed", error=repr(e))
+
+    # ----------------------------------------------------------------- events
+
+    async def _on_event(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        try:
+            ev = wire.decode(msg.data, wire.KvEvent)
+        except CpdError as e:
+            self.dead_letters += 1
+            self.log.error("kvindex.dead_letter", stream_seq=seq, subject=msg.subject,
+                           error=e.code.value, detail=e.message)
+            with contextlib.suppress(Exception):
+                await self.bus.nc.publish(subjects.KV_DEADLETTER, msg.data,
+                                          headers={"Cpd-Error": e.code.value,
+                                                   "Cpd-Subject": msg.subject})
+            ch = Changes()
+        else:
+            ch = self.index.apply(ev)
+        self.applied_seq = seq
+        self._m_events.add(1)
+        if self.recovering:
+            if seq >= self.target_seq:
+                self._mark_ready(self._t_recovery)
+            return  # replaying: the world already heard these changes
+        await self._publish(ch)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = wire.decode(msg.data, wire.Heartbeat)
+        except CpdError as e:
+            self.log.warning("kvindex.bad_heartbeat", subject=msg.subject, error=e.code.value)
+            return
+        ch = self.index.heartbeat(hb, time.monotonic())
+        if self._reannounce_all and hb.node not in self._asked:
+            self._asked.add(hb.node)
+            ch.reannounce.add(hb.node)
+        await self._publish(ch)
+
+    async def _publish(self, ch: Changes) -> None:
+        for line in ch.illegal:
+            self._m_illegal.add(1)
+            self.log.warning("kvindex.illegal", detail=line)
+        groups: dict[tuple[str, str, wire.Tier], list[bytes]] = defaultdict(list)
+        for ns, node, tier, h in ch.visible:
+            groups[(ns, node, tier)].append(h)
+        for (ns, node, tier), hs in groups.items():
+            await self._send(subjects.KV_VISIBLE, wire.BlocksVisible(
+                namespace=ns, node=node, tier=tier, block_hashes=b"".join(hs)))
+        groups.clear()
+        for ns, node, tier, h in ch.invalidated:
+            groups[(ns, node, tier)].append(h)
+        for (ns, node, tier), hs in groups.items():
+            self._m_evictions.add(len(hs))
+            await self._send(subjects.KV_INVALIDATE, wire.BlocksInvalidated(
+                namespace=ns, node=node, tier=tier, block_hashes=b"".join(hs)))
+        for node in ch.reannounce:
+            self.log.info("kvindex.reannounce_requested", target=node)
+            await self._send(subjects.kv_reannounce(node),
+                             wire.Reannounce(reason="kvindex needs the node's blocks"))
+
+    async def _send(self, subject: str, msg: wire.Message) -> None:
+        try:
+            await self.bus.publish(subject, msg)
+        except CpdError as e:  # e.g. an enormous invalidation: routers fall back to lookups
+            self.log.error("kvindex.publish_failed", subject=subject, error=e.message)
+
+    # ----------------------------------------------------------------- leases
+
+    async def _sweep_leases(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(self.cfg.lease_sweep_interval_s)
+            if self.recovering:
+                continue
+            for node, epoch in self.index.expired_leases(time.monotonic()):
+                await self._expire(node, epoch)
+
+    async def _expire(self, node: str, epoch: int) -> None:
+        info = self.index.nodes[node]
+        ev = wire.LeaseExpired(node=node, seq=0, epoch=epoch, reason="no heartbeat")
+        # Every replica publishes the same id: the stream stores the expiry once.
+        headers = {"Nats-Msg-Id": f"expire:{node}:{epoch}:{info.last_seq}"}
+        try:
+            await self.js.publish(subjects.kv_events(subjects.KVINDEX_EVENTS_NODE),
+                                  wire.encode(ev), headers=headers)
+        except Exception as e:
+            self.log.error("kvindex.expiry_not_stored", target=node, error=repr(e))
+            return  # retried at the next sweep
+        self.index.mark_expiry_published(node, epoch)
+        self.log.warning("kvindex.lease_expired", target=node, epoch=epoch)
+        await self._send(subjects.KV_INVALIDATE,
+                         wire.BlocksInvalidated(node=node, reason="lease expired"))
+
+    # ----------------------------------------------------------------- lookups
+
+    async def _lookup(self, req: wire.LookupRequest, _: Request) -> wire.LookupReply:
+        self._m_lookups.add(1)
+        if self.recovering:
+            return wire.LookupReply(request_id=req.request_id, status="recovering")
+        if not valid_namespace(req.namespace):
+            raise InvalidRequest(f"namespace {req.namespace!r} is not a 32-hex-digit id")
+        n, rest = divmod(len(req.block_hashes), wire.HASH_BYTES)
+        if rest:
+            raise InvalidRequest(f"block_hashes is {len(req.block_hashes)} bytes, "
+                                 f"not a multiple of {wire.HASH_BYTES}")
+        if n > self.cfg.max_lookup_blocks:
+            raise InvalidRequest(f"{n} blocks in one lookup; the limit is "
+                                 f"{self.cfg.max_lookup_blocks}")
+        reply = self.index.lookup(req.namespace, req.block_hashes, time.monotonic(),
+                                  req.include_pending)
+        reply.request_id = req.request_id
+        return reply

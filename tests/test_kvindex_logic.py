@@ -1,0 +1,369 @@
+"""kvindex's pure logic: lifecycle rules, visibility, leases, GPU mapping, snapshots,
+and property tests over random event sequences (no server needed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpd import wire
+from cpd.hashing import Namespace, block_hashes
+from cpd.lifecycle import State, can_transition
+from services.kvindex.index import Index
+
+NS = "0" * 31 + "1"
+NS2 = "0" * 31 + "2"
+DRAM, GPU = wire.Tier.DRAM, wire.Tier.GPU
+
+
+def H(name: str) -> bytes:
+    return name.encode().ljust(16, b".")
+
+
+# A small forest: A0→A1→A2→A3, A1→B2→B3 (a branch), C0→C1.
+TREE = {"A0": "", "A1": "A0", "A2": "A1", "A3": "A2", "B2": "A1", "B3": "B2", "C0": "", "C1": "C0"}
+CHAINS = [["A0", "A1", "A2", "A3"], ["A0", "A1", "B2", "B3"], ["C0", "C1"]]
+NODES = ["n0", "n1", "n2"]
+
+
+def ref(name: str) -> wire.BlockRef:
+    return wire.BlockRef(H(name), H(TREE[name]) if TREE[name] else b"", 16)
+
+
+class Writer:
+    """A well-behaved node: numbers its events like cpd.kvevents does."""
+
+    def __init__(self, node: str, epoch: int = 1) -> None:
+        self.node, self.epoch, self.seq = node, epoch, 0
+
+    def ev(self, cls: type, **kw: object) -> wire.KvEvent:
+        self.seq += 1
+        kw.setdefault("namespace", NS)
+        return cls(node=self.node, seq=self.seq, epoch=self.epoch, **kw)
+
+    def alloc(self, *names: str, tier: wire.Tier = DRAM) -> wire.KvEvent:
+        return self.ev(wire.BlocksAllocated, blocks=[ref(n) for n in names], tier=tier)
+
+    def seal(self, *names: str, tier: wire.Tier = DRAM, nbytes: int = 64) -> wire.KvEvent:
+        return self.ev(wire.BlocksSealed, seals=[wire.BlockSeal(H(n), nbytes, 7) for n in names],
+                       tier=tier)
+
+    def evict(self, *names: str) -> wire.KvEvent:
+        return self.ev(wire.BlocksEvicted, hashes=[H(n) for n in names])
+
+
+def hb(node: str, epoch: int = 1, ttl_ms: int = 5000, spec: bytes = b"",
+       ns: str = "") -> wire.Heartbeat:
+    return wire.Heartbeat(node=node, role="prefill", started_unix_ms=epoch, lease_ttl_ms=ttl_ms,
+                          namespace=ns, namespace_spec=spec)
+
+
+def chain_hashes(*names: str) -> bytes:
+    return b"".join(H(n) for n in names)
+
+
+def test_state_machine() -> None:
+    assert can_transition(State.ALLOCATED, State.WRITING)
+    assert can_transition(State.ALLOCATED, State.SEALED)
+    assert can_transition(State.SEALED, State.VISIBLE)
+    assert not can_transition(State.ALLOCATED, State.VISIBLE)
+    assert not can_transition(State.EVICTED, State.ALLOCATED)
+    assert not can_transition(State.VISIBLE, State.SEALED)
+
+
+def test_only_sealed_blocks_with_visible_parents_become_visible() -> None:
+    idx, w = Index(), Writer("n0")
+    idx.heartbeat(hb("n0"), now=0)
+    idx.apply(w.alloc("A0", "A1", "A2"))
+    assert idx.lookup(NS, chain_hashes("A0", "A1", "A2"), now=1).num_blocks == 0
+    ch = idx.apply(w.seal("A1", "A2"))  # children sealed before their parent
+    assert not ch.visible
+    ch = idx.apply(w.seal("A0"))
+    assert [h for *_, h in ch.visible] == [H("A0"), H("A1"), H("A2")] or \
+        sorted(h for *_, h in ch.visible) == sorted([H("A0"), H("A1"), H("A2")])
+    r = idx.lookup(NS, chain_hashes("A0", "A1", "A2", "A3"), now=1)
+    assert r.status == "ok" and r.num_blocks == 3
+    assert r.matches == [wire.TierMatch("n0", DRAM, 3)]
+
+
+def test_illegal_transitions_are_rejected_and_reported() -> None:
+    idx, w = Index(), Writer("n0")
+    ch = idx.apply(w.seal("A0"))  # never allocated
+    assert ch.illegal and idx.location(NS, H("A0"), "n0", DRAM) is None
+    idx.apply(w.alloc("A0"))
+    ch = idx.apply(w.alloc("A0"))  # twice
+    assert ch.illegal
+    ch = idx.apply(w.ev(wire.BlocksWriting, hashes=[H("A1")]))
+    assert ch.illegal
+
+
+def test_dram_blocks_without_bytes_never_become_visible() -> None:
+    idx, w = Index(), Writer("n0")
+    idx.heartbeat(hb("n0"), 0)
+    idx.apply(w.alloc("A0"))
+    idx.apply(w.seal("A0", nbytes=0))
+    assert idx.location(NS, H("A0"), "n0", DRAM).state is State.SEALED
+
+
+def test_eviction_is_prefix_closed_and_invalidates() -> None:
+    idx, w = Index(), Writer("n0")
+    idx.heartbeat(hb("n0"), 0)
+    idx.apply(w.alloc("A0", "A1", "A2", "A3"))
+    idx.apply(w.seal("A0", "A1", "A2", "A3"))
+    ch = idx.apply(w.evict("A1"))  # a bad writer evicting an inner block: descendants go too
+    assert sorted(h for *_, h in ch.invalidated) == sorted([H("A1"), H("A2"), H("A3")])
+    assert idx.lookup(NS, chain_hashes("A0", "A1", "A2"), 1).num_blocks == 1
+
+
+def test_duplicates_gaps_and_stale_epochs() -> None:
+    idx, w = Index(), Writer("n0")
+    idx.heartbeat(hb("n0"), 0)
+    e1 = w.alloc("A0")
+    idx.apply(e1)
+    assert idx.apply(e1).duplicates == 1
+    w.seq += 3  # three events lost
+    ch = idx.apply(w.seal("A0"))
+    assert ch.reannounce == {"n0"}
+    assert idx.lookup(NS, chain_hashes("A0"), 1).num_blocks == 1
+    # A new epoch: the node restarted with empty caches.
+    w2 = Writer("n0", epoch=2)
+    ch = idx.apply(w2.alloc("C0"))
+    assert [h for *_, h in ch.invalidated] == [H("A0")]
+    old = Writer("n0", epoch=1)
+    old.seq = 100
+    assert idx.apply(old.alloc("C1")).stale == 1
+
+
+def test_leases_gate_lookups_and_expiry_drops_blocks() -> None:
+    idx, w = Index(), Writer("n0")
+    idx.heartbeat(hb("n0", ttl_ms=1000), now=0)
+    idx.apply(w.alloc("A0"))
+    idx.apply(w.seal("A0"))
+    assert idx.lookup(NS, chain_hashes("A0"), now=0.5).num_blocks == 1
+    assert idx.lookup(NS, chain_hashes("A0"), now=1.5).num_blocks == 0  # lease ran out
+    assert idx.expired_leases(now=1.5) == [("n0", 1)]
+    idx.mark_expiry_published("n0", 1)
+    assert idx.expired_leases(now=1.5) == []
+    ch = idx.apply(wire.LeaseExpired(node="n0", seq=0, epoch=1))
+    assert [h for *_, h in ch.invalidated] == [H("A0")]
+    # The node was only slow: it comes back and is asked to re-announce.
+    assert idx.heartbeat(hb("n0", ttl_ms=1000), now=2).reannounce == {"n0"}
+    assert idx.heartbeat(hb("n0", ttl_ms=1000), now=2.5).reannounce == set()
+
+
+def test_lookup_statuses_pending_and_ordering() -> None:
+    idx = Index()
+    assert idx.lookup(NS, chain_hashes("A0"), 0).status == "unknown_namespace"
+    a, b = Writer("n0"), Writer("n1")
+    for n in ("n0", "n1"):
+        idx.heartbeat(hb(n), 0)
+    idx.apply(a.alloc("A0", "A1"))
+    idx.apply(a.seal("A0", "A1"))
+    idx.apply(b.alloc("A0", "A1", "A2", "A3"))
+    idx.apply(b.seal("A0"))
+    r = idx.lookup(NS, chain_hashes("A0", "A1", "A2", "A3"), 1)
+    assert r.num_blocks == 2
+    assert r.matches == [wire.TierMatch("n0", DRAM, 2), wire.TierMatch("n1", DRAM, 1)]
+    assert r.pending == [wire.PendingMatch("n1", 4)]
+    assert idx.lookup(NS, chain_hashes("A0", "A1"), 1, include_pending=False).pending == []
+    assert idx.lookup(NS, chain_hashes("C0"), 1).num_blocks == 0
+
+
+def test_gpu_events_map_to_cpd_hashes_through_token_ids() -> None:
+    spec = Namespace(model_id="m", model_revision="r", tokenizer_hash="t", kv_dtype="float32",
+                     block_size=32)
+    idx = Index()
+    idx.heartbeat(hb("g0", spec=spec.to_spec(), ns=spec.id), 0)
+    tokens = list(range(100))
+    ours = block_hashes(spec, tokens)  # 3 full CPD blocks of 32 tokens
+    w = Writer("g0")
+    # vLLM pages of 16 tokens, reported in two batches, the second chained to the first.
+    idx.apply(w.ev(wire.GpuBlocksStored, namespace=spec.id, tier=GPU, engine_hashes=[11, 12, 13],
+                   parent_engine_hash=None, tokens=wire.pack_tokens(tokens[:48]),
+                   engine_block_size=16))
+    idx.apply(w.ev(wire.GpuBlocksStored, namespace=spec.id, tier=GPU,
+                   engine_hashes=[b"\x0e", 15, 16], parent_engine_hash=13,
+                   tokens=wire.pack_tokens(tokens[48:96]), engine_block_size=16))
+    r = idx.lookup(spec.id, ours, 1)
+    assert r.num_blocks == 3 and r.matches == [wire.TierMatch("g0", GPU, 3)]
+    # Removing the page in the middle of CPD block 1 breaks blocks 1 and 2 on the GPU.
+    idx.apply(w.ev(wire.GpuBlocksRemoved, namespace=spec.id, tier=GPU, engine_hashes=[b"\x0e"]))
+    assert idx.lookup(spec.id, ours, 1).num_blocks == 1
+    idx.apply(w.ev(wire.NodeCleared, tier=GPU))
+    assert idx.lookup(spec.id, ours, 1).num_blocks == 0
+    # Unknown chain parents and unregistered namespaces are counted, not guessed.
+    ch = idx.apply(w.ev(wire.GpuBlocksStored, namespace=spec.id, tier=GPU, engine_hashes=[99],
+                        parent_engine_hash=12345, tokens=wire.pack_tokens(range(16)),
+                        engine_block_size=16))
+    assert ch.unmapped == 1
+
+
+def test_snapshot_restore_round_trip() -> None:
+    idx, w = Index(), Writer("n0")
+    idx.heartbeat(hb("n0"), 0)
+    idx.apply(w.alloc("A0", "A1", "B2"))
+    idx.apply(w.seal("A0", "A1"))
+    back, seq = Index.restore(idx.snapshot(stream_seq=42))
+    assert seq == 42 and back.fingerprint() == idx.fingerprint()
+    # Leases are live facts, not restored: no hits until the node's next heartbeat.
+    assert back.lookup(NS, chain_hashes("A0", "A1"), 1).num_blocks == 0
+    back.heartbeat(hb("n0"), 1)
+    assert back.lookup(NS, chain_hashes("A0", "A1"), 1).num_blocks == 2
+    # And the restored index keeps applying events exactly like the original.
+    e = w.seal("B2")
+    assert back.apply(e).visible == idx.apply(e).visible
+
+
+# ---------------------------------------------------------------- property tests
+
+OPS = st.lists(st.tuples(st.sampled_from(["alloc", "write", "seal", "seal0", "evict", "fail",
+                                          "clear", "restart", "expire"]),
+                         st.integers(0, 2), st.sampled_from(list(TREE)),
+                         st.sampled_from([DRAM, GPU])),
+               max_size=60)
+
+
+def _writer_events(ops: list, prefix_closed: bool) -> tuple[list[wire.KvEvent], dict]:
+    """Events of well-behaved writers, and their ground truth per (node, tier)."""
+    writers = {n: Writer(n) for n in NODES}
+    truth: dict[tuple[str, wire.Tier], dict[str, str]] = {}
+    events: list[wire.KvEvent] = []
+    for op, ni, name, tier in ops:
+        node = NODES[ni]
+        w, t = writers[node], truth.setdefault((node, tier), {})
+        if op == "alloc" and name not in t:
+            events.append(w.alloc(name, tier=tier))
+            t[name] = "alloc"
+        elif op == "write" and t.get(name) == "alloc":
+            events.append(w.ev(wire.BlocksWriting, hashes=[H(name)], tier=tier))
+            t[name] = "writing"
+        elif op in ("seal", "seal0") and t.get(name) in ("alloc", "writing"):
+            nbytes = 0 if op == "seal0" else 64
+            events.append(w.seal(name, tier=tier, nbytes=nbytes))
+            t[name] = "sealed" if nbytes or tier is GPU else "sealed-nobytes"
+        elif op in ("evict", "fail") and name in t:
+            kids = [k for k, p in TREE.items() if p == name and k in t]
+            if prefix_closed and kids:
+                continue
+            cls = wire.BlocksEvicted if op == "evict" else wire.BlocksFailed
+            events.append(w.ev(cls, hashes=[H(name)], tier=tier))
+            del t[name]
+        elif op == "clear":
+            events.append(w.ev(wire.NodeCleared, tier=tier))
+            t.clear()
+        elif op == "restart":
+            writers[node] = Writer(node, epoch=w.epoch + 1)
+            for tr in (DRAM, GPU):
+                truth.setdefault((node, tr), {}).clear()
+        elif op == "expire":
+            events.append(wire.LeaseExpired(node=node, seq=0, epoch=w.epoch))
+            for tr in (DRAM, GPU):
+                truth.setdefault((node, tr), {}).clear()
+    return events, truth
+
+
+def _visible_truth(truth: dict) -> set[tuple[str, wire.Tier, str]]:
+    out = set()
+    for (node, tier), t in truth.items():
+        for name in t:
+            chain, cur = [], name
+            while cur:
+                chain.append(cur)
+                cur = TREE[cur]
+            if all(t.get(c) == "sealed" for c in chain):
+                out.add((node, tier, name))
+    return out
+
+
+def _visible_index(idx: Index) -> set[tuple[str, wire.Tier, str]]:
+    names = {H(n): n for n in TREE}
+    return {(node, tier, names[h])
+            for h, b in idx.blocks.get(NS, {}).items()
+            for (node, tier), loc in b.locs.items() if loc.state is State.VISIBLE}
+
+
+def _check_structure(idx: Index, now: float) -> None:
+    for table in idx.blocks.values():
+        for b in table.values():
+            for key, loc in b.locs.items():
+                if loc.state is not State.VISIBLE:
+                    continue
+                if key[1] is DRAM:
+                    assert loc.checksum is not None and loc.nbytes > 0
+                if b.parent:
+                    ploc = table[b.parent].locs.get(key)
+                    assert ploc is not None and ploc.state is State.VISIBLE, "orphan visible"
+    for chain in CHAINS:
+        r = idx.lookup(NS, chain_hashes(*chain), now)
+        for m in r.matches:
+            for name in chain[: m.num_blocks]:
+                loc = idx.location(NS, H(name), m.node, m.tier)
+                assert loc is not None and loc.state is State.VISIBLE
+            assert idx.nodes[m.node].alive(now)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_in_order_delivery_matches_the_specification(ops: list) -> None:
+    """With every event delivered (duplicates allowed), VISIBLE is exactly: sealed with
+    bytes, every ancestor at that location sealed, in the live incarnation."""
+    events, truth = _writer_events(ops, prefix_closed=True)
+    idx = Index()
+    for n in NODES:
+        idx.heartbeat(hb(n, epoch=1), 0)
+    rng = random.Random(len(ops))
+    for e in events:
+        idx.apply(e)
+        if rng.random() < 0.3:
+            idx.apply(e)  # redelivery changes nothing
+        _check_structure(idx, 0.5)
+    assert _visible_index(idx) == _visible_truth(truth)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.randoms(use_true_random=False))
+def test_chaos_never_breaks_the_invariants(ops: list, rnd: random.Random) -> None:
+    """Duplicates, reordering, loss and misbehaving writers: never an unsealed, bytes-less
+    or orphaned block visible, never a hit that is not VISIBLE on a live node."""
+    events, truth = _writer_events(ops, prefix_closed=False)
+    mangled = []
+    for e in events:
+        r = rnd.random()
+        if r < 0.1:
+            continue  # lost
+        mangled.append(e)
+        if r > 0.85:
+            mangled.append(e)  # duplicated
+    for i in range(len(mangled) - 1):
+        if rnd.random() < 0.15:
+            mangled[i], mangled[i + 1] = mangled[i + 1], mangled[i]
+    idx, replica = Index(), Index()
+    for n in NODES:
+        idx.heartbeat(hb(n, epoch=1), 0)
+    for e in mangled:
+        idx.apply(e)
+        replica.apply(e)
+        _check_structure(idx, 0.5)
+    sealed_somewhere = {(node, tier, n) for (node, tier), t in truth.items()
+                        for n, s in t.items() if s == "sealed"}
+    # Whatever the index shows visible was really sealed by its writer at some point.
+    ever_sealed = {(e.node, e.tier, n) for e in events if isinstance(e, wire.BlocksSealed)
+                   for n in TREE for s in e.seals if s.hash == H(n)}
+    assert _visible_index(idx) <= ever_sealed | sealed_somewhere
+    # Replicas fed the same stream agree; a snapshot restores the same state.
+    assert replica.fingerprint() == idx.fingerprint()
+    back, _ = Index.restore(idx.snapshot(0))
+    assert back.fingerprint() == idx.fingerprint()
+
+
+@pytest.mark.parametrize("bad", [b"short", b"x" * 17])
+def test_malformed_hashes_are_refused(bad: bytes) -> None:
+    idx, w = Index(), Writer("n0")
+    ch = idx.apply(w.ev(wire.BlocksAllocated, blocks=[wire.BlockRef(bad, b"", 16)]))
+    assert ch.illegal and idx.num_blocks == 0
+    ch = idx.apply(w.ev(wire.BlocksAllocated, namespace="not-a-namespace",
+                        blocks=[ref("A0")]))
+    assert ch.illegal and idx.num_blocks == 0
