@@ -55,6 +55,9 @@ def test_cpd_up_starts_and_stops_cleanly(tmp_path: Path) -> None:
         if m := re.search(r"NATS \(JetStream\): (nats://\S+)", line):
             url = m.group(1)
     assert url, "".join(lines)
+    while not any("services:" in line for line in lines):
+        lines.append(proc.stdout.readline())
+    assert "kvindex-0" in lines[-1]  # every service this build ships is up and ready
     probe = ("import asyncio, nats, sys\n"
              "async def m():\n"
              "    nc = await nats.connect(sys.argv[1])\n"
@@ -75,3 +78,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
     assert "make test" in ci and "make test" in readme and "make run" in readme
+
+
+@pytest.mark.timeout(240)
+def test_bench_kvindex_quick_writes_the_documented_keys(tmp_path: Path) -> None:
+    out = tmp_path / "k.json"
+    assert main(["bench", "kvindex", "--quick", "--blocks", "20000", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("lookups_per_s", "lookup_p50_ms", "lookup_p99_ms", "ingest_events_per_s",
+                "recovery_s_1m_blocks", "stream_ingest_events_per_s"):
+        assert result[key] > 0, key
+    assert result["lookup_errors"] == 0 and result["blocks"] > 19_000

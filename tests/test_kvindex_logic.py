@@ -280,22 +280,20 @@ def _visible_truth(truth: dict) -> set[tuple[str, wire.Tier, str]]:
 
 def _visible_index(idx: Index) -> set[tuple[str, wire.Tier, str]]:
     names = {H(n): n for n in TREE}
-    return {(node, tier, names[h])
-            for h, b in idx.blocks.get(NS, {}).items()
-            for (node, tier), loc in b.locs.items() if loc.state is State.VISIBLE}
+    return {(node, tier, names[h]) for ns, h, node, tier, loc in idx.iter_locations()
+            if ns == NS and loc.state is State.VISIBLE}
 
 
 def _check_structure(idx: Index, now: float) -> None:
-    for table in idx.blocks.values():
-        for b in table.values():
-            for key, loc in b.locs.items():
-                if loc.state is not State.VISIBLE:
-                    continue
-                if key[1] is DRAM:
-                    assert loc.checksum is not None and loc.nbytes > 0
-                if b.parent:
-                    ploc = table[b.parent].locs.get(key)
-                    assert ploc is not None and ploc.state is State.VISIBLE, "orphan visible"
+    for ns, h, node, tier, loc in idx.iter_locations():
+        if loc.state is not State.VISIBLE:
+            continue
+        if tier is DRAM:
+            assert loc.checksum is not None and loc.nbytes > 0
+        parent = idx.blocks[ns][h].parent
+        if parent:
+            ploc = idx.location(ns, parent, node, tier)
+            assert ploc is not None and ploc.state is State.VISIBLE, "orphan visible"
     for chain in CHAINS:
         r = idx.lookup(NS, chain_hashes(*chain), now)
         for m in r.matches:

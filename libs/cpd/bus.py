@@ -65,7 +65,9 @@ async def connect(settings: NatsSettings, name: str, *, url: str | None = None) 
         log.warning("nats.error", client=name, error=repr(e))
 
     async def on_disconnect() -> None:
-        log.warning("nats.disconnected", client=name)
+        nc = holder.get("nc")
+        if nc is None or not (nc.is_closed or nc.is_draining):  # not our own close()
+            log.warning("nats.disconnected", client=name)
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected", client=name)
@@ -85,8 +87,10 @@ async def connect(settings: NatsSettings, name: str, *, url: str | None = None) 
         options["user"], options["password"] = settings.user, settings.password
     if settings.creds_file:
         options["user_credentials"] = settings.creds_file
+    holder: dict[str, NatsClient] = {}
     try:
-        return await nats.connect(**options)
+        holder["nc"] = await nats.connect(**options)
+        return holder["nc"]
     except (OSError, nats.errors.Error) as e:
         raise CpdError(f"cannot connect to NATS at {options['servers'][0]}: {e!r}",
                        code=ErrorCode.UNAVAILABLE, retryable=True) from e

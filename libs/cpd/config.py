@@ -121,6 +121,51 @@ class KvIndexSettings(_Section):
     max_lookup_blocks: PositiveInt = 8192
 
 
+class DataPlaneSettings(_Section):
+    """Host-DRAM block store and UCX transfers between workers (DESIGN.md §7)."""
+
+    # Preallocated block arena of this worker (host DRAM); its slots are reused forever.
+    arena_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 1 << 30
+    # Bytes of one cache block (one arena slot). 0 derives it from the model:
+    # layers × (K, V) × cache.block_size × KV heads × head dim × dtype size.
+    block_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # The listener accepts on every interface; peers reach it at advertise_host:listen_port
+    # (what goes into the heartbeat). Port 0 lets the OS pick.
+    advertise_host: str = "127.0.0.1"
+    listen_port: Port = 0
+    # Transfers in flight at once: as a client (all peers together) and as a server.
+    max_concurrent_transfers: PositiveInt = 8
+    max_server_transfers: PositiveInt = 16
+    # Largest batch of one exchange; bounds the preallocated header buffers.
+    max_blocks_per_transfer: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+    # Deadline of one transfer when the caller gives none; a paused peer is only ever
+    # detected by it.
+    transfer_timeout_s: Positive = 10.0
+    connect_timeout_s: Positive = 5.0
+    # How long aborting an endpoint may wait for UCX to tear it down.
+    abort_wait_s: Positive = 0.1
+    # Default lease of blocks pinned for a pull (until the puller acks or it expires).
+    pin_ttl_s: Positive = 60.0
+    lease_sweep_interval_s: Positive = 1.0
+    # UCX transports; tcp is mandatory (connection manager, cross-host). posix shared memory
+    # is the fastest same-host path that keeps peer-failure detection (docs/benchmarks.md).
+    ucx_tls: str = "tcp,posix"
+    # posix/sysv only advertise peer-failure handling when asked; without it UCX silently
+    # drops them from error-handling endpoints and falls back to TCP loopback.
+    ucx_shm_error_handling: bool = True
+    # ucxx defaults rendezvous staging buffers to CUDA memory; the arena is host memory.
+    ucx_rndv_frag_mem_type: Literal["host", "cuda"] = "host"
+    # "blocking" wakes the asyncio loop on UCX events (no spinning thread on small hosts).
+    ucx_progress_mode: Literal["blocking", "thread", "thread-polling", "polling"] = "blocking"
+    # Measured-bandwidth estimate (EWMA); transfers smaller than the minimum measure latency.
+    bandwidth_ewma_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
+    bandwidth_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+
+    def __post_init__(self) -> None:
+        if "tcp" not in [t.strip() for t in self.ucx_tls.split(",")]:
+            raise ValueError("dataplane.ucx_tls must include tcp")
+
+
 class Settings(_Section):
     """All settings of a CPD process."""
 
@@ -131,6 +176,7 @@ class Settings(_Section):
     telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)
     node: NodeSettings = msgspec.field(default_factory=NodeSettings)
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
+    dataplane: DataPlaneSettings = msgspec.field(default_factory=DataPlaneSettings)
     kvindex: KvIndexSettings = msgspec.field(default_factory=KvIndexSettings)
 
     def __post_init__(self) -> None:

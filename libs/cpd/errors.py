@@ -161,3 +161,39 @@ class UnknownNamespace(CpdError):
     """A namespace nobody serves (unknown model, revision or layout)."""
 
     code = ErrorCode.UNKNOWN_NAMESPACE
+
+
+# --------------------------------------------------------------------------- data plane
+
+
+class PeerGone(CpdError):
+    """The peer of a KV transfer died, closed or cannot be reached (UCX endpoint error)."""
+
+    code = ErrorCode.PEER_GONE
+    retryable = True
+
+
+class BlockEvicted(CpdError):
+    """A requested block is not (or no longer) sealed in the store that was asked for it."""
+
+    code = ErrorCode.BLOCK_EVICTED
+
+
+class ChecksumMismatch(CpdError):
+    """Block bytes whose xxh3-64 differs from the checksum recorded when it was sealed."""
+
+    code = ErrorCode.CHECKSUM_MISMATCH
+
+
+class TransferTimeout(RequestTimeout):
+    """A KV transfer missed its deadline (a paused or overloaded peer); it was aborted."""
+
+
+class ArenaFull(CpdError):
+    """The block arena has no free slot and nothing evictable (everything pinned or in use)."""
+
+    code = ErrorCode.UNAVAILABLE
+    retryable = True
+
+
+_BY_CODE.update({cls.code: cls for cls in (PeerGone, BlockEvicted, ChecksumMismatch)})

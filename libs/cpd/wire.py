@@ -372,6 +372,51 @@ class PullAck(Message, tag="pull_ack", kw_only=True):
     ok: bool = True
 
 
+# ------------------------------------------------------------------ data plane (UCX)
+#
+# These travel over UCX, not NATS: one header per exchange (length-prefixed msgpack in a
+# tagged message), followed by the block bytes as separate tagged messages (cpd.transfer).
+
+
+class BlockGet(Message, tag="blk_get", kw_only=True):
+    """Client → server: send me these sealed blocks (``hashes`` concatenated)."""
+
+    xfer_id: NonNegInt
+    hashes: bytes
+    namespace: str = ""  # when set, blocks of another namespace count as missing
+    timeout_ms: NonNegInt = 0
+
+
+class BlockPut(Message, tag="blk_put", kw_only=True):
+    """Client → server: I want to push these sealed blocks (refs and seals in order)."""
+
+    xfer_id: NonNegInt
+    namespace: str
+    blocks: list[BlockRef]
+    seals: list[BlockSeal]
+    timeout_ms: NonNegInt = 0
+
+
+class BlockReply(Message, tag="blk_reply", kw_only=True):
+    """Server → client, for one ``xfer_id``.
+
+    For a get: ``ok`` with the refs and seals of the blocks that follow, in request order,
+    or an error ``code`` (``block_evicted`` with the ``missing`` hashes). For a put: first
+    the go-ahead (``accepted``: one byte per block, 1 = send it, 0 = already held), then
+    the final status once the pushed bytes were checked and sealed.
+    """
+
+    xfer_id: NonNegInt
+    ok: bool = True
+    code: str = ""
+    message: str = ""
+    namespace: str = ""
+    blocks: list[BlockRef] = msgspec.field(default_factory=list)
+    seals: list[BlockSeal] = msgspec.field(default_factory=list)
+    accepted: bytes = b""
+    missing: bytes = b""
+
+
 AnyMessage = (
     GenerateRequest | TokenChunk | Final | Error
     | LookupRequest | LookupReply
@@ -380,6 +425,7 @@ AnyMessage = (
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
     | PrefillRequest | DecodeRequest | PullAck
+    | BlockGet | BlockPut | BlockReply
 )
 
 KINDS: frozenset[str] = frozenset(

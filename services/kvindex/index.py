@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,8 @@ from cpd.hashing import ROOT_PARENT, Namespace, block_hashes
 from cpd.lifecycle import PENDING, State, can_transition
 
 Tier = wire.Tier
-LocKey = tuple[str, Tier]
+LocKey = str
+"""``"<node>/<tier>"``: node ids are subject tokens, so they never contain a slash."""
 _NS_ID = re.compile(r"^[0-9a-f]{32}$")
 SNAPSHOT_VERSION = 1
 
@@ -35,29 +37,33 @@ def valid_namespace(ns: str) -> bool:
     return bool(_NS_ID.match(ns))
 
 
-class Location:
+def _lk(node: str, tier: Tier) -> LocKey:
+    return f"{node}/{tier.value}"
+
+
+def _split(key: LocKey) -> tuple[str, Tier]:
+    node, _, tier = key.partition("/")
+    return node, Tier(tier)
+
+
+# msgspec structs without GC tracking: a million of them neither slow the collector nor
+# need a Python loop to snapshot or restore (both happen in C).
+class Location(msgspec.Struct, array_like=True, gc=False):
     """One copy of a block at (node, tier)."""
 
-    __slots__ = ("checksum", "epoch", "nbytes", "state")
-
-    def __init__(self, state: State, epoch: int, nbytes: int = 0,
-                 checksum: int | None = None) -> None:
-        self.state = state
-        self.epoch = epoch
-        self.nbytes = nbytes
-        self.checksum = checksum
+    state: State
+    epoch: int
+    nbytes: int = 0
+    checksum: int | None = None
 
 
-class Block:
-    """A block's identity and its copies."""
+class Block(msgspec.Struct, array_like=True, gc=False):
+    """A block's identity, its copies, and the blocks chained to it."""
 
-    __slots__ = ("children", "locs", "num_tokens", "parent")
-
-    def __init__(self, parent: bytes, num_tokens: int) -> None:
-        self.parent = parent  # b"" for the first block of a chain
-        self.num_tokens = num_tokens
-        self.locs: dict[LocKey, Location] = {}
-        self.children: set[bytes] | None = None
+    parent: bytes  # b"" for the first block of a chain
+    num_tokens: int
+    locs: dict[LocKey, Location] = msgspec.field(default_factory=dict)
+    children: list[bytes] | None = None
 
 
 class _EngineBlock:
@@ -130,10 +136,17 @@ class Index:
     def num_blocks(self) -> int:
         return sum(len(d) for d in self.blocks.values())
 
+    def iter_locations(self) -> Iterator[tuple[str, bytes, str, Tier, Location]]:
+        """Every (namespace, hash, node, tier, location) held (diagnostics and tests)."""
+        for ns, table in self.blocks.items():
+            for h, block in table.items():
+                for key, loc in block.locs.items():
+                    yield (ns, h, *_split(key), loc)
+
     def location(self, ns: str, h: bytes, node: str, tier: Tier) -> Location | None:
         """The record of ``h`` at (node, tier), if any."""
         block = self.blocks.get(ns, {}).get(h)
-        return block.locs.get((node, tier)) if block else None
+        return block.locs.get(_lk(node, tier)) if block else None
 
     def lookup(self, ns: str, hashes: bytes, now: float,
                include_pending: bool = True) -> wire.LookupReply:
@@ -155,7 +168,7 @@ class Index:
         pending_nodes: list[tuple[str, NodeInfo, int]] = []
         seen_nodes: dict[str, int] = {}
         for key, loc in first.locs.items():
-            node = key[0]
+            node, tier = _split(key)
             info = nodes.get(node)
             if info is None or not info.alive(now) or loc.epoch != info.live_epoch:
                 continue
@@ -163,7 +176,7 @@ class Index:
                 seen_nodes.setdefault(node, 0)
                 continue
             lo = _prefix(table, hashes, n, lambda b, k=key: _visible_at(b, k))
-            matches.append(wire.TierMatch(node, key[1], lo))
+            matches.append(wire.TierMatch(node, tier, lo))
             best = max(best, lo)
             seen_nodes[node] = max(seen_nodes.get(node, 0), lo)
         if include_pending:
@@ -173,10 +186,11 @@ class Index:
         pending: list[wire.PendingMatch] = []
         for node, info, vis in pending_nodes:
             nxt = table.get(hashes[vis * 16:(vis + 1) * 16])
-            if nxt is None or not _coming_at(nxt, node, info.live_epoch):
+            prefix = f"{node}/"
+            if nxt is None or not _coming_at(nxt, prefix, info.live_epoch):
                 continue
             cover = _prefix(table, hashes, n,
-                            lambda b, nd=node, ep=info.live_epoch: _coming_at(b, nd, ep))
+                            lambda b, px=prefix, ep=info.live_epoch: _coming_at(b, px, ep))
             if cover > vis:
                 pending.append(wire.PendingMatch(node, cover))
         matches.sort(key=lambda m: (-m.num_blocks, m.tier != Tier.GPU, m.node))
@@ -263,7 +277,7 @@ class Index:
         if not valid_namespace(ns):
             ch.illegal.append(f"{ev.node}: event in malformed namespace {ns!r}")
             return ch
-        key = (ev.node, ev.tier)
+        key = _lk(ev.node, ev.tier)
         if isinstance(ev, wire.BlocksAllocated):
             for ref in ev.blocks:
                 self._allocate(ns, ref.hash, ref.parent, ref.num_tokens, key, ev.epoch, ch)
@@ -284,36 +298,28 @@ class Index:
     def _allocate(self, ns: str, h: bytes, parent: bytes, num_tokens: int, key: LocKey,
                   epoch: int, ch: Changes) -> None:
         if len(h) != wire.HASH_BYTES or (parent and len(parent) != wire.HASH_BYTES):
-            ch.illegal.append(f"{key[0]}: malformed block hash")
+            ch.illegal.append(f"{key}: malformed block hash")
             return
         table = self.blocks.setdefault(ns, {})
         block = table.get(h)
         if block is None:
             block = table[h] = Block(parent, num_tokens)
             if parent:
-                p = table.get(parent)
-                if p is None:
-                    # The parent's record may arrive later (another node); index the edge.
-                    p = table[parent] = Block(b"", 0)
-                if p.children is None:
-                    p.children = set()
-                p.children.add(h)
+                _link(table, parent, h)
         elif block.num_tokens == 0 and not block.parent and num_tokens:
             block.parent, block.num_tokens = parent, num_tokens  # placeholder filled in
             if parent:
-                p = table.setdefault(parent, Block(b"", 0))
-                if p.children is None:
-                    p.children = set()
-                p.children.add(h)
+                _link(table, parent, h)
         elif block.parent != parent:
-            ch.illegal.append(f"{key[0]}: block {h.hex()} re-allocated with another parent")
+            ch.illegal.append(f"{key}: block {h.hex()} re-allocated with another parent")
             return
         old = block.locs.get(key)
         if old is not None:
-            ch.illegal.append(f"{key[0]}: allocate {h.hex()} while {old.state.name}")
+            ch.illegal.append(f"{key}: allocate {h.hex()} while {old.state.name}")
             return
         block.locs[key] = Location(State.ALLOCATED, epoch)
-        self._by_node.setdefault(key[0], set()).add((ns, h, key[1]))
+        node, tier = _split(key)
+        self._by_node.setdefault(node, set()).add((ns, h, tier))
         self.num_locations += 1
         ch.transitions += 1
 
@@ -322,7 +328,7 @@ class Index:
         loc = block.locs.get(key) if block else None
         if loc is None or not can_transition(loc.state, new):
             was = loc.state.name if loc else "ABSENT"
-            ch.illegal.append(f"{key[0]}: {h.hex()} {was} → {new.name}")
+            ch.illegal.append(f"{key}: {h.hex()} {was} → {new.name}")
             return None
         loc.state = new
         ch.transitions += 1
@@ -338,7 +344,7 @@ class Index:
             loc = block.locs.get(key) if block else None
             if block is None or loc is None or loc.state is not State.SEALED:
                 continue
-            if key[1] is Tier.DRAM and (loc.checksum is None or loc.nbytes <= 0):
+            if key.endswith("/dram") and (loc.checksum is None or loc.nbytes <= 0):
                 continue
             if block.parent:
                 parent = table.get(block.parent)
@@ -347,7 +353,7 @@ class Index:
                     continue  # becomes visible when its parent does
             loc.state = State.VISIBLE
             ch.transitions += 1
-            ch.visible.append((ns, key[0], key[1], h))
+            ch.visible.append((ns, *_split(key), h))
             if block.children:
                 todo.extend(block.children)
 
@@ -365,11 +371,12 @@ class Index:
             loc = block.locs.pop(key, None)
             if loc is None:
                 continue
-            self._by_node[key[0]].discard((ns, cur, key[1]))
+            node, tier = _split(key)
+            self._by_node[node].discard((ns, cur, tier))
             self.num_locations -= 1
             ch.transitions += 1
             if loc.state is State.VISIBLE:
-                ch.invalidated.append((ns, key[0], key[1], cur))
+                ch.invalidated.append((ns, node, tier, cur))
             if block.children:
                 todo.extend(block.children)
             self._gc(ns, table, cur, block)
@@ -382,7 +389,8 @@ class Index:
         if block.parent:
             parent = table.get(block.parent)
             if parent is not None and parent.children is not None:
-                parent.children.discard(h)
+                if h in parent.children:
+                    parent.children.remove(h)
                 if not parent.children:
                     parent.children = None
                     self._gc(ns, table, block.parent, parent)
@@ -395,13 +403,13 @@ class Index:
                 continue
             loc = self.location(ns, h, node, tier)
             if loc is not None and which(loc):
-                self._remove(ns, h, (node, tier), ch)
+                self._remove(ns, h, _lk(node, tier), ch)
 
     # ------------------------------------------------------------ vLLM GPU tier
 
     def _gpu_event(self, ev: wire.GpuBlocksStored | wire.GpuBlocksRemoved, info: NodeInfo,
                    ch: Changes) -> None:
-        key = (ev.node, Tier.GPU)
+        key = _lk(ev.node, Tier.GPU)
         if isinstance(ev, wire.GpuBlocksRemoved):
             for eh in ev.engine_hashes:
                 eb = info.engine.pop(_ehash(eh), None)
@@ -446,67 +454,84 @@ class Index:
 
     def snapshot(self, stream_seq: int) -> bytes:
         """The durable state as bytes (leases are not part of it: they are live facts)."""
-        blocks = [
-            [ns, h, b.parent, b.num_tokens,
-             [[k[0], k[1].value, int(loc.state), loc.nbytes, loc.checksum, loc.epoch]
-              for k, loc in b.locs.items()]]
-            for ns, table in self.blocks.items() for h, b in table.items()
-        ]
-        nodes = [[n, i.epoch, i.last_seq, i.expired_epoch, i.needs_reannounce,
-                  [[k, e.ns, e.cpd_parent, e.tokens, e.cpd_hash] for k, e in i.engine.items()]]
-                 for n, i in self.nodes.items()]
-        return msgspec.msgpack.encode({
-            "v": SNAPSHOT_VERSION, "stream_seq": stream_seq, "blocks": blocks, "nodes": nodes,
-            "namespaces": [ns.to_spec() for ns in self.namespaces.values()],
-        })
+        return _SNAPSHOT_ENCODER.encode(_Snapshot(
+            v=SNAPSHOT_VERSION, stream_seq=stream_seq, blocks=self.blocks,
+            by_node={n: list(keys) for n, keys in self._by_node.items()},
+            nodes=[_SnapNode(n, i.epoch, i.last_seq, i.expired_epoch, i.needs_reannounce,
+                             [(k, e.ns, e.cpd_parent, e.tokens, e.cpd_hash)
+                              for k, e in i.engine.items()])
+                   for n, i in self.nodes.items()],
+            namespaces=[ns.to_spec() for ns in self.namespaces.values()]))
 
     @classmethod
     def restore(cls, data: bytes) -> tuple[Index, int]:
         """Rebuild from :meth:`snapshot` output; returns the index and its stream seq."""
-        raw = msgspec.msgpack.decode(data)
-        if raw.get("v") != SNAPSHOT_VERSION:
-            raise ValueError(f"snapshot version {raw.get('v')} is not {SNAPSHOT_VERSION}")
+        head = msgspec.msgpack.decode(data, type=_SnapshotHead)
+        if head.v != SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {head.v} is not {SNAPSHOT_VERSION}")
+        snap = _SNAPSHOT_DECODER.decode(data)
         idx = cls()
-        for spec in raw["namespaces"]:
+        idx.blocks = snap.blocks
+        idx._by_node = {n: set(keys) for n, keys in snap.by_node.items()}
+        idx.num_locations = sum(len(keys) for keys in idx._by_node.values())
+        for spec in snap.namespaces:
             ns = Namespace.from_spec(spec)
             idx.namespaces[ns.id] = ns
-        tiers = {t.value: t for t in Tier}
-        for ns, h, parent, num_tokens, locs in raw["blocks"]:
-            table = idx.blocks.setdefault(ns, {})
-            block = table.get(h)
-            if block is None:
-                block = table[h] = Block(parent, num_tokens)
-            else:
-                block.parent, block.num_tokens = parent, num_tokens
-            for node, tier, state, nbytes, checksum, epoch in locs:
-                block.locs[(node, tiers[tier])] = Location(State(state), epoch, nbytes, checksum)
-                idx._by_node.setdefault(node, set()).add((ns, h, tiers[tier]))
-                idx.num_locations += 1
-            if parent:
-                p = table.get(parent)
-                if p is None:
-                    p = table[parent] = Block(b"", 0)
-                if p.children is None:
-                    p.children = set()
-                p.children.add(h)
-        for node, epoch, last_seq, expired, reannounce, engine in raw["nodes"]:
-            info = idx.nodes[node] = NodeInfo(epoch=epoch, last_seq=last_seq,
-                                              expired_epoch=expired,
-                                              needs_reannounce=reannounce)
-            for k, ns, cpd_parent, tokens, cpd_hash in engine:
+        for n in snap.nodes:
+            info = idx.nodes[n.node] = NodeInfo(epoch=n.epoch, last_seq=n.last_seq,
+                                                expired_epoch=n.expired_epoch,
+                                                needs_reannounce=n.needs_reannounce)
+            for k, ns, cpd_parent, tokens, cpd_hash in n.engine:
                 info.engine[_ehash(k)] = _EngineBlock(ns, cpd_parent, tokens, cpd_hash)
-        return idx, raw["stream_seq"]
+        return idx, snap.stream_seq
 
     def fingerprint(self) -> bytes:
         """Canonical bytes of the durable state (to compare replicas and rebuilds)."""
         blocks = sorted(
             (ns, h, b.parent, b.num_tokens,
-             sorted((k[0], k[1].value, int(loc.state), loc.nbytes, loc.checksum or 0,
-                     loc.epoch) for k, loc in b.locs.items()))
+             sorted((k, int(loc.state), loc.nbytes, loc.checksum or 0, loc.epoch)
+                    for k, loc in b.locs.items()))
             for ns, table in self.blocks.items() for h, b in table.items())
         nodes = sorted((n, i.epoch, i.last_seq) for n, i in self.nodes.items()
                        if i.epoch or i.last_seq)  # heartbeat-only records are not durable
         return msgspec.msgpack.encode([blocks, nodes])
+
+
+class _SnapNode(msgspec.Struct, array_like=True):
+    node: str
+    epoch: int
+    last_seq: int
+    expired_epoch: int
+    needs_reannounce: bool
+    engine: list[tuple[int | bytes, str, bytes, bytes, bytes]]
+
+
+class _SnapshotHead(msgspec.Struct):
+    v: int
+
+
+class _Snapshot(msgspec.Struct):
+    v: int
+    stream_seq: int
+    blocks: dict[str, dict[bytes, Block]]
+    by_node: dict[str, list[tuple[str, bytes, Tier]]]
+    nodes: list[_SnapNode]
+    namespaces: list[bytes]
+
+
+_SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(_Snapshot)
+
+
+def _link(table: dict[bytes, Block], parent: bytes, child: bytes) -> None:
+    """Record the chain edge parent → child (the parent's record may come later)."""
+    p = table.get(parent)
+    if p is None:
+        p = table[parent] = Block(b"", 0)
+    if p.children is None:
+        p.children = [child]
+    elif child not in p.children:
+        p.children.append(child)
 
 
 def _prefix(table: dict[bytes, Block], hashes: bytes, n: int, ok: Any) -> int:
@@ -527,9 +552,9 @@ def _visible_at(block: Block, key: LocKey) -> bool:
     return loc is not None and loc.state is State.VISIBLE
 
 
-def _coming_at(block: Block, node: str, epoch: int) -> bool:
-    """Visible or being written at ``node`` (any tier) in its live epoch."""
-    return any(k[0] == node and loc.epoch == epoch
+def _coming_at(block: Block, prefix: str, epoch: int) -> bool:
+    """Visible or being written at the node of key ``prefix`` (any tier), live epoch."""
+    return any(k.startswith(prefix) and loc.epoch == epoch
                and (loc.state in PENDING or loc.state is State.VISIBLE)
                for k, loc in block.locs.items())
 

@@ -1,0 +1,759 @@
+"""KV block transfers between workers over UCX (DESIGN.md §7), with ``ucxx``.
+
+Each worker runs one :class:`TransferServer` (a UCX listener; its address,
+``b"host:port"``, goes into the heartbeat) in front of its :class:`~cpd.kvstore.KvStore`,
+and one :class:`TransferClient` that keeps a connection per peer and bounds how many
+transfers run at once.
+
+One exchange moves a batch of blocks. Everything travels as tagged UCX messages on the
+connection's endpoint (ucxx mixes each integer tag with a per-connection secret, so tags
+of different connections never meet):
+
+* the client sends a length-prefixed msgpack header (:class:`~cpd.wire.BlockGet` or
+  :class:`~cpd.wire.BlockPut`) on :data:`CTRL_TAG`;
+* the server answers with a :class:`~cpd.wire.BlockReply` on tag ``(xfer, 0)``: the refs
+  and seals (length, xxh3-64) of the blocks that follow, or a typed error;
+* block ``i`` travels on tag ``(xfer, 2 + i)``, straight from the sender's arena slot into
+  the receiver's (zero-copy views; nothing is allocated per transfer) and its checksum is
+  verified as soon as it lands;
+* a put adds the final status on tag ``(xfer, 1)`` once the server verified and sealed.
+
+Every exchange has a deadline. UCX never notices a paused peer by itself, so on a missed
+deadline (or any endpoint error) the endpoint is aborted, which also cancels the receives
+still aimed at our buffers before those buffers are reused. Errors are typed:
+:class:`~cpd.errors.PeerGone`, :class:`~cpd.errors.BlockEvicted`,
+:class:`~cpd.errors.ChecksumMismatch`, :class:`~cpd.errors.TransferTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import telemetry, wire
+from .config import DataPlaneSettings
+from .errors import (
+    BlockEvicted,
+    ChecksumMismatch,
+    CpdError,
+    InvalidRequest,
+    MalformedMessage,
+    PeerGone,
+    TransferTimeout,
+    error_from_wire,
+)
+from .kvstore import BlockStore, KvStore, checksum
+
+log = telemetry.get_logger("cpd.transfer")
+
+CTRL_TAG = 1
+"""Tag of client → server headers on every connection."""
+
+_TAG_STRIDE = 1 << 24  # per-exchange tag space: reply 0, final status 1, block i at 2 + i
+_LEN = struct.Struct("<I")
+_HEADER_FIXED = 4096  # msgpack envelope, namespace, error text
+_HEADER_PER_BLOCK = 128  # a BlockRef + BlockSeal + flags is < 100 bytes in msgpack
+_NS_PER_S = 1_000_000_000
+
+
+def header_capacity(max_blocks: int) -> int:
+    """Bytes of the preallocated buffer one header of up to ``max_blocks`` blocks fits in."""
+    return _LEN.size + _HEADER_FIXED + _HEADER_PER_BLOCK * max_blocks
+
+
+def xfer_tag(xfer_id: int, index: int) -> int:
+    """The integer tag of message ``index`` of exchange ``xfer_id`` (0 reply, 1 final,
+    2 + i block i)."""
+    return xfer_id * _TAG_STRIDE + index
+
+
+def encode_address(host: str, port: int) -> bytes:
+    """The listener address as published in ``Heartbeat.ucx_address``."""
+    return f"{host}:{port}".encode()
+
+
+def decode_address(address: bytes | str) -> tuple[str, int]:
+    """``b"host:port"`` → ``(host, port)``; :class:`~cpd.errors.MalformedMessage` if bad."""
+    text = address.decode() if isinstance(address, bytes | bytearray) else address
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MalformedMessage(f"bad UCX address {text!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+# ----------------------------------------------------------------------------- UCX setup
+
+
+def ucx_options(settings: DataPlaneSettings) -> dict[str, str]:
+    """The UCX options (``UCX_`` prefix dropped) this process runs with."""
+    options = {"TLS": settings.ucx_tls, "RNDV_FRAG_MEM_TYPE": settings.ucx_rndv_frag_mem_type}
+    if settings.ucx_shm_error_handling:
+        options |= {"POSIX_ERROR_HANDLING": "y", "SYSV_ERROR_HANDLING": "y"}
+    return options
+
+
+_ucx_configured: dict[str, str] | None = None
+
+
+def init_ucx(settings: DataPlaneSettings) -> None:
+    """Configure UCX for this process once, from the running event loop.
+
+    Must run before the first listener or endpoint (UCX reads its options when the
+    context is created). Later calls with other options log a warning and change nothing.
+    """
+    global _ucx_configured
+    asyncio.get_running_loop()  # ucxx ties its progress to the loop current at init
+    options = ucx_options(settings)
+    if _ucx_configured is not None:
+        if options != _ucx_configured:
+            log.warning("UCX already initialised with other options", active=_ucx_configured,
+                        wanted=options)
+        return
+    # ucxx sets variables UCX itself does not know (UCX_MEMTYPE_CACHE) and UCX warns on
+    # each; keep the logs clean unless the operator asked otherwise.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx
+
+    try:
+        ucxx.init(options=options, progress_mode=settings.ucx_progress_mode,
+                  connect_timeout=settings.connect_timeout_s)
+    except RuntimeError:
+        log.warning("UCX was initialised before cpd.transfer.init_ucx; options not applied")
+    _ucx_configured = options
+
+
+def active_transports() -> set[str]:
+    """The UCX transports this process may use (after :func:`init_ucx`)."""
+    import ucxx
+
+    return set(ucxx.get_active_transports())
+
+
+def _ucx_error() -> type[Exception]:
+    from ucxx.exceptions import UCXError
+
+    return UCXError
+
+
+def _truncated_error() -> type[Exception]:
+    from ucxx.exceptions import UCXMessageTruncatedError
+
+    return UCXMessageTruncatedError
+
+
+def _frame(msg: wire.Message) -> bytes:
+    payload = wire.encode(msg)
+    return _LEN.pack(len(payload)) + payload
+
+
+def _unframe(buf: bytearray, expect: type[wire.T]) -> wire.T:
+    (n,) = _LEN.unpack_from(buf)
+    if n > len(buf) - _LEN.size:
+        raise MalformedMessage(f"header of {n} bytes overruns its {len(buf)}-byte buffer")
+    return wire.decode(memoryview(buf)[_LEN.size:_LEN.size + n], expect)
+
+
+def _abort(ep: Any, settings: DataPlaneSettings) -> None:
+    with contextlib.suppress(Exception):
+        ep.abort(period=int(settings.abort_wait_s * _NS_PER_S), max_attempts=1)
+
+
+async def _all_or_abort(coros: Sequence[Awaitable[Any]], on_error: Callable[[], None]
+                        ) -> list[Any]:
+    """Run ``coros`` together; on the first failure call ``on_error`` (abort the
+    endpoint, which cancels the UCX requests), then reap the rest and re-raise."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in done if not t.cancelled() and t.exception()), None)
+        if failed is None:
+            return [t.result() for t in tasks]
+        on_error()
+        raise failed.exception()  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ----------------------------------------------------------------------------- bandwidth
+
+
+class BandwidthMeter:
+    """Exponentially weighted achieved transfer bandwidth of this worker.
+
+    The router's load-vs-recompute estimate uses it (``LoadReport.kv_bandwidth_gbps``).
+    Transfers under ``min_bytes`` are counted but do not move the estimate: they measure
+    latency, not bandwidth.
+    """
+
+    def __init__(self, alpha: float = 0.2, min_bytes: int = 1 << 20) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.min_bytes = min_bytes
+        self._gbps = 0.0
+        self.samples = 0
+        self.total_bytes = 0
+        self.total_seconds = 0.0
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """Account one finished transfer of ``nbytes`` that took ``seconds``."""
+        self.total_bytes += nbytes
+        self.total_seconds += seconds
+        if nbytes < self.min_bytes or seconds <= 0:
+            return
+        sample = nbytes / seconds / 1e9
+        self._gbps = sample if not self.samples else (
+            self.alpha * sample + (1 - self.alpha) * self._gbps)
+        self.samples += 1
+
+    @property
+    def gbps(self) -> float:
+        """Current estimate in GB/s (10^9 bytes/s); 0.0 until a large transfer finished."""
+        return self._gbps
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        m = telemetry.meter("cpd.transfer")
+        self.bytes = m.create_counter("cpd.kv.transfer.bytes", unit="By",
+                                      description="KV bytes moved over UCX")
+        self.transfers = m.create_counter("cpd.kv.transfers",
+                                          description="KV transfers by operation and outcome")
+        self.seconds = m.create_histogram("cpd.kv.transfer.duration", unit="s",
+                                          description="Duration of one KV transfer")
+
+    def done(self, op: str, outcome: str, nbytes: int, seconds: float) -> None:
+        attrs = {"op": op, "outcome": outcome}
+        self.transfers.add(1, attrs)
+        if nbytes:
+            self.bytes.add(nbytes, {"op": op})
+        self.seconds.record(seconds, attrs)
+
+
+# -------------------------------------------------------------------------------- server
+
+
+class TransferServer:
+    """The UCX listener of one worker: serves gets from and puts into its store."""
+
+    def __init__(self, store: KvStore, settings: DataPlaneSettings) -> None:
+        self.kv = store
+        self.settings = settings
+        self.port = 0
+        self._listener: Any = None
+        self._eps: set[Any] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._conn_ids = itertools.count(1)
+        self._slots = asyncio.Semaphore(settings.max_server_transfers)
+        self._cap = header_capacity(settings.max_blocks_per_transfer)
+        self._metrics = _Metrics()
+
+    @property
+    def store(self) -> BlockStore:
+        return self.kv.store
+
+    @property
+    def address(self) -> bytes:
+        """What peers connect to (``Heartbeat.ucx_address``)."""
+        if not self.port:
+            raise CpdError("transfer server not started")
+        return encode_address(self.settings.advertise_host, self.port)
+
+    async def start(self) -> TransferServer:
+        """Initialise UCX and start listening; returns ``self``."""
+        init_ucx(self.settings)
+        import ucxx
+
+        self._listener = ucxx.create_listener(self._serve, port=self.settings.listen_port,
+                                              connect_timeout=self.settings.connect_timeout_s)
+        self.port = self._listener.port
+        log.info("transfer server listening", node=self.kv.node, port=self.port,
+                 transports=sorted(active_transports()))
+        return self
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection (in-flight transfers fail)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for ep in list(self._eps):
+            _abort(ep, self.settings)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, ep: Any) -> None:
+        conn_id = next(self._conn_ids)
+        self._eps.add(ep)
+        buf = bytearray(self._cap)  # per connection, reused for every header
+        mine: set[asyncio.Task[Any]] = set()
+        try:
+            while True:
+                await ep.recv(buf, tag=CTRL_TAG)
+                try:
+                    msg = _unframe(buf, wire.Message)
+                except CpdError as e:
+                    log.warning("bad transfer header; closing connection", error=str(e))
+                    return
+                task = asyncio.create_task(self._handle(ep, conn_id, msg))
+                mine.add(task)
+                self._tasks.add(task)
+                task.add_done_callback(mine.discard)
+                task.add_done_callback(self._tasks.discard)
+        except _ucx_error() as e:
+            log.debug("transfer connection closed", conn=conn_id, reason=repr(e))
+        finally:
+            self._eps.discard(ep)
+            _abort(ep, self.settings)
+            for task in mine:
+                task.cancel()
+            await asyncio.gather(*mine, return_exceptions=True)
+
+    async def _handle(self, ep: Any, conn_id: int, msg: wire.Message) -> None:
+        op = msg.__struct_config__.tag
+        t0 = time.perf_counter()
+        nbytes = 0
+        outcome = "ok"
+        try:
+            if isinstance(msg, wire.BlockGet):
+                nbytes = await self._handle_get(ep, conn_id, msg)
+            elif isinstance(msg, wire.BlockPut):
+                nbytes = await self._handle_put(ep, msg)
+            else:
+                log.warning("unexpected message on the data plane", kind=op)
+                outcome = "invalid"
+        except (TimeoutError, _ucx_error()) as e:
+            # The peer is gone or stalled: drop the connection (its loop ends too).
+            outcome = "timeout" if isinstance(e, TimeoutError) else "peer_gone"
+            log.info("transfer aborted", op=op, conn=conn_id, reason=repr(e))
+            _abort(ep, self.settings)
+        except CpdError as e:
+            outcome = e.code.value
+        finally:
+            self._metrics.done(f"serve_{op}", outcome, nbytes, time.perf_counter() - t0)
+
+    def _timeout(self, timeout_ms: int) -> float:
+        return timeout_ms / 1000 if timeout_ms else self.settings.transfer_timeout_s
+
+    async def _reply(self, ep: Any, xfer_id: int, index: int, reply: wire.BlockReply) -> None:
+        await ep.send(_frame(reply), tag=xfer_tag(xfer_id, index))
+
+    async def _reply_error(self, ep: Any, xfer_id: int, index: int, err: CpdError,
+                           **extra: Any) -> None:
+        await self._reply(ep, xfer_id, index, wire.BlockReply(
+            xfer_id=xfer_id, ok=False, code=err.code.value, message=str(err), **extra))
+
+    async def _handle_get(self, ep: Any, conn_id: int, req: wire.BlockGet) -> int:
+        x = req.xfer_id
+        try:
+            hashes = wire.split_hashes(req.hashes)
+        except CpdError as e:
+            await self._reply_error(ep, x, 0, e)
+            raise
+        if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
+            err = InvalidRequest(f"{len(hashes)} blocks; 1..{self.settings.max_blocks_per_transfer}")
+            await self._reply_error(ep, x, 0, err)
+            raise err
+        timeout = self._timeout(req.timeout_ms)
+        async with asyncio.timeout(timeout), self._slots:
+            missing = [h for h in hashes if not self._servable(h, req.namespace)]
+            if missing:
+                err = BlockEvicted(f"{len(missing)} of {len(hashes)} blocks are not held")
+                await self._reply_error(ep, x, 0, err, missing=b"".join(missing))
+                raise err
+            # Pinned while the bytes leave, so eviction cannot hand the slots to new blocks.
+            lease = f"xfer-{conn_id}-{x}"
+            self.store.pin(lease, hashes, timeout)
+            try:
+                entries = [self.store.get(h) for h in hashes]
+                await self._reply(ep, x, 0, wire.BlockReply(
+                    xfer_id=x, namespace=req.namespace,
+                    blocks=[e.ref for e in entries], seals=[e.seal for e in entries]))
+                await _all_or_abort(
+                    [self._send_block(ep, xfer_tag(x, 2 + i), self.store.arena[e.slot, :e.nbytes])
+                     for i, e in enumerate(entries)],
+                    lambda: _abort(ep, self.settings))
+            finally:
+                self.store.unpin(lease)
+        return sum(e.nbytes for e in entries)
+
+    def _servable(self, block_hash: bytes, namespace: str) -> bool:
+        from .kvstore import BlockState
+
+        entry = self.store.get(block_hash)
+        return (entry is not None and entry.state is BlockState.SEALED
+                and (not namespace or entry.namespace == namespace))
+
+    async def _send_block(self, ep: Any, tag: int, view: np.ndarray) -> None:
+        """Send one block's bytes (a view into the arena)."""
+        await ep.send(view, tag=tag)
+
+    async def _handle_put(self, ep: Any, req: wire.BlockPut) -> int:
+        x = req.xfer_id
+        n = len(req.blocks)
+        if n != len(req.seals) or not 0 < n <= self.settings.max_blocks_per_transfer or any(
+                s.hash != b.hash or s.nbytes > self.store.slot_bytes
+                for b, s in zip(req.blocks, req.seals, strict=False)):
+            err = InvalidRequest("put header: refs and seals must match, fit a slot and "
+                                 f"number 1..{self.settings.max_blocks_per_transfer}")
+            await self._reply_error(ep, x, 0, err)
+            raise err
+        timeout = self._timeout(req.timeout_ms)
+        new: list[tuple[int, Any]] = []
+        try:
+            async with asyncio.timeout(timeout), self._slots:
+                try:
+                    entries = await self.kv.allocate(req.namespace, req.blocks)
+                except CpdError as e:
+                    await self._reply_error(ep, x, 0, e)
+                    raise
+                new = [(i, e) for i, e in enumerate(entries) if e is not None]
+                await self.kv.begin_write([e.hash for _, e in new])
+                accepted = bytes(int(e is not None) for e in entries)
+                await self._reply(ep, x, 0, wire.BlockReply(xfer_id=x, accepted=accepted))
+                digests = await _all_or_abort(
+                    [self._recv_block(ep, xfer_tag(x, 2 + i),
+                                      self.store.arena[e.slot, :req.seals[i].nbytes])
+                     for i, e in new],
+                    lambda: _abort(ep, self.settings))
+                items = [(e.hash, req.seals[i].nbytes, req.seals[i].checksum, d)
+                         for (i, e), d in zip(new, digests, strict=True)]
+                new = []  # from here on the store owns their fate (seal or fail)
+                try:
+                    await self.kv.seal(items)
+                except ChecksumMismatch as e:
+                    await self._reply_error(ep, x, 1, e)
+                    raise
+                await self._reply(ep, x, 1, wire.BlockReply(xfer_id=x))
+        finally:
+            if new:
+                await self.kv.fail([e.hash for _, e in new], "transfer aborted")
+        return sum(req.seals[i].nbytes for i, _ in enumerate(req.seals))
+
+    @staticmethod
+    async def _recv_block(ep: Any, tag: int, view: np.ndarray) -> int:
+        await ep.recv(view, tag=tag)
+        return checksum(view)  # while the bytes are still in cache
+
+
+# -------------------------------------------------------------------------------- client
+
+
+@dataclass(eq=False)
+class _Conn:
+    address: bytes
+    ep: Any
+    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """One block received by :meth:`TransferClient.get_into`."""
+
+    ref: wire.BlockRef
+    seal: wire.BlockSeal
+    namespace: str
+
+
+class TransferClient:
+    """Gets and puts blocks from/to peers' stores, one reused connection per peer.
+
+    At most ``max_concurrent_transfers`` exchanges run at once (each holds one of the
+    preallocated header buffers); every one has a deadline (``timeout_s``, else
+    ``transfer_timeout_s``) covering connect, wait for a slot, and the bytes.
+    """
+
+    def __init__(self, settings: DataPlaneSettings, *,
+                 meter: BandwidthMeter | None = None) -> None:
+        self.settings = settings
+        self.meter = meter or BandwidthMeter(settings.bandwidth_ewma_alpha,
+                                             settings.bandwidth_min_bytes)
+        self._conns: dict[bytes, _Conn] = {}
+        self._connecting: dict[bytes, asyncio.Lock] = {}
+        cap = header_capacity(settings.max_blocks_per_transfer)
+        self._buffers: asyncio.Queue[bytearray] = asyncio.Queue()
+        for _ in range(settings.max_concurrent_transfers):
+            self._buffers.put_nowait(bytearray(cap))
+        self._metrics = _Metrics()
+        self._inflight = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._inflight
+
+    async def close(self) -> None:
+        """Close every connection."""
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.ep.close(period=int(self.settings.abort_wait_s * _NS_PER_S))
+
+    # ---------------------------------------------------------------------- public API
+
+    async def get_into(self, address: bytes, hashes: Sequence[bytes], dests: Sequence[Any], *,
+                       namespace: str = "", timeout_s: float | None = None) -> list[Fetched]:
+        """Fetch sealed blocks from the peer at ``address`` into ``dests`` (one writable
+        buffer per block, at least the block's length), verifying every checksum."""
+        if len(dests) != len(hashes):
+            raise ValueError("one destination buffer per block")
+        views = [_byte_view(d) for d in dests]
+
+        async def targets(reply: wire.BlockReply) -> list[np.ndarray]:
+            for v, s in zip(views, reply.seals, strict=True):
+                if v.nbytes < s.nbytes:
+                    raise InvalidRequest(f"destination of {v.nbytes} bytes for a block of "
+                                         f"{s.nbytes}")
+            return views
+
+        reply, digests = await self._get(address, hashes, namespace, timeout_s, targets, None)
+        bad = [s.hash for s, d in zip(reply.seals, digests, strict=True) if s.checksum != d]
+        if bad:
+            raise ChecksumMismatch(f"{len(bad)} of {len(hashes)} blocks from "
+                                   f"{address.decode()} failed their checksum")
+        return [Fetched(r, s, reply.namespace) for r, s in zip(reply.blocks, reply.seals,
+                                                                strict=True)]
+
+    async def pull(self, address: bytes, hashes: Sequence[bytes], store: KvStore, *,
+                   namespace: str = "", timeout_s: float | None = None) -> list[wire.BlockSeal]:
+        """Copy sealed blocks from the peer at ``address`` into the local ``store``.
+
+        Blocks already held locally are not fetched. The new ones go through the local
+        lifecycle (allocated → writing → sealed, or failed) like any other write; a block
+        whose bytes fail the checksum is failed and :class:`~cpd.errors.ChecksumMismatch`
+        is raised after the good ones are sealed. Returns the seals of the new blocks.
+        """
+        wanted = [h for h in hashes if h not in store.store]
+        if not wanted:
+            return []
+        allocated: list[bytes] = []
+
+        async def targets(reply: wire.BlockReply) -> list[np.ndarray]:
+            if any(s.nbytes > store.store.slot_bytes for s in reply.seals):
+                raise InvalidRequest("peer block larger than a local slot")
+            entries = await store.allocate(reply.namespace, reply.blocks)
+            allocated.extend(e.hash for e in entries if e is not None)
+            await store.begin_write(allocated)
+            # A block that appeared locally meanwhile is received into a free slot of the
+            # arena's scratch... there is none: receive it over its own copy instead.
+            return [store.store.view(r.hash) if e is not None else _discard_view(store, s)
+                    for r, s, e in zip(reply.blocks, reply.seals, entries, strict=True)]
+
+        try:
+            reply, digests = await self._get(address, wanted, namespace, timeout_s, targets,
+                                             store)
+        except BaseException:
+            if allocated:
+                await store.fail(allocated, "transfer failed")
+            raise
+        mine = set(allocated)
+        items = [(s.hash, s.nbytes, s.checksum, d)
+                 for s, d in zip(reply.seals, digests, strict=True) if s.hash in mine]
+        return await store.seal(items)
+
+    async def put(self, address: bytes, hashes: Sequence[bytes], store: KvStore, *,
+                  timeout_s: float | None = None) -> int:
+        """Push sealed blocks of the local ``store`` into the peer's store.
+
+        The blocks stay pinned locally while their bytes leave. The peer skips blocks it
+        already holds, verifies checksums and seals. Returns how many blocks were sent.
+        """
+        if not hashes:
+            return 0
+        entries = [store.store.get(h) for h in hashes]
+        lease = f"put-{uuid.uuid4().hex}"
+        timeout = timeout_s or self.settings.transfer_timeout_s
+        store.pin(lease, hashes, timeout)  # raises BlockEvicted for a missing block
+        try:
+            namespaces = {e.namespace for e in entries if e is not None}
+            if len(namespaces) != 1:
+                raise InvalidRequest("one put carries blocks of one namespace")
+            return await self._put(address, entries, namespaces.pop(), timeout)
+        finally:
+            store.unpin(lease)
+
+    # ------------------------------------------------------------------------ internals
+
+    @contextlib.asynccontextmanager
+    async def _permit(self) -> AsyncIterator[bytearray]:
+        buf = await self._buffers.get()
+        self._inflight += 1
+        try:
+            yield buf
+        finally:
+            self._inflight -= 1
+            self._buffers.put_nowait(buf)
+
+    async def _connection(self, address: bytes) -> _Conn:
+        conn = self._conns.get(address)
+        if conn is not None and not conn.ep.closed:
+            return conn
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(address)
+            if conn is not None and not conn.ep.closed:
+                return conn
+            host, port = decode_address(address)
+            init_ucx(self.settings)
+            import ucxx
+
+            try:
+                ep = await ucxx.create_endpoint(host, port,
+                                                connect_timeout=self.settings.connect_timeout_s)
+            except _ucx_error() as e:
+                raise PeerGone(f"cannot connect to {address.decode()}: {e}") from e
+            conn = _Conn(address, ep)
+            self._conns[address] = conn
+            return conn
+
+    def _drop(self, conn: _Conn | None) -> None:
+        if conn is None:
+            return
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
+        _abort(conn.ep, self.settings)
+
+    async def _exchange_header(self, conn: _Conn, buf: bytearray, msg: wire.Message,
+                               xfer_id: int) -> wire.BlockReply:
+        reply_recv = asyncio.ensure_future(conn.ep.recv(buf, tag=xfer_tag(xfer_id, 0)))
+        try:
+            await conn.ep.send(_frame(msg), tag=CTRL_TAG)
+            await reply_recv
+        finally:
+            if not reply_recv.done():
+                reply_recv.cancel()
+                await asyncio.gather(reply_recv, return_exceptions=True)
+        return _check_reply(_unframe(buf, wire.BlockReply), xfer_id)
+
+    async def _guarded(self, op: str, address: bytes, timeout: float,
+                       body: Callable[[bytearray, Callable[[], _Conn]], Awaitable[Any]]
+                       ) -> Any:
+        """Run one exchange under its deadline; map failures to typed errors, aborting
+        the connection whenever UCX may still hold requests on our buffers."""
+        t0 = time.perf_counter()
+        conn: _Conn | None = None
+        outcome = "ok"
+
+        async def connect() -> _Conn:
+            nonlocal conn
+            conn = await self._connection(address)
+            return conn
+
+        try:
+            async with self._permit() as buf:
+                try:
+                    async with asyncio.timeout(timeout):
+                        return await body(buf, connect)  # type: ignore[arg-type]
+                except TimeoutError:
+                    outcome = "timeout"
+                    self._drop(conn)
+                    raise TransferTimeout(f"{op} from {address.decode()} missed its "
+                                          f"{timeout:.3g} s deadline") from None
+                except _truncated_error() as e:
+                    outcome = "malformed"
+                    self._drop(conn)
+                    raise MalformedMessage(f"{op}: oversized message from {address!r}") from e
+                except _ucx_error() as e:
+                    outcome = "peer_gone"
+                    self._drop(conn)
+                    raise PeerGone(f"{op} from {address.decode()}: {e!r}") from e
+                except CpdError as e:
+                    outcome = e.code.value
+                    if getattr(e, "_abort", True):
+                        self._drop(conn)
+                    raise
+                except BaseException:
+                    outcome = "cancelled"
+                    self._drop(conn)
+                    raise
+        finally:
+            self._metrics.done(op, outcome, 0, time.perf_counter() - t0)
+
+    async def _get(self, address: bytes, hashes: Sequence[bytes], namespace: str,
+                   timeout_s: float | None,
+                   targets: Callable[[wire.BlockReply], Awaitable[list[np.ndarray]]],
+                   _store: KvStore | None) -> tuple[wire.BlockReply, list[int]]:
+        if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
+            raise InvalidRequest(f"{len(hashes)} blocks in one get; "
+                                 f"1..{self.settings.max_blocks_per_transfer}")
+        timeout = timeout_s or self.settings.transfer_timeout_s
+        t0 = time.perf_counter()
+
+        async def body(buf: bytearray, connect: Callable[[], Awaitable[_Conn]]) -> Any:
+            conn = await connect()
+            x = next(conn.ids)
+            req = wire.BlockGet(xfer_id=x, hashes=wire.join_hashes(list(hashes)),
+                                namespace=namespace, timeout_ms=int(timeout * 1000))
+            reply = await self._exchange_header(conn, buf, req, x)
+            if not reply.ok:
+                raise _clean(_reply_error(reply))  # nothing follows: keep the connection
+            if [r.hash for r in reply.blocks] != list(hashes) or len(reply.seals) != len(hashes):
+                raise MalformedMessage("get reply does not match the request")
+            views = await targets(reply)
+            digests = await _all_or_abort(
+                [TransferServer._recv_block(conn.ep, xfer_tag(x, 2 + i), v[:s.nbytes])
+                 for i, (v, s) in enumerate(zip(views, reply.seals, strict=True))],
+                lambda: self._drop(conn))
+            return reply, digests
+
+        reply, digests = await self._guarded("get", address, timeout, body)
+        nbytes = sum(s.nbytes for s in reply.seals)
+        seconds = time.perf_counter() - t0
+        self.meter.record(nbytes, seconds)
+        self._metrics.bytes.add(nbytes, {"op": "get"})
+        return reply, digests
+
+    async def _put(self, address: bytes, entries: Sequence[Any], namespace: str,
+                   timeout: float) -> int:
+        t0 = time.perf_counter()
+        sent = 0
+
+        async def body(buf: bytearray, connect: Callable[[], Awaitable[_Conn]]) -> int:
+            nonlocal sent
+            conn = await connect()
+            x = next(conn.ids)
+            seals = [e.seal for e in entries]
+            req = wire.BlockPut(xfer_id=x, namespace=namespace, blocks=[e.ref for e in entries],
+                                seals=seals, timeout_ms=int(timeout * 1000))
+            ready = await self._exchange_header(conn, buf, req, x)
+            if not ready.ok:
+                raise _clean(_reply_error(ready))
+            if len(ready.accepted) != len(entries):
+                raise MalformedMessage("put go-ahead does not match the request")
+            final_recv = asyncio.ensure_future(conn.ep.recv(buf, tag=xfer_tag(x, 1)))
+            try:
+                send = [i for i, flag in enumerate(ready.accepted) if flag]
+                store = self._store_of(entries)
+                await _all_or_abort(
+                    [conn.ep.send(store.arena[entries[i].slot, :entries[i].nbytes],
+                                  tag=xfer_tag(x, 2 + i)) for i in send],
+                    lambda: self._drop(conn))
+                await final_recv
+            finally:
+                if not final_recv.done():
+                    final_recv.cancel()
+                    await asyncio.gather(final_recv, return_exceptions=True)
+            final = _check_reply(_unframe(buf, wire.BlockReply), x)
+            if not final.ok:
+                raise _clean(_reply_error(final))
+            sent = sum(entries[i].nbytes for i in send)
+            return len(send)
+
+        count = await self._guarded("put", address, timeout, body)
+        self.meter.record(sent, time.perf_counter() - t0)
+        self._metrics.bytes.add(sent, {"op": "put"})
+        return count
+
+    def _store_of(self, entries: Sequence[Any]) -> BlockStore:
+        return self._put_store  # set by put() for the duration of the exchange
