@@ -1,0 +1,327 @@
+"""Routing decisions, without I/O (DESIGN.md §8).
+
+Three policies share every input and differ only in the decision, so an A/B between
+them is honest:
+
+* ``cpd`` - cold prompts (no usable prefix, reuse below a threshold, or loading slower
+  than recomputing) go to the pre-prefill node with the least estimated finish time; warm
+  prompts go to the prefill node with the least estimated TTFT = queue + KV load + suffix
+  compute, where local hits beat remote ones because they cost less. Neither tier idles
+  while the other queues: work overflows across tiers when that finishes sooner by more
+  than a margin. A cold prompt whose prefix another node is computing right now waits for
+  it when that is cheaper (single-flight).
+* ``pd-kv`` - KV-aware cost like Dynamo/llm-d: every prefill-capable node is a
+  candidate; cost = queue + compute of the blocks not cached on that node; no remote
+  loads, no tiers.
+* ``pd-rr`` - plain round-robin over prefill-capable nodes.
+
+Decode goes to the least-loaded decode node for every policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from cpd import wire
+from cpd.errors import CpdError, ErrorCode
+
+from .cost import LoadCost, PrefillCost
+
+PolicyName = Literal["cpd", "pd-kv", "pd-rr"]
+PREFILL_ROLES = ("preprefill", "prefill")
+
+
+class NoCapacity(CpdError):
+    """No live node can take this request (none of the needed role is up)."""
+
+    code = ErrorCode.UNAVAILABLE
+    retryable = True
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """A worker as the router sees it (from its load reports and heartbeats)."""
+
+    node: str
+    role: str
+    queue_ms: float = 0.0
+    queued_new_tokens: int = 0
+    in_flight: int = 0
+    bandwidth_gbps: float = 0.0  # measured by the worker; 0 until it has measured
+
+
+@dataclass(frozen=True)
+class Hits:
+    """kvindex's answer in the router's terms (blocks per node)."""
+
+    ok: bool = True
+    gpu: Mapping[str, int] = field(default_factory=dict)
+    dram: Mapping[str, int] = field(default_factory=dict)
+    pending: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_reply(cls, reply: wire.LookupReply | None) -> Hits:
+        """A lookup reply; ``None`` (timeout, error) and ``recovering`` are misses."""
+        if reply is None or reply.status == "recovering":
+            return cls(ok=False)
+        gpu = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.GPU}
+        dram = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DRAM}
+        return cls(gpu=gpu, dram=dram, pending={p.node: p.num_blocks for p in reply.pending})
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the routing policies (from :class:`cpd.config.RouterSettings`)."""
+
+    name: PolicyName = "cpd"
+    # Reuse below this share of the prompt makes a request cold.
+    cold_reuse_ratio: float = 0.5
+    # Reuse below this many tokens makes a request cold whatever the share.
+    min_reuse_tokens: int = 256
+    # Cross-tier overflow only when it finishes sooner by more than this.
+    overflow_margin_ms: float = 100.0
+    # Until a node reports a measured bandwidth.
+    default_bandwidth_gbps: float = 1.0
+    # Loading from a node's own DRAM into its engine.
+    host_bandwidth_gbps: float = 8.0
+    single_flight: bool = True
+    max_single_flight_wait_ms: float = 30_000.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to prefill the request on one node, with its estimated cost."""
+
+    node: str
+    role: str
+    gpu_tokens: int = 0
+    dram_tokens: int = 0
+    remote_tokens: int = 0
+    remote_node: str = ""
+    computed_tokens: int = 0
+    queue_ms: float = 0.0
+    load_ms: float = 0.0
+    compute_ms: float = 0.0
+    sources: tuple[wire.LoadSource, ...] = ()
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.queue_ms + self.load_ms + self.compute_ms
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.gpu_tokens + self.dram_tokens + self.remote_tokens
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Single-flight: wait for ``node`` to make ``blocks`` blocks visible, then re-route."""
+
+    node: str
+    blocks: int
+    max_wait_ms: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and why."""
+
+    policy: str
+    path: Literal["cold", "warm", "overflow"]
+    plan: Plan
+    decode_node: str
+    reason: str
+    wait: Wait | None = None
+
+    def route(self) -> wire.Route:
+        """The decision as the ``Route`` of the final message."""
+        p = self.plan
+        return wire.Route(policy=self.policy, path=self.path, reason=self.reason,
+                          prefill_node=p.node, decode_node=self.decode_node,
+                          tokens_gpu=p.gpu_tokens, tokens_dram=p.dram_tokens,
+                          tokens_remote=p.remote_tokens, tokens_computed=p.computed_tokens)
+
+
+class Router:
+    """Stateful only for round-robin; everything else is a function of the inputs."""
+
+    def __init__(self, config: PolicyConfig, prefill: PrefillCost, load: LoadCost) -> None:
+        self.config = config
+        self.prefill = prefill
+        self.load = load
+        self._rr = itertools.count()
+
+    def decide(self, prompt_tokens: int, block_size: int, hits: Hits,
+               nodes: Iterable[NodeLoad]) -> Decision:
+        """Route one request of ``prompt_tokens`` tokens."""
+        if prompt_tokens <= 0:
+            raise ValueError("a prompt has at least one token")
+        nodes = list(nodes)
+        decode = choose_decode(nodes)
+        if not hits.ok:
+            hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
+        name = self.config.name
+        if name == "pd-rr":
+            return self._round_robin(prompt_tokens, block_size, hits, nodes, decode)
+        if name == "pd-kv":
+            return self._kv_aware(prompt_tokens, block_size, hits, nodes, decode)
+        return self._cpd(prompt_tokens, block_size, hits, nodes, decode)
+
+    # -------------------------------------------------------------------- plans
+
+    def plan(self, node: NodeLoad, prompt_tokens: int, block_size: int, hits: Hits, *,
+             remote: bool = True, local: bool = True) -> Plan:
+        """The cheapest way to prefill on ``node``: reuse its GPU hit, load its DRAM hit
+        and a peer's DRAM hit when loading beats recomputing, compute the rest."""
+        # The last token is always computed (the engine needs its logits).
+        cap = (prompt_tokens - 1) // block_size * block_size
+        gpu = min(hits.gpu.get(node.node, 0) * block_size, cap) if local else 0
+        base = gpu
+        dram = 0
+        sources: list[wire.LoadSource] = []
+        load_ms = 0.0
+        local_dram = min(hits.dram.get(node.node, 0) * block_size, cap) if local else 0
+        if local_dram > base:
+            t = self.load.ms(local_dram - base, self.config.host_bandwidth_gbps)
+            if t < self.prefill.ms(local_dram - base, base):
+                sources.append(wire.LoadSource(node=node.node, tier=wire.Tier.DRAM,
+                                               first_block=base // block_size,
+                                               num_blocks=(local_dram - base) // block_size))
+                dram, load_ms, base = local_dram - base, load_ms + t, local_dram
+        remote_tokens, remote_node = 0, ""
+        if remote:
+            best = max(((min(b * block_size, cap), peer) for peer, b in hits.dram.items()
+                        if peer != node.node), default=(0, ""))
+            if best[0] > base:
+                bw = self._bandwidth(best[1], node)
+                t = self.load.ms(best[0] - base, bw)
+                if t < self.prefill.ms(best[0] - base, base):
+                    sources.append(wire.LoadSource(node=best[1], tier=wire.Tier.DRAM,
+                                                   first_block=base // block_size,
+                                                   num_blocks=(best[0] - base) // block_size))
+                    remote_tokens, remote_node = best[0] - base, best[1]
+                    load_ms += t
+                    base = best[0]
+        computed = prompt_tokens - base
+        return Plan(node=node.node, role=node.role, gpu_tokens=gpu, dram_tokens=dram,
+                    remote_tokens=remote_tokens, remote_node=remote_node,
+                    computed_tokens=computed, queue_ms=node.queue_ms, load_ms=load_ms,
+                    compute_ms=self.prefill.ms(computed, base), sources=tuple(sources))
+
+    def _bandwidth(self, src: str, dst: NodeLoad) -> float:
+        # Each worker measures what it achieves when pulling; the puller's figure counts.
+        return dst.bandwidth_gbps or self.config.default_bandwidth_gbps
+
+    # ----------------------------------------------------------------- policies
+
+    def _cpd(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+             decode: str) -> Decision:
+        cfg = self.config
+        warm_nodes = [x for x in nodes if x.role == "prefill"]
+        cold_nodes = [x for x in nodes if x.role == "preprefill"]
+        if not warm_nodes and not cold_nodes:
+            raise NoCapacity("no prefill or pre-prefill node is up")
+        warm = [self.plan(x, n, bs, hits) for x in warm_nodes]
+        # Local hits beat remote ones at equal cost; then the shorter queue.
+        warm.sort(key=lambda p: (p.ttft_ms, p.remote_tokens > 0, p.queue_ms, p.node))
+        best_warm = warm[0] if warm else None
+        reuse = best_warm.reused_tokens if best_warm else 0
+        if cold_nodes and not best_warm:
+            reuse = max((self.plan(x, n, bs, hits).reused_tokens for x in cold_nodes),
+                        default=0)
+        is_cold = (not hits.ok or reuse < min(cfg.min_reuse_tokens, n - 1) or reuse == 0
+                   or reuse < cfg.cold_reuse_ratio * n)
+        if not is_cold:
+            assert best_warm is not None
+            alt = self._cheapest(cold_nodes, n, bs, hits, reuse_prefix=True)
+            # Overflow only relieves a queue: an idle tier keeps its own work.
+            if (alt and best_warm.queue_ms > cfg.overflow_margin_ms
+                    and alt.ttft_ms + cfg.overflow_margin_ms < best_warm.ttft_ms):
+                return Decision("cpd", "overflow", alt, decode,
+                                f"prefill tier busy: {best_warm.ttft_ms:.0f} ms there vs "
+                                f"{alt.ttft_ms:.0f} ms on pre-prefill")
+            why = (f"warm: {reuse}/{n} tokens cached"
+                   + (f" (remote from {best_warm.remote_node})" if best_warm.remote_tokens
+                      else ""))
+            return Decision("cpd", "warm", best_warm, decode, why)
+        reason = ("kvindex unavailable: treated as a miss" if not hits.ok
+                  else f"cold: {reuse}/{n} tokens reusable")
+        cold = self._cheapest(cold_nodes, n, bs, hits, reuse_prefix=False)
+        # Overflow: a cold request takes an idle prefill node rather than queue.
+        over = self._cheapest(warm_nodes, n, bs, hits, reuse_prefix=True)
+        if cold is None or (over and cold.queue_ms > cfg.overflow_margin_ms
+                            and over.ttft_ms + cfg.overflow_margin_ms < cold.ttft_ms):
+            assert over is not None
+            decision = Decision("cpd", "overflow", over, decode,
+                                reason + ("; no pre-prefill node" if cold is None else
+                                          f"; pre-prefill busy ({cold.ttft_ms:.0f} ms)"))
+        else:
+            decision = Decision("cpd", "cold", cold, decode, reason)
+        wait = self._single_flight(n, bs, hits, warm_nodes, decision.plan) if hits.ok else None
+        if wait is not None:
+            decision = replace(decision, wait=wait,
+                               reason=decision.reason + f"; waiting for {wait.node}'s prefix")
+        return decision
+
+    def _cheapest(self, nodes: list[NodeLoad], n: int, bs: int, hits: Hits, *,
+                  reuse_prefix: bool) -> Plan | None:
+        if not nodes:
+            return None
+        plans = [self.plan(x, n, bs, hits, remote=reuse_prefix, local=reuse_prefix)
+                 if reuse_prefix else self.plan(x, n, bs, Hits(ok=False)) for x in nodes]
+        return min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
+
+    def _single_flight(self, n: int, bs: int, hits: Hits, warm_nodes: list[NodeLoad],
+                       now: Plan) -> Wait | None:
+        """Wait for a prefix another node is computing when, once it is visible, the
+        request is warm and finishes about as soon as going ahead now (within the
+        overflow margin): equal latency, and that prefix is computed once, not twice."""
+        cfg = self.config
+        if not cfg.single_flight or not hits.pending or not warm_nodes:
+            return None
+        node, blocks = max(hits.pending.items(), key=lambda kv: (kv[1], kv[0]))
+        covered = min(blocks * bs, (n - 1) // bs * bs)
+        if covered < max(cfg.min_reuse_tokens, cfg.cold_reuse_ratio * n):
+            return None  # even after the wait it would be cold
+        # Upper bound: that node computing the whole pending prefix from now on.
+        wait_ms = self.prefill.ms(covered, 0)
+        queue = min(x.queue_ms for x in warm_nodes)
+        after = (wait_ms + queue + self.load.ms(covered, cfg.default_bandwidth_gbps)
+                 + self.prefill.ms(n - covered, covered))
+        if after > now.ttft_ms + cfg.overflow_margin_ms or wait_ms > cfg.max_single_flight_wait_ms:
+            return None
+        return Wait(node=node, blocks=covered // bs, max_wait_ms=wait_ms)
+
+    def _kv_aware(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+                  decode: str) -> Decision:
+        cands = [x for x in nodes if x.role in PREFILL_ROLES]
+        if not cands:
+            raise NoCapacity("no prefill node is up")
+        plans = [self.plan(x, n, bs, hits, remote=False) for x in cands]
+        best = min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
+        return Decision("pd-kv", "warm" if best.reused_tokens else "cold", best, decode,
+                        f"least cost: {best.computed_tokens} new tokens, "
+                        f"{best.queue_ms:.0f} ms queued")
+
+    def _round_robin(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+                     decode: str) -> Decision:
+        cands = sorted((x for x in nodes if x.role in PREFILL_ROLES), key=lambda x: x.node)
+        if not cands:
+            raise NoCapacity("no prefill node is up")
+        node = cands[next(self._rr) % len(cands)]
+        # The engine still uses its own GPU prefix cache; the router just doesn't look.
+        plan = self.plan(node, n, bs, Hits(ok=hits.ok, gpu=hits.gpu), remote=False)
+        return Decision("pd-rr", "warm" if plan.reused_tokens else "cold", plan, decode,
+                        "round-robin")
+
+
+def choose_decode(nodes: Iterable[NodeLoad]) -> str:
+    """The least-loaded decode node (queue, then requests in flight, then name)."""
+    best = min((x for x in nodes if x.role == "decode"),
+               key=lambda x: (x.queue_ms, x.in_flight, x.node), default=None)
+    if best is None:
+        raise NoCapacity("no decode node is up")
+    return best.node

@@ -1,0 +1,180 @@
+"""Routing policy, table-driven: each rule of DESIGN.md §8 and the §10 rows the router
+handles (kvindex unavailable → miss; pre-prefill queue too long → overflow)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from cpd import wire
+from services.router.cost import LoadCost, PrefillCost
+from services.router.policy import (
+    Hits,
+    NoCapacity,
+    NodeLoad,
+    PolicyConfig,
+    Router,
+    choose_decode,
+)
+
+BS = 256
+N = 40 * BS + 100  # a 10,340-token prompt: 40 full blocks and a partial one
+# ~1 s to prefill 10K tokens; 4 KiB of KV per token (the tiny local model).
+COST = PrefillCost(fixed_ms=5, per_token_ms=0.08, per_token_ctx_ms=2e-6)
+LOAD = LoadCost(kv_bytes_per_token=4096, per_transfer_ms=0.5)
+
+
+def nodes(**over: dict) -> list[NodeLoad]:
+    base = {"pp0": ("preprefill", 0.0), "pp1": ("preprefill", 0.0),
+            "p0": ("prefill", 0.0), "p1": ("prefill", 0.0),
+            "d0": ("decode", 0.0), "d1": ("decode", 0.0)}
+    out = []
+    for name, (role, q) in base.items():
+        kw = {"queue_ms": q, "bandwidth_gbps": 2.0} | over.get(name, {})
+        if kw.pop("gone", False):
+            continue
+        out.append(NodeLoad(node=name, role=role, **kw))
+    return out
+
+
+BUSY = {n: {"queue_ms": 3000} for n in ("pp0", "pp1", "p0", "p1")}
+COLD_BUSY = {n: {"queue_ms": 3000} for n in ("pp0", "pp1")}
+
+
+@dataclass
+class Case:
+    name: str
+    hits: Hits
+    loads: dict = field(default_factory=dict)
+    path: str = ""
+    node: str = ""
+    gpu: int = 0
+    dram: int = 0
+    remote: int = 0
+    remote_node: str = ""
+    wait: bool = False
+    config: dict = field(default_factory=dict)
+    reason: str = ""
+
+
+CASES = [
+    Case("no prefix: cold to the idler pre-prefill node", Hits(),
+         loads={"pp0": {"queue_ms": 500}}, path="cold", node="pp1"),
+    Case("local DRAM hit: warm on that prefill node", Hits(dram={"p1": 36}),
+         path="warm", node="p1", dram=36 * BS),
+    Case("remote hit on a pre-prefill node's DRAM: warm, loaded over UCX",
+         Hits(dram={"pp0": 38}), loads={"p0": {"queue_ms": 50}},
+         path="warm", node="p1", remote=38 * BS, remote_node="pp0"),
+    Case("local beats remote at equal queues", Hits(dram={"p0": 30, "pp0": 30}),
+         path="warm", node="p0", dram=30 * BS),
+    Case("GPU hit beats a DRAM hit elsewhere", Hits(gpu={"p1": 36}, dram={"p0": 36}),
+         path="warm", node="p1", gpu=36 * BS),
+    Case("local GPU then a longer remote run", Hits(gpu={"p0": 20}, dram={"pp1": 38}),
+         path="warm", node="p0", gpu=20 * BS, remote=18 * BS, remote_node="pp1"),
+    Case("loading slower than recomputing: cold", Hits(dram={"pp0": 38}),
+         loads={"p0": {"bandwidth_gbps": 1e-5}, "p1": {"bandwidth_gbps": 1e-5}},
+         path="cold", reason="cold"),
+    Case("reuse below the threshold: cold", Hits(dram={"p0": 10}), path="cold"),
+    Case("kvindex unavailable is a miss (§10)", Hits(ok=False), path="cold",
+         reason="kvindex unavailable"),
+    Case("pre-prefill queue too long: cold overflows to prefill (§10)", Hits(),
+         loads={"pp0": {"queue_ms": 9000}, "pp1": {"queue_ms": 8000}},
+         path="overflow", node="p0"),
+    Case("prefill tier saturated: warm overflows to pre-prefill", Hits(dram={"pp1": 38}),
+         loads={"p0": {"queue_ms": 9000}, "p1": {"queue_ms": 9000}},
+         path="overflow", node="pp1", dram=38 * BS),
+    Case("no pre-prefill node: cold goes to prefill", Hits(),
+         loads={"pp0": {"gone": True}, "pp1": {"gone": True}}, path="overflow", node="p0"),
+    Case("same prefix being computed, pre-prefill queued: wait for it (single-flight)",
+         Hits(pending={"pp0": 40}), loads=COLD_BUSY, path="overflow", wait=True),
+    Case("same prefix being computed, everything queued: wait, same latency, half the work",
+         Hits(pending={"pp0": 40}), loads=BUSY, path="cold", wait=True),
+    Case("same prefix being computed, warm tier far busier: compute now",
+         Hits(pending={"pp0": 40}), loads={"p0": {"queue_ms": 5000}, "p1": {"queue_ms": 5000}},
+         path="cold"),
+    Case("single-flight off", Hits(pending={"pp0": 40}), loads=COLD_BUSY, path="overflow",
+         config={"single_flight": False}),
+    Case("small pending prefix (still cold after it): no wait", Hits(pending={"pp0": 8}),
+         loads=COLD_BUSY, path="overflow"),
+    Case("some reuse but pre-prefill idle: no overflow", Hits(dram={"p0": 10}),
+         path="cold", node="pp0"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_cpd_policy(case: Case) -> None:
+    router = Router(PolicyConfig(**case.config), COST, LOAD)
+    d = router.decide(N, BS, case.hits, nodes(**case.loads))
+    assert d.path == case.path, d.reason
+    if case.node:
+        assert d.plan.node == case.node, d.reason
+    assert (d.plan.gpu_tokens, d.plan.dram_tokens, d.plan.remote_tokens) == \
+        (case.gpu, case.dram, case.remote)
+    assert d.plan.remote_node == case.remote_node
+    assert d.plan.computed_tokens == N - d.plan.reused_tokens
+    assert (d.wait is not None) == case.wait
+    assert case.reason in d.reason
+    if d.path == "cold":
+        assert d.plan.role == "preprefill"
+    assert d.decode_node == "d0"
+
+
+def test_load_sources_describe_the_plan() -> None:
+    router = Router(PolicyConfig(), COST, LOAD)
+    d = router.decide(N, BS, Hits(gpu={"p0": 10}, dram={"p0": 20, "pp1": 38}), nodes())
+    assert d.plan.node == "p0"
+    assert list(d.plan.sources) == [
+        wire.LoadSource(node="p0", tier=wire.Tier.DRAM, first_block=10, num_blocks=10),
+        wire.LoadSource(node="pp1", tier=wire.Tier.DRAM, first_block=20, num_blocks=18),
+    ]
+    r = d.route()
+    assert (r.policy, r.path, r.prefill_node, r.decode_node) == ("cpd", "warm", "p0", "d0")
+    assert (r.tokens_gpu, r.tokens_dram, r.tokens_remote, r.tokens_computed) == \
+        (10 * BS, 10 * BS, 18 * BS, N - 38 * BS)
+
+
+def test_the_last_token_is_always_computed() -> None:
+    router = Router(PolicyConfig(), COST, LOAD)
+    d = router.decide(4 * BS, BS, Hits(dram={"p0": 4}), nodes())
+    assert d.plan.dram_tokens == 3 * BS and d.plan.computed_tokens == BS
+
+
+def test_decode_choice_and_missing_roles() -> None:
+    assert choose_decode(nodes(d0={"queue_ms": 30})) == "d1"
+    assert choose_decode(nodes(d0={"in_flight": 5}, d1={"in_flight": 2})) == "d1"
+    with pytest.raises(NoCapacity):
+        choose_decode(nodes(d0={"gone": True}, d1={"gone": True}))
+    only_decode = [n for n in nodes() if n.role == "decode"]
+    for name in ("cpd", "pd-kv", "pd-rr"):
+        with pytest.raises(NoCapacity):
+            Router(PolicyConfig(name=name), COST, LOAD).decide(N, BS, Hits(), only_decode)
+
+
+def test_pd_rr_cycles_over_every_prefill_capable_node() -> None:
+    router = Router(PolicyConfig(name="pd-rr"), COST, LOAD)
+    picks = [router.decide(N, BS, Hits(dram={"pp0": 38}), nodes()).plan.node
+             for _ in range(8)]
+    assert picks == ["p0", "p1", "pp0", "pp1"] * 2
+    d = router.decide(N, BS, Hits(gpu={"p1": 30}, dram={"pp0": 38}), nodes())
+    assert d.plan.remote_tokens == 0 and d.plan.dram_tokens == 0  # no loads in the baseline
+
+
+def test_pd_kv_weighs_local_cache_against_queue_but_never_loads_remotely() -> None:
+    router = Router(PolicyConfig(name="pd-kv"), COST, LOAD)
+    d = router.decide(N, BS, Hits(gpu={"p1": 36}), nodes())
+    assert d.plan.node == "p1" and d.plan.gpu_tokens == 36 * BS
+    d = router.decide(N, BS, Hits(gpu={"p1": 36}), nodes(p1={"queue_ms": 60_000}))
+    assert d.plan.node != "p1"
+    d = router.decide(N, BS, Hits(dram={"pp0": 38}), nodes(pp0={"queue_ms": 60_000}))
+    assert d.plan.remote_tokens == 0
+
+
+def test_cost_model_fit_recovers_its_coefficients() -> None:
+    true = PrefillCost(fixed_ms=4.0, per_token_ms=0.07, per_token_ctx_ms=3e-6)
+    samples = [(n, c, true.ms(n, c)) for n in (256, 1024, 4096, 8192) for c in (0, 4096, 16384)]
+    fit = PrefillCost.fit(samples)
+    for n, c, ms in samples:
+        assert fit.ms(n, c) == pytest.approx(ms, rel=1e-6)
+    assert LOAD.ms(0, 1.0) == 0 and LOAD.ms(1000, 0) == float("inf")
+    assert LOAD.ms(1000, 4.096) == pytest.approx(0.5 + 1.0)
