@@ -1,0 +1,1 @@
+"""Engines behind the CPD workers: the vLLM engine and its KV connector."""

@@ -1,0 +1,252 @@
+"""CPD's vLLM KV connector (``KVConnectorBase_V1``, loaded by ``kv_connector_module_path``).
+
+It moves whole cache blocks between vLLM's paged KV cache and the worker's host-DRAM
+block arena, a shared-memory file that the CPD worker process also maps (it serves
+peers over UCX and fills slots pulled from them). All network I/O stays in the worker
+process; the connector only copies memory, so engine steps never wait on a peer.
+
+What a request asks for travels in ``SamplingParams.extra_args["kv_transfer_params"]
+["cpd"]`` (set by :mod:`cpd.engine.vllm_engine`):
+
+* ``load``: arena slots (and checksums) holding the request's first blocks, in order.
+  The scheduler side reports them as external hits beyond what vLLM's own prefix cache
+  already holds; the worker side verifies each slot's checksum before copying it in and
+  reports failures through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+* ``save``: arena slot per prompt block index (or -1): when a step completes a full
+  prompt block, its KV is copied out to that slot (write-through), before the step ends.
+
+Engine block size must equal CPD's cache block size (one engine block = one CPD block).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+PARAMS_KEY = "cpd"
+
+
+def checksum(data: np.ndarray | bytes | memoryview) -> int:
+    """The block checksum used everywhere in CPD (xxh3-64 of the slot bytes)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass
+class CpdConnectorMetadata(KVConnectorMetadata):
+    """One step's copies: (engine block, slot, checksum) to load; (engine block, slot)
+    to save."""
+
+    loads: list[tuple[int, int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    load_slots: list[int]
+    load_checksums: list[int]
+    save_slots: list[int]
+    prompt_blocks: int
+    first_load: int = 0      # blocks below this were already in vLLM's prefix cache
+    num_load: int = 0        # blocks loaded from the arena
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0      # prompt blocks [0, saved_upto) handled for saving
+    saved: int = 0
+    load_failed: int = 0
+
+
+class CpdConnector(KVConnectorBase_V1):
+    """Block copies between vLLM's paged cache and CPD's shared-memory arena."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.arena_path: str = extra["arena_path"]
+        self.num_slots = int(extra["num_slots"])
+        self.slot_bytes = int(extra["slot_bytes"])
+        self._reqs: dict[str, _ReqState] = {}
+        self._arena: np.ndarray | None = None
+        self._layers: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if not params:
+            return 0, False
+        bs = self.block_size
+        # The last prompt token is always computed: its logits are the first output.
+        prompt_blocks = (request.num_prompt_tokens - 1) // bs
+        st = _ReqState(load_slots=list(params.get("load", [])),
+                       load_checksums=list(params.get("load_checksums", [])),
+                       save_slots=list(params.get("save", [])),
+                       prompt_blocks=request.num_prompt_tokens // bs)
+        self._reqs[request.request_id] = st
+        have = min(len(st.load_slots), prompt_blocks)
+        first = num_computed_tokens // bs
+        if have <= first:
+            return 0, False
+        st.first_load, st.num_load = first, have - first
+        return have * bs - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is not None and num_external_tokens == 0:
+            st.num_load = 0
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = CpdConnectorMetadata()
+        bs = self.block_size
+        for req in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(req.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(req.block_ids[0])
+            for i in range(st.first_load, st.first_load + st.num_load):
+                ck = st.load_checksums[i] if i < len(st.load_checksums) else 0
+                meta.loads.append((st.block_ids[i], st.load_slots[i], ck))
+            done = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req.req_id]
+            self._saves(st, done // bs, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            self._saves(st, done // bs, meta)
+        return meta
+
+    def _saves(self, st: _ReqState, full_blocks: int, meta: CpdConnectorMetadata) -> None:
+        upto = min(full_blocks, st.prompt_blocks, len(st.block_ids))
+        for i in range(st.saved_upto, upto):
+            # Blocks that came from the arena are already there; -1 means "not wanted".
+            if i < len(st.save_slots) and st.save_slots[i] >= 0 and not (
+                    st.first_load <= i < st.first_load + st.num_load):
+                meta.saves.append((st.block_ids[i], st.save_slots[i]))
+                st.saved += 1
+        st.saved_upto = max(st.saved_upto, upto)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        # vLLM recomputes from the first failed block on: count only what really loaded.
+        for st in self._reqs.values():
+            for i in range(st.first_load, st.first_load + st.num_load):
+                if i < len(st.block_ids) and st.block_ids[i] in bad:
+                    st.load_failed += st.first_load + st.num_load - i
+                    st.num_load = i - st.first_load
+                    break
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        # Saves happen inside the step (wait_for_save), so the blocks can be freed now.
+        return False, {PARAMS_KEY: {"loaded_blocks": st.num_load,
+                                    "cached_blocks": st.first_load,
+                                    "failed_blocks": st.load_failed,
+                                    "saved_blocks": st.saved}}
+
+    # --------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        def layer_no(name: str) -> tuple[int, str]:
+            m = re.search(r"\.(\d+)\.", name)
+            return (int(m.group(1)) if m else -1, name)
+
+        self._layers = [kv_caches[n] for n in sorted(kv_caches, key=layer_no)]
+        per_layer = sum(self._block_view(t, 0).numel() * t.element_size()
+                        for t in self._layers[:1])
+        if per_layer * len(self._layers) != self.slot_bytes:
+            raise ValueError(f"arena slot is {self.slot_bytes} bytes but one engine block is "
+                             f"{per_layer} x {len(self._layers)} layers")
+        self._layer_bytes = per_layer
+        self._arena = np.memmap(self.arena_path, dtype=np.uint8, mode="r+",
+                                shape=(self.num_slots, self.slot_bytes))
+
+    @staticmethod
+    def _block_view(t: torch.Tensor, block: int) -> torch.Tensor:
+        # CPU attention keeps [num_blocks, kv_heads, block_size, 2*head]: one block is
+        # contiguous. Layouts with K and V split in front ([2, num_blocks, ...]) too.
+        return t[block] if t.shape[0] != 2 else t[:, block]
+
+    def _copy_in(self, block: int, slot: int) -> None:
+        assert self._arena is not None
+        src = self._arena[slot]
+        lb = self._layer_bytes
+        for li, t in enumerate(self._layers):
+            dst = self._block_view(t, block)
+            flat = torch.from_numpy(np.asarray(src[li * lb:(li + 1) * lb]))
+            if dst.is_contiguous():
+                dst.view(-1).view(torch.uint8).copy_(flat)
+            else:
+                dst.copy_(flat.view(t.dtype).view(dst.shape))
+
+    def _copy_out(self, block: int, slot: int) -> None:
+        assert self._arena is not None
+        dst = self._arena[slot]
+        lb = self._layer_bytes
+        for li, t in enumerate(self._layers):
+            src = self._block_view(t, block).contiguous()
+            dst[li * lb:(li + 1) * lb] = src.view(-1).view(torch.uint8).numpy()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CpdConnectorMetadata)
+        for block, slot, ck in meta.loads:
+            assert self._arena is not None
+            if ck and checksum(self._arena[slot]) != ck:
+                self._load_errors.add(block)  # vLLM recomputes it
+                continue
+            self._copy_in(block, slot)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # all layers are saved together in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CpdConnectorMetadata)
+        for block, slot in meta.saves:
+            self._copy_out(block, slot)
+        if meta.saves and self._arena is not None:
+            self._arena.flush()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

