@@ -41,6 +41,9 @@ log = telemetry.get_logger("cpd.kvstore")
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+SealItem = bytes | tuple[bytes, int] | tuple[bytes, int, int] | tuple[bytes, int, int, int]
+"""What :meth:`BlockStore.seal` takes per block (see there)."""
+
 # The lazy LRU heap is rebuilt once stale entries outnumber live blocks by this factor.
 _HEAP_SLACK = 4
 
@@ -280,26 +283,28 @@ class BlockStore:
         for ns, hs in by_ns.items():
             self._emit(wire.BlocksWriting, ns, "hashes", hs)
 
-    def seal(self, items: Iterable[bytes | tuple[bytes, int] | tuple[bytes, int, int]]
-             ) -> list[wire.BlockSeal]:
-        """Seal written blocks: ``hash``, ``(hash, nbytes)`` or ``(hash, nbytes, expected)``.
+    def seal(self, items: Iterable[SealItem]) -> list[wire.BlockSeal]:
+        """Seal written blocks: ``hash``, ``(hash, nbytes)``, ``(hash, nbytes, expected)``
+        or ``(hash, nbytes, expected, digest)``.
 
-        The checksum (xxh3-64 of the first ``nbytes`` of the slot; the whole slot by
-        default) is computed here. With ``expected`` (bytes pulled from a peer) a
-        mismatch fails that block and raises :class:`~cpd.errors.ChecksumMismatch` after
-        sealing the others.
+        The checksum is xxh3-64 of the first ``nbytes`` of the slot (the whole slot by
+        default), computed here unless ``digest`` says what the caller computed over those
+        bytes (the receive path hashes each block as it lands, while it is in cache). With
+        ``expected`` (bytes that came from a peer) a mismatch fails that block and raises
+        :class:`~cpd.errors.ChecksumMismatch` after sealing the others.
         """
         seals: dict[str, list[wire.BlockSeal]] = defaultdict(list)
         bad: list[bytes] = []
         out: list[wire.BlockSeal] = []
         for item in items:
-            h, nbytes, expected = _seal_item(item, self.slot_bytes)
+            h, nbytes, expected, digest = _seal_item(item, self.slot_bytes)
             entry = self._entries.get(h)
             if entry is None or entry.state is BlockState.SEALED:
                 raise ValueError(f"block {h.hex()} is not being written")
             if not 0 <= nbytes <= self.slot_bytes:
                 raise ValueError(f"nbytes {nbytes} outside a slot of {self.slot_bytes}")
-            digest = checksum(self.arena[entry.slot, :nbytes])
+            if digest is None:
+                digest = checksum(self.arena[entry.slot, :nbytes])
             if expected is not None and digest != expected:
                 bad.append(h)
                 continue
@@ -343,6 +348,21 @@ class BlockStore:
             done += 1
         self._flush_evictions()
         return done
+
+    def take_slots(self, count: int) -> list[int]:
+        """Borrow ``count`` free slots that belong to no block (evicting if needed), e.g.
+        to land bytes that turned out to be redundant; give them back with
+        :meth:`return_slots`. Raises :class:`~cpd.errors.ArenaFull`."""
+        while len(self._free) < count:
+            if not self._evict_one():
+                self._flush_evictions()
+                raise ArenaFull(f"no {count} spare slots")
+        self._flush_evictions()
+        return [self._free.pop() for _ in range(count)]
+
+    def return_slots(self, slots: Iterable[int]) -> None:
+        """Give back slots borrowed with :meth:`take_slots`."""
+        self._free.extend(slots)
 
     # -------------------------------------------------------------------- pins, leases
 
@@ -512,13 +532,12 @@ class BlockStore:
         return order
 
 
-def _seal_item(item: bytes | tuple[Any, ...], default_nbytes: int
-               ) -> tuple[bytes, int, int | None]:
+def _seal_item(item: SealItem, default_nbytes: int
+               ) -> tuple[bytes, int, int | None, int | None]:
     if isinstance(item, bytes | bytearray):
-        return bytes(item), default_nbytes, None
-    if len(item) == 2:
-        return item[0], item[1], None
-    return item[0], item[1], item[2]
+        return bytes(item), default_nbytes, None, None
+    padded = (*item, None, None)
+    return padded[0], padded[1], padded[2], padded[3]
 
 
 def _chunked(cls: type[wire.KvEvent], node: str, tier: wire.Tier, namespace: str, field: str,
@@ -577,8 +596,7 @@ class KvStore:
         finally:
             await self.flush()
 
-    async def seal(self, items: Iterable[bytes | tuple[bytes, int] | tuple[bytes, int, int]]
-                   ) -> list[wire.BlockSeal]:
+    async def seal(self, items: Iterable[SealItem]) -> list[wire.BlockSeal]:
         try:
             return self.store.seal(items)
         finally:
@@ -593,6 +611,13 @@ class KvStore:
     async def evict(self, count: int) -> int:
         try:
             return self.store.evict(count)
+        finally:
+            await self.flush()
+
+    async def take_slots(self, count: int) -> list[int]:
+        """:meth:`BlockStore.take_slots`, publishing the evictions it caused."""
+        try:
+            return self.store.take_slots(count)
         finally:
             await self.flush()
 

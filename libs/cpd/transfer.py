@@ -34,6 +34,7 @@ import os
 import struct
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,8 @@ def ucx_options(settings: DataPlaneSettings) -> dict[str, str]:
 
 
 _ucx_configured: dict[str, str] | None = None
+_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ProgressDriver] = (
+    weakref.WeakKeyDictionary())
 
 
 def init_ucx(settings: DataPlaneSettings) -> None:
@@ -112,12 +115,14 @@ def init_ucx(settings: DataPlaneSettings) -> None:
     context is created). Later calls with other options log a warning and change nothing.
     """
     global _ucx_configured
-    asyncio.get_running_loop()  # ucxx ties its progress to the loop current at init
+    loop = asyncio.get_running_loop()  # ucxx ties its progress to the loop current at init
     options = ucx_options(settings)
     if _ucx_configured is not None:
         if options != _ucx_configured:
             log.warning("UCX already initialised with other options", active=_ucx_configured,
                         wanted=options)
+        if settings.ucx_progress_mode == "blocking":
+            _drive_progress(loop)
         return
     # ucxx sets variables UCX itself does not know (UCX_MEMTYPE_CACHE) and UCX warns on
     # each; keep the logs clean unless the operator asked otherwise.
@@ -130,6 +135,83 @@ def init_ucx(settings: DataPlaneSettings) -> None:
     except RuntimeError:
         log.warning("UCX was initialised before cpd.transfer.init_ucx; options not applied")
     _ucx_configured = options
+    if settings.ucx_progress_mode == "blocking":
+        _drive_progress(loop)
+
+
+def _drive_progress(loop: asyncio.AbstractEventLoop) -> _ProgressDriver | None:
+    """The progress driver of ``loop``'s UCX worker (installed on first use)."""
+    driver = _drivers.get(loop)
+    if driver is not None:
+        return driver
+    import ucxx
+
+    ucxx.continuous_ucx_progress(loop)  # ucxx's own tasks: its 1 s safety net stays
+    try:
+        worker = ucxx.core._get_ctx().worker
+        fd = worker.epoll_file_descriptor
+    except AttributeError:  # another ucxx layout: keep its own progress
+        log.warning("cannot drive UCX progress on this ucxx version; using its own")
+        return None
+    driver = _drivers[loop] = _ProgressDriver(worker, fd, loop)
+    return driver
+
+
+class _ProgressDriver:
+    """Progresses the UCX worker of one event loop in "blocking" mode.
+
+    ucxx 0.52's blocking mode registers a reader on the worker's epoll fd that calls
+    ``progress()`` but never ``arm()`` again after the first wake-up, so later events go
+    unsignalled and progress falls back to a one-second timer: transfers crawl or miss
+    their deadline. Instead:
+
+    * idle: the canonical UCX loop — progress until ``arm()`` succeeds, sleep in epoll;
+    * while this process has transfers in flight (:meth:`busy`): poll the worker on
+      every event-loop turn, because requests posted after arming (a receive matching
+      an already-arrived rendezvous, a send queued behind another) need progress that no
+      fd event announces. That costs CPU only while bytes move.
+    """
+
+    def __init__(self, worker: Any, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        self._busy = 0
+        self._pump: asyncio.Task[None] | None = None
+        loop.add_reader(fd, self.on_event)  # replaces ucxx's reader on the same fd
+        self.on_event()
+
+    def on_event(self) -> None:
+        while True:
+            self.worker.progress()
+            if self._busy or self.worker.arm():  # arm False: more events; progress again
+                return
+
+    @contextlib.asynccontextmanager
+    async def busy(self) -> AsyncIterator[None]:
+        """Poll the worker for as long as the body runs."""
+        self._busy += 1
+        if self._pump is None or self._pump.done():
+            self._pump = self.loop.create_task(self._run_pump(), name="ucx-progress-pump")
+        try:
+            yield
+        finally:
+            self._busy -= 1
+
+    async def _run_pump(self) -> None:
+        while self._busy:
+            self.worker.progress()
+            await asyncio.sleep(0)
+        self.on_event()  # re-arm before going idle
+
+
+@contextlib.asynccontextmanager
+async def _progress_while_busy() -> AsyncIterator[None]:
+    driver = _drivers.get(asyncio.get_running_loop())
+    if driver is None:
+        yield
+        return
+    async with driver.busy():
+        yield
 
 
 def active_transports() -> set[str]:
@@ -172,9 +254,11 @@ async def _all_or_abort(coros: Sequence[Awaitable[Any]], on_error: Callable[[], 
                         ) -> list[Any]:
     """Run ``coros`` together; on the first failure call ``on_error`` (abort the
     endpoint, which cancels the UCX requests), then reap the rest and re-raise."""
+    if not coros:
+        return []
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t for t in done if not t.cancelled() and t.exception()), None)
         if failed is None:
             return [t.result() for t in tasks]
@@ -254,6 +338,7 @@ class TransferServer:
         self.port = 0
         self._listener: Any = None
         self._eps: set[Any] = set()
+        self._serving: set[asyncio.Task[Any]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._conn_ids = itertools.count(1)
         self._slots = asyncio.Semaphore(settings.max_server_transfers)
@@ -284,18 +369,22 @@ class TransferServer:
         return self
 
     async def close(self) -> None:
-        """Stop listening and drop every connection (in-flight transfers fail)."""
+        """Drop every connection (in-flight transfers fail) and stop listening."""
+        for ep in list(self._eps):
+            _abort(ep, self.settings)
+        tasks = [*self._serving, *self._tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for ep in list(self._eps):
-            _abort(ep, self.settings)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, ep: Any) -> None:
         conn_id = next(self._conn_ids)
+        me = asyncio.current_task()
+        if me is not None:
+            self._serving.add(me)
         self._eps.add(ep)
         buf = bytearray(self._cap)  # per connection, reused for every header
         mine: set[asyncio.Task[Any]] = set()
@@ -316,6 +405,7 @@ class TransferServer:
             log.debug("transfer connection closed", conn=conn_id, reason=repr(e))
         finally:
             self._eps.discard(ep)
+            self._serving.discard(me)  # type: ignore[arg-type]
             _abort(ep, self.settings)
             for task in mine:
                 task.cancel()
@@ -328,9 +418,11 @@ class TransferServer:
         outcome = "ok"
         try:
             if isinstance(msg, wire.BlockGet):
-                nbytes = await self._handle_get(ep, conn_id, msg)
+                async with _progress_while_busy():
+                    nbytes = await self._handle_get(ep, conn_id, msg)
             elif isinstance(msg, wire.BlockPut):
-                nbytes = await self._handle_put(ep, msg)
+                async with _progress_while_busy():
+                    nbytes = await self._handle_put(ep, msg)
             else:
                 log.warning("unexpected message on the data plane", kind=op)
                 outcome = "invalid"
@@ -363,7 +455,8 @@ class TransferServer:
             await self._reply_error(ep, x, 0, e)
             raise
         if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
-            err = InvalidRequest(f"{len(hashes)} blocks; 1..{self.settings.max_blocks_per_transfer}")
+            err = InvalidRequest(
+                f"{len(hashes)} blocks; 1..{self.settings.max_blocks_per_transfer}")
             await self._reply_error(ep, x, 0, err)
             raise err
         timeout = self._timeout(req.timeout_ms)
@@ -378,8 +471,13 @@ class TransferServer:
             self.store.pin(lease, hashes, timeout)
             try:
                 entries = [self.store.get(h) for h in hashes]
+                namespaces = {e.namespace for e in entries}
+                if len(namespaces) != 1:
+                    err = InvalidRequest("one get carries blocks of one namespace")
+                    await self._reply_error(ep, x, 0, err)
+                    raise err
                 await self._reply(ep, x, 0, wire.BlockReply(
-                    xfer_id=x, namespace=req.namespace,
+                    xfer_id=x, namespace=namespaces.pop(),
                     blocks=[e.ref for e in entries], seals=[e.seal for e in entries]))
                 await _all_or_abort(
                     [self._send_block(ep, xfer_tag(x, 2 + i), self.store.arena[e.slot, :e.nbytes])
@@ -412,6 +510,7 @@ class TransferServer:
             raise err
         timeout = self._timeout(req.timeout_ms)
         new: list[tuple[int, Any]] = []
+        received = 0
         try:
             async with asyncio.timeout(timeout), self._slots:
                 try:
@@ -430,6 +529,7 @@ class TransferServer:
                     lambda: _abort(ep, self.settings))
                 items = [(e.hash, req.seals[i].nbytes, req.seals[i].checksum, d)
                          for (i, e), d in zip(new, digests, strict=True)]
+                received = sum(req.seals[i].nbytes for i, _ in new)
                 new = []  # from here on the store owns their fate (seal or fail)
                 try:
                     await self.kv.seal(items)
@@ -440,7 +540,7 @@ class TransferServer:
         finally:
             if new:
                 await self.kv.fail([e.hash for _, e in new], "transfer aborted")
-        return sum(req.seals[i].nbytes for i, _ in enumerate(req.seals))
+        return received
 
     @staticmethod
     async def _recv_block(ep: Any, tag: int, view: np.ndarray) -> int:
@@ -517,7 +617,7 @@ class TransferClient:
                                          f"{s.nbytes}")
             return views
 
-        reply, digests = await self._get(address, hashes, namespace, timeout_s, targets, None)
+        reply, digests = await self._get(address, hashes, namespace, timeout_s, targets)
         bad = [s.hash for s, d in zip(reply.seals, digests, strict=True) if s.checksum != d]
         if bad:
             raise ChecksumMismatch(f"{len(bad)} of {len(hashes)} blocks from "
@@ -538,6 +638,7 @@ class TransferClient:
         if not wanted:
             return []
         allocated: list[bytes] = []
+        scratch: list[int] = []
 
         async def targets(reply: wire.BlockReply) -> list[np.ndarray]:
             if any(s.nbytes > store.store.slot_bytes for s in reply.seals):
@@ -545,18 +646,21 @@ class TransferClient:
             entries = await store.allocate(reply.namespace, reply.blocks)
             allocated.extend(e.hash for e in entries if e is not None)
             await store.begin_write(allocated)
-            # A block that appeared locally meanwhile is received into a free slot of the
-            # arena's scratch... there is none: receive it over its own copy instead.
-            return [store.store.view(r.hash) if e is not None else _discard_view(store, s)
-                    for r, s, e in zip(reply.blocks, reply.seals, entries, strict=True)]
+            # A block another pull brought in meanwhile is still on its way here: it lands
+            # in a spare slot of the arena that goes straight back to the free list.
+            scratch.extend(await store.take_slots(sum(e is None for e in entries)))
+            spare = iter(scratch)
+            return [store.store.slot_view(e.slot if e is not None else next(spare))
+                    for e in entries]
 
         try:
-            reply, digests = await self._get(address, wanted, namespace, timeout_s, targets,
-                                             store)
+            reply, digests = await self._get(address, wanted, namespace, timeout_s, targets)
         except BaseException:
             if allocated:
                 await store.fail(allocated, "transfer failed")
             raise
+        finally:
+            store.store.return_slots(scratch)
         mine = set(allocated)
         items = [(s.hash, s.nbytes, s.checksum, d)
                  for s, d in zip(reply.seals, digests, strict=True) if s.hash in mine]
@@ -579,7 +683,7 @@ class TransferClient:
             namespaces = {e.namespace for e in entries if e is not None}
             if len(namespaces) != 1:
                 raise InvalidRequest("one put carries blocks of one namespace")
-            return await self._put(address, entries, namespaces.pop(), timeout)
+            return await self._put(address, store.store, entries, namespaces.pop(), timeout)
         finally:
             store.unpin(lease)
 
@@ -653,7 +757,7 @@ class TransferClient:
         try:
             async with self._permit() as buf:
                 try:
-                    async with asyncio.timeout(timeout):
+                    async with asyncio.timeout(timeout), _progress_while_busy():
                         return await body(buf, connect)  # type: ignore[arg-type]
                 except TimeoutError:
                     outcome = "timeout"
@@ -668,10 +772,12 @@ class TransferClient:
                     outcome = "peer_gone"
                     self._drop(conn)
                     raise PeerGone(f"{op} from {address.decode()}: {e!r}") from e
+                except _CleanFailure as e:
+                    outcome = e.error.code.value
+                    raise e.error from None
                 except CpdError as e:
                     outcome = e.code.value
-                    if getattr(e, "_abort", True):
-                        self._drop(conn)
+                    self._drop(conn)
                     raise
                 except BaseException:
                     outcome = "cancelled"
@@ -682,8 +788,8 @@ class TransferClient:
 
     async def _get(self, address: bytes, hashes: Sequence[bytes], namespace: str,
                    timeout_s: float | None,
-                   targets: Callable[[wire.BlockReply], Awaitable[list[np.ndarray]]],
-                   _store: KvStore | None) -> tuple[wire.BlockReply, list[int]]:
+                   targets: Callable[[wire.BlockReply], Awaitable[list[np.ndarray]]]
+                   ) -> tuple[wire.BlockReply, list[int]]:
         if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
             raise InvalidRequest(f"{len(hashes)} blocks in one get; "
                                  f"1..{self.settings.max_blocks_per_transfer}")
@@ -697,7 +803,7 @@ class TransferClient:
                                 namespace=namespace, timeout_ms=int(timeout * 1000))
             reply = await self._exchange_header(conn, buf, req, x)
             if not reply.ok:
-                raise _clean(_reply_error(reply))  # nothing follows: keep the connection
+                raise _reply_error(reply)  # nothing follows: keep the connection
             if [r.hash for r in reply.blocks] != list(hashes) or len(reply.seals) != len(hashes):
                 raise MalformedMessage("get reply does not match the request")
             views = await targets(reply)
@@ -714,8 +820,8 @@ class TransferClient:
         self._metrics.bytes.add(nbytes, {"op": "get"})
         return reply, digests
 
-    async def _put(self, address: bytes, entries: Sequence[Any], namespace: str,
-                   timeout: float) -> int:
+    async def _put(self, address: bytes, store: BlockStore, entries: Sequence[Any],
+                   namespace: str, timeout: float) -> int:
         t0 = time.perf_counter()
         sent = 0
 
@@ -728,13 +834,12 @@ class TransferClient:
                                 seals=seals, timeout_ms=int(timeout * 1000))
             ready = await self._exchange_header(conn, buf, req, x)
             if not ready.ok:
-                raise _clean(_reply_error(ready))
+                raise _reply_error(ready)
             if len(ready.accepted) != len(entries):
                 raise MalformedMessage("put go-ahead does not match the request")
             final_recv = asyncio.ensure_future(conn.ep.recv(buf, tag=xfer_tag(x, 1)))
             try:
                 send = [i for i, flag in enumerate(ready.accepted) if flag]
-                store = self._store_of(entries)
                 await _all_or_abort(
                     [conn.ep.send(store.arena[entries[i].slot, :entries[i].nbytes],
                                   tag=xfer_tag(x, 2 + i)) for i in send],
@@ -746,7 +851,7 @@ class TransferClient:
                     await asyncio.gather(final_recv, return_exceptions=True)
             final = _check_reply(_unframe(buf, wire.BlockReply), x)
             if not final.ok:
-                raise _clean(_reply_error(final))
+                raise _reply_error(final)
             sent = sum(entries[i].nbytes for i in send)
             return len(send)
 
@@ -755,5 +860,33 @@ class TransferClient:
         self._metrics.bytes.add(sent, {"op": "put"})
         return count
 
-    def _store_of(self, entries: Sequence[Any]) -> BlockStore:
-        return self._put_store  # set by put() for the duration of the exchange
+
+class _CleanFailure(Exception):
+    """A typed error the peer reported in a header: nothing else is in flight, so the
+    connection stays usable."""
+
+    def __init__(self, error: CpdError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _reply_error(reply: wire.BlockReply) -> _CleanFailure:
+    msg = reply.message
+    if reply.missing:
+        msg += f" (missing {', '.join(h.hex() for h in wire.split_hashes(reply.missing)[:4])})"
+    return _CleanFailure(error_from_wire(reply.code, msg, False))
+
+
+def _check_reply(reply: wire.BlockReply, xfer_id: int) -> wire.BlockReply:
+    if reply.xfer_id != xfer_id:
+        raise MalformedMessage(f"reply for transfer {reply.xfer_id} on the tag of {xfer_id}")
+    return reply
+
+
+def _byte_view(buf: Any) -> np.ndarray:
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if arr.dtype != np.uint8:
+        arr = arr.view(np.uint8)
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError("destination buffers must be writable and contiguous")
+    return arr.reshape(-1)

@@ -47,7 +47,7 @@ def main(model_cache: str, arena_path: str) -> None:
                 "cached_tokens": out.num_cached_tokens}
 
     arena = np.memmap(arena_path, dtype=np.uint8, mode="r+", shape=(slots, slot_bytes))
-    results = {"plain": gen(prompt), "save": gen(prompt + [], {"save": [0, 1, 2, 3, 4]})}
+    results = {"plain": gen(prompt), "save": gen(prompt, {"save": [0, 1, 2, 3, 4]})}
     llm.reset_prefix_cache()  # from here on only the arena holds the prompt's KV
     cks = [checksum(arena[i]) for i in range(5)]
     results["slots_written"] = [bool(arena[i].any()) for i in range(6)]
