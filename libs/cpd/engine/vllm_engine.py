@@ -1,0 +1,106 @@
+"""The vLLM engine behind a CPD worker: ``AsyncLLM`` with CPD's KV connector.
+
+Integrated only through public extension points: engine arguments, the connector module
+path, and ``kv_transfer_params`` on each request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from cpd import wire
+from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
+
+from .connector import PARAMS_KEY
+from .protocol import ArenaSpec, EngineRequest, EngineStep
+
+
+class VllmEngine:
+    """One vLLM engine (its EngineCore runs in a child process)."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], *, block_size: int,
+                 arena: ArenaSpec | None, dtype: str = "float32",
+                 prefix_caching: bool = True, max_model_len: int | None = None,
+                 kv_cache_gib: int = 1) -> None:
+        self.model_dir = Path(model_dir)
+        self.block_size = block_size
+        self.arena = arena
+        self.dtype = dtype
+        self.prefix_caching = prefix_caching
+        self._max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self._llm: Any = None
+
+    @property
+    def max_model_len(self) -> int:
+        assert self._llm is not None, "start() first"
+        return self._llm.vllm_config.model_config.max_model_len
+
+    def engine_args(self) -> dict[str, Any]:
+        """Arguments for ``AsyncEngineArgs`` (also used by the GPU check script)."""
+        args = engine_kwargs(self.model_dir, dtype=self.dtype,
+                             prefix_caching=self.prefix_caching,
+                             max_model_len=self._max_model_len)
+        args["block_size"] = self.block_size
+        args["disable_log_stats"] = True
+        if self.arena is not None:
+            from vllm.config import KVTransferConfig
+
+            args["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="CpdConnector", kv_connector_module_path="cpd.engine.connector",
+                kv_role="kv_both",
+                # A block that fails its checksum is recomputed, never served or fatal.
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"arena_path": self.arena.path,
+                                           "num_slots": self.arena.num_slots,
+                                           "slot_bytes": self.arena.slot_bytes})
+        return args
+
+    async def start(self) -> None:
+        prepare_cpu_env(self.kv_cache_gib)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s: wire.SamplingParams = request.sampling
+        extra = None
+        if request.load_slots or request.save_slots:
+            extra = {"kv_transfer_params": {PARAMS_KEY: {
+                "load": list(request.load_slots), "load_checksums": list(request.load_checksums),
+                "save": list(request.save_slots)}}}
+        params = SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA, extra_args=extra)
+        async for out in self._llm.generate({"prompt_token_ids": list(request.tokens)},
+                                            params, request.request_id):
+            comp = out.outputs[0] if out.outputs else None
+            step = EngineStep(token_ids=list(comp.token_ids) if comp else [],
+                              finished=out.finished,
+                              finish_reason=comp.finish_reason if comp else None,
+                              prompt_tokens=len(request.tokens),
+                              cached_tokens=out.num_cached_tokens or 0)
+            info = (out.kv_transfer_params or {}).get(PARAMS_KEY)
+            if info:
+                step.gpu_blocks = info.get("cached_blocks", 0)
+                step.loaded_blocks = info.get("loaded_blocks", 0)
+                step.failed_blocks = info.get("failed_blocks", 0)
+                step.saved_blocks = info.get("saved_blocks", 0)
+            yield step
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None

@@ -1,0 +1,56 @@
+"""Drives cpd.engine.vllm_engine.VllmEngine (AsyncLLM + CPD's connector) on the local
+model and prints JSON results (a subprocess of tests/test_vllm_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import numpy as np
+
+
+async def run(model_cache: str, arena_path: str) -> dict:
+    from cpd import wire
+    from cpd.engine import ArenaSpec, EngineRequest
+    from cpd.engine.connector import checksum
+    from cpd.engine.vllm_engine import VllmEngine
+    from cpd.modelbuild import PRESETS, build
+
+    folder = build("tiny", model_cache)
+    bs, slots = 256, 8
+    slot_bytes = bs * PRESETS["tiny"].kv_bytes_per_token()
+    arena = np.memmap(arena_path, dtype=np.uint8, mode="w+", shape=(slots, slot_bytes))
+    engine = VllmEngine(folder, block_size=bs, arena=ArenaSpec(arena_path, slots, slot_bytes))
+    await engine.start()
+    prompt = np.random.default_rng(3).integers(0, 1900, size=3 * bs + 5).tolist()
+    greedy = wire.SamplingParams(max_tokens=10, ignore_eos=True)
+
+    async def gen(rid: str, **kw: object) -> dict:
+        steps = [s async for s in engine.generate(EngineRequest(rid, prompt, greedy, **kw))]
+        last = steps[-1]
+        return {"tokens": [t for s in steps for t in s.token_ids], "steps": len(steps),
+                "finished": last.finished, "reason": last.finish_reason,
+                "cached": last.cached_tokens, "loaded": last.loaded_blocks,
+                "saved": last.saved_blocks}
+
+    out = {"max_model_len": engine.max_model_len, "plain": await gen("a")}
+    out["save"] = await gen("b", save_slots=[0, 1, 2])
+    await engine._llm.reset_prefix_cache()
+    cks = [checksum(arena[i]) for i in range(3)]
+    out["load"] = await gen("c", load_slots=[0, 1, 2], load_checksums=cks)
+    # Abort: the stream ends early and the engine keeps serving.
+    long = wire.SamplingParams(max_tokens=2000, ignore_eos=True)
+    got = 0
+    async for step in engine.generate(EngineRequest("d", prompt, long)):
+        got += len(step.token_ids)
+        if got >= 3:
+            await engine.abort("d")
+    out["aborted_tokens"] = got
+    out["after_abort"] = await gen("e")
+    await engine.stop()
+    return out
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(asyncio.run(run(sys.argv[1], sys.argv[2]))))
