@@ -57,3 +57,28 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     so CI reuses what ``make test`` built)."""
     env = os.environ.get("CPD_TEST_MODEL_CACHE")
     return Path(env).expanduser() if env else tmp_path_factory.mktemp("models")
+
+
+def run_engine_helper(script: str, model_cache: Path, name: str) -> dict:
+    """Run ``tests/helpers/<script>`` (vLLM needs a ``__main__`` of its own) with a fresh
+    shared-memory arena path, and return the JSON it prints after ``RESULT``."""
+    import json
+    import subprocess
+
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    arena = shm / f"cpd-test-{name}-{os.getpid()}"
+    try:
+        out = subprocess.run([PYTHON, str(ROOT / "tests" / "helpers" / script),
+                              str(model_cache), str(arena)],
+                             capture_output=True, text=True, timeout=540)
+    finally:
+        arena.unlink(missing_ok=True)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, out.stdout[-3000:] + out.stderr[-5000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="session")
+def engine_helper() -> object:
+    """:func:`run_engine_helper`, for tests' own module-scoped fixtures."""
+    return run_engine_helper

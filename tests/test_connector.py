@@ -3,28 +3,15 @@ and the GPU prefix cache in front of the arena, all with outputs identical to a 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-HELPER = Path(__file__).parent / "helpers" / "connector_check.py"
-
 
 @pytest.fixture(scope="module")
-def results(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    arena = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
-    path = arena / f"cpd-test-arena-{tmp_path_factory.getbasetemp().name}"
-    try:
-        out = subprocess.run([sys.executable, str(HELPER), str(model_cache), str(path)],
-                             capture_output=True, text=True, timeout=540)
-    finally:
-        path.unlink(missing_ok=True)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, out.stdout[-3000:] + out.stderr[-5000:]
-    return json.loads(line[len("RESULT "):])
+def results(model_cache: Path, engine_helper: Callable[..., dict]) -> dict:
+    return engine_helper("connector_check.py", model_cache, "connector")
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -3,29 +3,17 @@ through the arena with identical outputs, and aborts cleanly."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-HELPER = Path(__file__).parent / "helpers" / "engine_check.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def results(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
-    path = shm / f"cpd-test-engine-{tmp_path_factory.getbasetemp().name}"
-    try:
-        out = subprocess.run([sys.executable, str(HELPER), str(model_cache), str(path)],
-                             capture_output=True, text=True, timeout=540)
-    finally:
-        path.unlink(missing_ok=True)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, out.stdout[-3000:] + out.stderr[-5000:]
-    return json.loads(line[len("RESULT "):])
+def results(model_cache: Path, engine_helper: Callable[..., dict]) -> dict:
+    return engine_helper("engine_check.py", model_cache, "engine")
 
 
 def test_streams_deltas_to_the_end(results: dict) -> None:
