@@ -78,7 +78,11 @@ def cmd_nats(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from .cluster import run_cluster
 
-    return run_cluster(_settings(args), port=args.port)
+    counts = {}
+    for item in args.count or []:
+        name, _, n = item.partition("=")
+        counts[name] = int(n)
+    return run_cluster(_settings(args), port=args.port, only=args.only, counts=counts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the whole system on the embedded default")
     up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")
+    up.add_argument("--only", action="append", metavar="SERVICE",
+                    help="start only these services (repeatable); default: all")
+    up.add_argument("--count", action="append", metavar="SERVICE=N",
+                    help="instances of a service, e.g. prefill=2 (repeatable)")
     up.set_defaults(func=cmd_up)
     return p
 

@@ -98,7 +98,7 @@ async def wait_ready(url: str, service: str, node_id: str, timeout: float) -> No
 
 def run_cluster(settings: Settings, port: int | None = None, *,
                 counts: dict[str, int] | None = None, log_dir: str | None = None,
-                ready_timeout: float = 180.0) -> int:
+                only: list[str] | None = None, ready_timeout: float = 300.0) -> int:
     """Run until interrupted; returns the exit code."""
     telemetry.setup("cluster", settings.telemetry)
     logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
@@ -115,7 +115,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         base_env = {**os.environ, "CPD_NATS__URL": server.url}
-        for service in available_services():
+        for service in [x for x in available_services() if not only or x in only]:
             for i in range((counts or {}).get(service, 1)):
                 node_id = f"{service}-{i}"
                 proc = Proc(service, node_id, logs / f"{node_id}.log",

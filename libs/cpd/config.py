@@ -141,7 +141,8 @@ class DataPlaneSettings(_Section):
     # Deadline of one transfer when the caller gives none; a paused peer is only ever
     # detected by it.
     transfer_timeout_s: Positive = 10.0
-    connect_timeout_s: Positive = 5.0
+    # One connection handshake; attempts repeat until the transfer's deadline.
+    connect_timeout_s: Positive = 2.0
     # How long aborting an endpoint may wait for UCX to tear it down.
     abort_wait_s: Positive = 0.1
     # Default lease of blocks pinned for a pull (until the puller acks or it expires).
@@ -155,7 +156,11 @@ class DataPlaneSettings(_Section):
     ucx_shm_error_handling: bool = True
     # ucxx defaults rendezvous staging buffers to CUDA memory; the arena is host memory.
     ucx_rndv_frag_mem_type: Literal["host", "cuda"] = "host"
-    # "blocking" wakes the asyncio loop on UCX events (no spinning thread on small hosts).
+    # "blocking": UCX progresses on the event loop (cpd.transfer re-arms it correctly);
+    # fastest and the only mode whose peer-failure tests are stable here, but ucxx waits
+    # on requests by yielding in a loop, so a server with open connections keeps its event
+    # loop busy. "thread": UCX in its own thread, idle at zero CPU, but reconnects after a
+    # peer died mid-transfer can stall (docs/benchmarks.md, data plane section).
     ucx_progress_mode: Literal["blocking", "thread", "thread-polling", "polling"] = "blocking"
     # Measured-bandwidth estimate (EWMA); transfers smaller than the minimum measure latency.
     bandwidth_ewma_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
@@ -164,6 +169,22 @@ class DataPlaneSettings(_Section):
     def __post_init__(self) -> None:
         if "tcp" not in [t.strip() for t in self.ucx_tls.split(",")]:
             raise ValueError("dataplane.ucx_tls must include tcp")
+
+
+class WorkerSettings(_Section):
+    """Pre-prefill, prefill and decode workers (DESIGN.md §2-3)."""
+
+    # The block arena is a shared-memory file the engine's KV connector maps too.
+    arena_dir: str = "/dev/shm"
+    # vLLM-CPU's own paged KV cache (GiB; VLLM_CPU_KVCACHE_SPACE).
+    engine_kv_cache_gib: PositiveInt = 1
+    load_report_interval_s: Positive = 0.15
+    # How long the prefill side waits for a decode node to accept a hand-off.
+    handoff_timeout_s: Positive = 5.0
+    # Requests a worker holds (running or queued) before it refuses more as overloaded.
+    max_queued_requests: PositiveInt = 64
+    # Prefill cost seed until measured (ms per prompt token); the EWMA takes over.
+    initial_ms_per_token: Positive = 0.25
 
 
 class Settings(_Section):
@@ -178,6 +199,7 @@ class Settings(_Section):
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
     dataplane: DataPlaneSettings = msgspec.field(default_factory=DataPlaneSettings)
     kvindex: KvIndexSettings = msgspec.field(default_factory=KvIndexSettings)
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
 
     def __post_init__(self) -> None:
         if not self.node.node_id:

@@ -110,6 +110,13 @@ class StreamGap(CpdError):
     retryable = True
 
 
+class Unavailable(CpdError):
+    """A needed service or capacity is not there right now; retry later."""
+
+    code = ErrorCode.UNAVAILABLE
+    retryable = True
+
+
 class ConfigError(CpdError):
     """Settings that fail validation; the message names the offending setting."""
 
@@ -127,22 +134,7 @@ class RemoteError(CpdError):
         super().__init__(message, code=code, retryable=retryable)
 
 
-_BY_CODE: dict[ErrorCode, type[CpdError]] = {
-    cls.code: cls
-    for cls in (MalformedMessage, SchemaVersionError, UnknownKind, PayloadTooLarge,
-                InvalidRequest, NoResponders, RequestTimeout, Overloaded, StreamGap, ConfigError)
-}
 
-
-def error_from_wire(code: str, message: str, retryable: bool) -> CpdError:
-    """Rebuild the most specific local exception for an error received over the wire."""
-    try:
-        cls = _BY_CODE.get(ErrorCode(code))
-    except ValueError:
-        cls = None
-    if cls is None:
-        return RemoteError(code, message, retryable)
-    return cls(message, retryable=retryable)
 
 
 class WrongKind(CpdError):
@@ -196,4 +188,22 @@ class ArenaFull(CpdError):
     retryable = True
 
 
-_BY_CODE.update({cls.code: cls for cls in (PeerGone, BlockEvicted, ChecksumMismatch)})
+# Built last so every class above can be in it; one class per code (the most general).
+_BY_CODE: dict[ErrorCode, type[CpdError]] = {
+    cls.code: cls
+    for cls in (MalformedMessage, SchemaVersionError, UnknownKind, PayloadTooLarge,
+                NoResponders, RequestTimeout, Overloaded, StreamGap, ConfigError,
+                PromptTooLong, UnknownNamespace, InvalidRequest, PeerGone, BlockEvicted,
+                ChecksumMismatch, Unavailable)
+}
+
+
+def error_from_wire(code: str, message: str, retryable: bool) -> CpdError:
+    """Rebuild the most specific local exception for an error received over the wire."""
+    try:
+        cls = _BY_CODE.get(ErrorCode(code))
+    except ValueError:
+        cls = None
+    if cls is None:
+        return RemoteError(code, message, retryable)
+    return cls(message, retryable=retryable)

@@ -232,13 +232,18 @@ class BlockStore:
 
     # ----------------------------------------------------------------------- lifecycle
 
-    def allocate(self, namespace: str, refs: Sequence[wire.BlockRef]) -> list[BlockEntry | None]:
+    def allocate(self, namespace: str, refs: Sequence[wire.BlockRef], *,
+                 slots: Sequence[int] | None = None) -> list[BlockEntry | None]:
         """Give each new block a slot (ALLOCATED); ``None`` for blocks already held.
 
         Evicts least-recently-used evictable blocks when the free list runs out; all or
         nothing: raises :class:`~cpd.errors.ArenaFull` (keeping what it evicted) when the
-        batch cannot fit. A block's parent in the same batch counts as present.
+        batch cannot fit. A block's parent in the same batch counts as present. With
+        ``slots`` (borrowed through :meth:`take_slots`, one per ref) block ``i`` takes
+        ``slots[i]`` instead; the slots of blocks already held stay with the caller.
         """
+        if slots is not None and len(slots) != len(refs):
+            raise ValueError("one borrowed slot per block")
         if len({r.hash for r in refs}) != len(refs):
             raise ValueError("duplicate block hash in one allocation")
         for r in refs:
@@ -257,15 +262,20 @@ class BlockStore:
             self._add(entry)
             new.append(entry)
             result.append(entry)
-        while len(self._free) < len(new):
+        while slots is None and len(self._free) < len(new):
             if not self._evict_one():
                 for entry in reversed(new):
                     self._remove(entry)
                 self._flush_evictions()
                 raise ArenaFull(f"{len(new)} blocks do not fit: {len(self._free)} free slots "
                                 f"and nothing evictable")
-        for entry in new:
-            entry.slot = self._free.pop()
+        if slots is None:
+            for entry in new:
+                entry.slot = self._free.pop()
+        else:
+            for entry, ref, slot in zip(result, refs, slots, strict=True):
+                if entry is not None and ref.hash == entry.hash:
+                    entry.slot = slot
         self._flush_evictions()
         if new:
             self._emit(wire.BlocksAllocated, namespace, "blocks", [e.ref for e in new])
@@ -582,11 +592,11 @@ class KvStore:
                 self.store.requeue_events(events[i:])
                 raise
 
-    async def allocate(self, namespace: str, refs: Sequence[wire.BlockRef]
-                       ) -> list[BlockEntry | None]:
+    async def allocate(self, namespace: str, refs: Sequence[wire.BlockRef], *,
+                       slots: Sequence[int] | None = None) -> list[BlockEntry | None]:
         """:meth:`BlockStore.allocate`, then publish (evictions, allocations)."""
         try:
-            return self.store.allocate(namespace, refs)
+            return self.store.allocate(namespace, refs, slots=slots)
         finally:
             await self.flush()
 

@@ -53,6 +53,11 @@ def kv_reannounce(node: str) -> str:
     return f"{PREFIX}.kv.reannounce.{check_token(node, 'node id')}"
 
 
+def pull_ack(node: str) -> str:
+    """Subject a decode node acks a finished pull on, to the node that pinned the blocks."""
+    return f"{PREFIX}.kv.ack.{check_token(node, 'node id')}"
+
+
 def heartbeat(node: str) -> str:
     """Subject a node publishes its heartbeat (lease renewal) on."""
     return f"{PREFIX}.node.heartbeat.{check_token(node, 'node id')}"

@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import os
 import struct
+import threading
 import time
 import uuid
 import weakref
@@ -131,12 +132,27 @@ def init_ucx(settings: DataPlaneSettings) -> None:
 
     try:
         ucxx.init(options=options, progress_mode=settings.ucx_progress_mode,
+                  enable_python_future=settings.ucx_progress_mode.startswith("thread"),
                   connect_timeout=settings.connect_timeout_s)
     except RuntimeError:
         log.warning("UCX was initialised before cpd.transfer.init_ucx; options not applied")
     _ucx_configured = options
+    # ucxx's notifier thread (thread modes) is not a daemon: without a stop, interpreter
+    # exit waits for it forever. This hook runs before non-daemon threads are joined.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(shutdown_ucx)
     if settings.ucx_progress_mode == "blocking":
         _drive_progress(loop)
+
+
+def shutdown_ucx() -> None:
+    """Stop ucxx's notifier thread (idempotent); call before the process exits."""
+    if _ucx_configured is None:
+        return
+    import ucxx
+
+    ucxx.stop_notifier_thread()
 
 
 def _drive_progress(loop: asyncio.AbstractEventLoop) -> _ProgressDriver | None:
@@ -610,14 +626,10 @@ class TransferClient:
             raise ValueError("one destination buffer per block")
         views = [_byte_view(d) for d in dests]
 
-        async def targets(reply: wire.BlockReply) -> list[np.ndarray]:
-            for v, s in zip(views, reply.seals, strict=True):
-                if v.nbytes < s.nbytes:
-                    raise InvalidRequest(f"destination of {v.nbytes} bytes for a block of "
-                                         f"{s.nbytes}")
-            return views
+        async def accept(reply: wire.BlockReply) -> None:
+            return None
 
-        reply, digests = await self._get(address, hashes, namespace, timeout_s, targets)
+        reply, digests = await self._get(address, hashes, namespace, timeout_s, views, accept)
         bad = [s.hash for s, d in zip(reply.seals, digests, strict=True) if s.checksum != d]
         if bad:
             raise ChecksumMismatch(f"{len(bad)} of {len(hashes)} blocks from "
@@ -637,30 +649,29 @@ class TransferClient:
         wanted = [h for h in hashes if h not in store.store]
         if not wanted:
             return []
+        # Landing slots are taken before asking, so the receives can be posted first;
+        # they become the blocks' slots once the reply says what the blocks are.
+        slots = await store.take_slots(len(wanted))
         allocated: list[bytes] = []
-        scratch: list[int] = []
+        given: set[int] = set()  # borrowed slots that became blocks' slots
 
-        async def targets(reply: wire.BlockReply) -> list[np.ndarray]:
-            if any(s.nbytes > store.store.slot_bytes for s in reply.seals):
-                raise InvalidRequest("peer block larger than a local slot")
-            entries = await store.allocate(reply.namespace, reply.blocks)
-            allocated.extend(e.hash for e in entries if e is not None)
+        async def accept(reply: wire.BlockReply) -> None:
+            entries = await store.allocate(reply.namespace, reply.blocks, slots=slots)
+            for e in entries:
+                if e is not None:
+                    allocated.append(e.hash)
+                    given.add(e.slot)
             await store.begin_write(allocated)
-            # A block another pull brought in meanwhile is still on its way here: it lands
-            # in a spare slot of the arena that goes straight back to the free list.
-            scratch.extend(await store.take_slots(sum(e is None for e in entries)))
-            spare = iter(scratch)
-            return [store.store.slot_view(e.slot if e is not None else next(spare))
-                    for e in entries]
 
         try:
-            reply, digests = await self._get(address, wanted, namespace, timeout_s, targets)
+            reply, digests = await self._get(address, wanted, namespace, timeout_s,
+                                             [store.store.slot_view(i) for i in slots], accept)
         except BaseException:
             if allocated:
                 await store.fail(allocated, "transfer failed")
             raise
         finally:
-            store.store.return_slots(scratch)
+            store.store.return_slots([i for i in slots if i not in given])
         mine = set(allocated)
         items = [(s.hash, s.nbytes, s.checksum, d)
                  for s, d in zip(reply.seals, digests, strict=True) if s.hash in mine]
@@ -712,11 +723,21 @@ class TransferClient:
             init_ucx(self.settings)
             import ucxx
 
-            try:
-                ep = await ucxx.create_endpoint(host, port,
-                                                connect_timeout=self.settings.connect_timeout_s)
-            except _ucx_error() as e:
-                raise PeerGone(f"cannot connect to {address.decode()}: {e}") from e
+            attempt = 0
+            while True:
+                # A connection attempt sometimes never completes its handshake (seen after
+                # a peer died mid-transfer); a fresh attempt does. The transfer's deadline
+                # bounds the retries.
+                attempt += 1
+                try:
+                    ep = await ucxx.create_endpoint(
+                        host, port, connect_timeout=self.settings.connect_timeout_s)
+                    break
+                except TimeoutError:
+                    log.info("UCX connect attempt timed out; retrying", peer=address.decode(),
+                             attempt=attempt)
+                except _ucx_error() as e:
+                    raise PeerGone(f"cannot connect to {address.decode()}: {e}") from e
             conn = _Conn(address, ep)
             self._conns[address] = conn
             return conn
@@ -787,9 +808,13 @@ class TransferClient:
             self._metrics.done(op, outcome, 0, time.perf_counter() - t0)
 
     async def _get(self, address: bytes, hashes: Sequence[bytes], namespace: str,
-                   timeout_s: float | None,
-                   targets: Callable[[wire.BlockReply], Awaitable[list[np.ndarray]]]
+                   timeout_s: float | None, landing: Sequence[np.ndarray],
+                   accept: Callable[[wire.BlockReply], Awaitable[None]]
                    ) -> tuple[wire.BlockReply, list[int]]:
+        """One get exchange. The receives are posted into ``landing`` (one view per block,
+        a block's bytes fill its prefix) *before* the request goes out, so the blocks
+        flow as soon as the peer sends them; ``accept`` vets the reply before any result
+        is used. Returns the reply and the xxh3-64 of each received block."""
         if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
             raise InvalidRequest(f"{len(hashes)} blocks in one get; "
                                  f"1..{self.settings.max_blocks_per_transfer}")
@@ -799,19 +824,40 @@ class TransferClient:
         async def body(buf: bytearray, connect: Callable[[], Awaitable[_Conn]]) -> Any:
             conn = await connect()
             x = next(conn.ids)
-            req = wire.BlockGet(xfer_id=x, hashes=wire.join_hashes(list(hashes)),
-                                namespace=namespace, timeout_ms=int(timeout * 1000))
-            reply = await self._exchange_header(conn, buf, req, x)
-            if not reply.ok:
-                raise _reply_error(reply)  # nothing follows: keep the connection
-            if [r.hash for r in reply.blocks] != list(hashes) or len(reply.seals) != len(hashes):
-                raise MalformedMessage("get reply does not match the request")
-            views = await targets(reply)
-            digests = await _all_or_abort(
-                [TransferServer._recv_block(conn.ep, xfer_tag(x, 2 + i), v[:s.nbytes])
-                 for i, (v, s) in enumerate(zip(views, reply.seals, strict=True))],
-                lambda: self._drop(conn))
-            return reply, digests
+            header: asyncio.Future[wire.BlockReply] = asyncio.get_running_loop().create_future()
+
+            async def land(i: int, view: np.ndarray) -> int:
+                await conn.ep.recv(view, tag=xfer_tag(x, 2 + i))
+                reply = await header
+                return checksum(view[:reply.seals[i].nbytes])  # while still in cache
+
+            async def exchange() -> None:
+                req = wire.BlockGet(xfer_id=x, hashes=wire.join_hashes(list(hashes)),
+                                    namespace=namespace, timeout_ms=int(timeout * 1000))
+                reply = await self._exchange_header(conn, buf, req, x)
+                if not reply.ok:
+                    raise _reply_error(reply)  # nothing follows: keep the connection
+                if ([r.hash for r in reply.blocks] != list(hashes)
+                        or len(reply.seals) != len(hashes)
+                        or any(s.nbytes > v.nbytes for s, v in zip(reply.seals, landing,
+                                                                    strict=True))):
+                    raise MalformedMessage("get reply does not match the request")
+                await accept(reply)
+                header.set_result(reply)
+
+            receives = [asyncio.ensure_future(land(i, v)) for i, v in enumerate(landing)]
+            try:
+                await exchange()
+            except BaseException:
+                # Even after a clean refusal the posted receives still point at our
+                # buffers: aborting the endpoint is what cancels them in UCX.
+                self._drop(conn)
+                for r in receives:
+                    r.cancel()
+                await asyncio.gather(*receives, return_exceptions=True)
+                raise
+            digests = await _all_or_abort(receives, lambda: self._drop(conn))
+            return header.result(), digests
 
         reply, digests = await self._guarded("get", address, timeout, body)
         nbytes = sum(s.nbytes for s in reply.seals)

@@ -120,6 +120,9 @@ class Route(msgspec.Struct, kw_only=True):
     tokens_dram: NonNegInt = 0
     tokens_remote: NonNegInt = 0
     tokens_computed: NonNegInt = 0
+    # The decode node's side of the hand-off: prompt tokens it pulled vs recomputed.
+    decode_tokens_pulled: NonNegInt = 0
+    decode_tokens_computed: NonNegInt = 0
 
 
 class Final(Message, tag="final", kw_only=True):
@@ -364,6 +367,13 @@ class DecodeRequest(Message, tag="decode", kw_only=True):
     trace: str = ""
 
 
+class Accepted(Message, tag="accepted", kw_only=True):
+    """A worker took a request it will answer on the request's own reply stream."""
+
+    request_id: str
+    node: str = ""
+
+
 class PullAck(Message, tag="pull_ack", kw_only=True):
     """Decode → prefill side: the pull of ``lease_id`` is done; unpin the blocks."""
 
@@ -424,7 +434,7 @@ AnyMessage = (
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
-    | PrefillRequest | DecodeRequest | PullAck
+    | PrefillRequest | DecodeRequest | Accepted | PullAck
     | BlockGet | BlockPut | BlockReply
 )
 

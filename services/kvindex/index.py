@@ -203,7 +203,12 @@ class Index:
         """Renew ``hb.node``'s lease (and register its namespace)."""
         ch = Changes()
         info = self.nodes.setdefault(hb.node, NodeInfo())
-        was_alive = info.alive(now) and info.live_epoch == hb.started_unix_ms
+        same_epoch = info.live_epoch == hb.started_unix_ms
+        # A lease of this incarnation ran out before this heartbeat: its blocks are (or
+        # are about to be) dropped, so the node must re-announce them.
+        lapsed = same_epoch and info.lease_until > 0 and not info.alive(now)
+        came_back = not (same_epoch and info.alive(now)) and \
+            info.expired_epoch == hb.started_unix_ms
         info.live_epoch = hb.started_unix_ms
         info.lease_ttl = hb.lease_ttl_ms / 1000.0
         info.lease_until = now + info.lease_ttl
@@ -217,8 +222,7 @@ class Index:
                     self.namespaces[spec.id] = spec
                 else:
                     ch.illegal.append(f"{hb.node}: namespace spec does not match its id")
-        # Its blocks were dropped (lease expiry, gap) while it lived on: ask for them again.
-        if info.needs_reannounce or (not was_alive and info.expired_epoch == hb.started_unix_ms):
+        if info.needs_reannounce or lapsed or came_back:
             ch.reannounce.add(hb.node)
             info.needs_reannounce = False
         return ch

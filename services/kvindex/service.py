@@ -274,6 +274,10 @@ class KvIndexService(Service):
         self.log.warning("kvindex.lease_expired", target=node, epoch=epoch)
         await self._send(subjects.KV_INVALIDATE,
                          wire.BlocksInvalidated(node=node, reason="lease expired"))
+        if self.index.nodes[node].alive(time.monotonic()):
+            # It heartbeated while the expiry was being stored: ask for its blocks now.
+            await self._send(subjects.kv_reannounce(node),
+                             wire.Reannounce(reason="lease expired; heartbeat resumed"))
 
     # ----------------------------------------------------------------- lookups
 

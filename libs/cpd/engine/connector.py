@@ -106,10 +106,11 @@ class CpdConnector(KVConnectorBase_V1):
                        prompt_blocks=request.num_prompt_tokens // bs)
         self._reqs[request.request_id] = st
         have = min(len(st.load_slots), prompt_blocks)
-        first = num_computed_tokens // bs
+        # Blocks below ``first`` are in vLLM's own prefix cache (the GPU tier).
+        st.first_load = first = num_computed_tokens // bs
         if have <= first:
             return 0, False
-        st.first_load, st.num_load = first, have - first
+        st.num_load = have - first
         return have * bs - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

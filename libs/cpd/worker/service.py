@@ -1,0 +1,468 @@
+"""The one worker base behind ``services/{preprefill,prefill,decode}`` (DESIGN.md §2-3).
+
+The role is configuration: prefill-side roles (``preprefill``, ``prefill``) serve
+``PrefillRequest``s, the ``decode`` role serves ``DecodeRequest``s. Both own:
+
+* a block arena in shared memory, managed by :class:`cpd.kvstore.KvStore` (lifecycle
+  events into ``CPD_KV``) and mapped by the engine's KV connector;
+* a UCX :class:`~cpd.transfer.TransferServer` (its address goes in the heartbeat) and a
+  :class:`~cpd.transfer.TransferClient` for pulls from peers;
+* heartbeats (the lease) and load reports.
+
+Prefill side: pull the planned prefix blocks from peers, pin what will be loaded, give
+every new full block an arena slot (write-through), run the engine for the first token,
+seal the new blocks, send the first token to the client, then hand the request to its
+decode node with the blocks pinned under a lease until decode acks the pull.
+
+Decode side: accept, pull the request's blocks from the prefill node (recompute whatever
+cannot be pulled), ack, and stream the rest of the tokens from prompt + first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from nats.aio.msg import Msg
+
+from cpd import kvevents, subjects, wire
+from cpd.bus import ReplyStream, Request, Service
+from cpd.config import Settings
+from cpd.engine import ArenaSpec, Engine, EngineRequest, EngineStep
+from cpd.errors import (
+    CpdError,
+    ErrorCode,
+    InvalidRequest,
+    Overloaded,
+    PromptTooLong,
+)
+from cpd.hashing import Namespace
+from cpd.kvstore import BlockState, BlockStore, KvStore, slot_bytes
+from cpd.modelbuild import RECIPE_VERSION, build, tokenizer_hash
+from cpd.transfer import TransferClient, TransferServer, init_ucx
+
+PREFILL_ROLES = ("preprefill", "prefill")
+
+
+class DecodeUnavailable(CpdError):
+    """No decode node accepted the hand-off."""
+
+    code = ErrorCode.UNAVAILABLE
+    retryable = True
+
+
+class WorkerService(Service):
+    """A pre-prefill, prefill or decode worker."""
+
+    def __init__(self, settings: Settings, role: str, *, engine: Engine | None = None,
+                 nats_url: str | None = None) -> None:
+        if role not in subjects.ROLES:
+            raise ValueError(f"unknown worker role {role!r}")
+        self.name = role
+        super().__init__(settings, nats_url=nats_url)
+        self.role = role
+        self.engine = engine
+        self.epoch = int(time.time() * 1000)
+        self.block_size = settings.cache.block_size
+        self.peers: dict[str, bytes] = {}
+        self.waiting = 0
+        self.queued_tokens = 0
+        self.in_flight = 0
+        self.ms_per_token = settings.worker.initial_ms_per_token
+        self._arena_path: Path | None = None
+        self._leases: dict[str, asyncio.TimerHandle] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def setup(self) -> None:
+        s = self.settings
+        folder = Path(s.model.path) if s.model.path else build(s.model.preset, s.model_cache_dir)
+        self.namespace = Namespace(
+            model_id=f"cpd-{s.model.preset}" if not s.model.path else folder.name,
+            model_revision=f"r{RECIPE_VERSION}", tokenizer_hash=tokenizer_hash(folder),
+            kv_dtype=s.model.dtype, block_size=self.block_size,
+            adapter_id=s.cache.adapter_id)
+        nbytes = slot_bytes(s)
+        num_slots = max(1, s.dataplane.arena_bytes // nbytes)
+        self._arena_path = Path(s.worker.arena_dir) / f"cpd-arena-{self.node_id}-{self.epoch}"
+        arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
+                          shape=(num_slots, nbytes))
+        js = self.bus.nc.jetstream()
+        await kvevents.ensure_stream(js)
+        self.kv = KvStore(BlockStore(nbytes, num_slots, node=self.node_id, arena=arena),
+                          kvevents.KvEventPublisher(js, self.node_id, epoch=self.epoch))
+        await self.kv.start(self.bus.nc, sweep_interval_s=s.dataplane.lease_sweep_interval_s)
+        init_ucx(s.dataplane)
+        self.server = await TransferServer(self.kv, s.dataplane).start()
+        self.client = TransferClient(s.dataplane)
+        if self.engine is None:
+            from cpd.engine.vllm_engine import VllmEngine
+
+            self.engine = VllmEngine(folder, block_size=self.block_size,
+                                     arena=ArenaSpec(str(self._arena_path), num_slots, nbytes),
+                                     dtype=s.model.dtype,
+                                     kv_cache_gib=s.worker.engine_kv_cache_gib)
+        await self.engine.start()
+        await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
+        if self.role in PREFILL_ROLES:
+            await self.bus.nc.subscribe(subjects.pull_ack(self.node_id), cb=self._on_pull_ack)
+            await self.add_endpoint("run", subjects.run(self.role, self.node_id),
+                                    self._on_prefill, expect=wire.PrefillRequest)
+        else:
+            await self.add_endpoint("run", subjects.run(self.role, self.node_id),
+                                    self._on_decode, expect=wire.DecodeRequest)
+        await self._heartbeat()
+        self.spawn(self._heartbeats(), "heartbeats")
+        self.spawn(self._load_reports(), "load-reports")
+
+    async def on_stop(self) -> None:
+        for handle in self._leases.values():
+            handle.cancel()
+        if self.engine is not None:
+            await self.engine.stop()
+        with contextlib.suppress(Exception):
+            await self.client.close()
+        with contextlib.suppress(Exception):
+            await self.server.close()
+        with contextlib.suppress(Exception):
+            await self.kv.close()
+        if self._arena_path is not None:
+            self._arena_path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------- liveness, load
+
+    def heartbeat_message(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            node=self.node_id, role=self.role, started_unix_ms=self.epoch,
+            lease_ttl_ms=int(self.settings.node.lease_ttl_s * 1000),
+            ucx_address=self.server.address, capacity_blocks=self.kv.store.num_slots,
+            namespace=self.namespace.id, namespace_spec=self.namespace.to_spec(),
+            version=self.version)
+
+    async def _heartbeat(self) -> None:
+        with contextlib.suppress(CpdError):
+            await self.bus.publish(subjects.heartbeat(self.node_id), self.heartbeat_message())
+
+    async def _heartbeats(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(self.settings.node.heartbeat_interval_s)
+            await self._heartbeat()
+
+    def load_report(self) -> wire.LoadReport:
+        st = self.kv.store
+        return wire.LoadReport(
+            node=self.node_id, role=self.role, queue_depth=self.waiting,
+            queued_new_tokens=self.queued_tokens,
+            est_queue_ms=self.queued_tokens * self.ms_per_token, in_flight=self.in_flight,
+            dram_used_bytes=st.used_bytes, dram_total_bytes=st.total_bytes,
+            kv_bandwidth_gbps=self.client.meter.gbps)
+
+    async def _load_reports(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(self.settings.worker.load_report_interval_s)
+            with contextlib.suppress(CpdError):
+                await self.bus.publish(subjects.load(self.role, self.node_id),
+                                       self.load_report())
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        with contextlib.suppress(CpdError):
+            hb = wire.decode(msg.data, wire.Heartbeat)
+            if hb.ucx_address:
+                self.peers[hb.node] = hb.ucx_address
+
+    # ----------------------------------------------------------------- prefill
+
+    async def _on_prefill(self, req: wire.PrefillRequest, r: Request) -> None:
+        # The router names the client's inbox; a direct caller gets its own request's.
+        req.reply_to = req.reply_to or r.reply_to
+        if not req.reply_to:
+            raise InvalidRequest("prefill request without a reply inbox")
+        out = ReplyStream(self.bus, req.reply_to, req.request_id)
+        try:
+            await self._prefill(req, out)
+        except BaseException as e:
+            await out.error(e)
+            if not isinstance(e, Exception):
+                raise
+
+    def _admit(self, prompt_tokens: int, max_tokens: int, deadline_ms: int) -> None:
+        """Refuse, with a typed error, what this worker cannot or should not take."""
+        assert self.engine is not None
+        if prompt_tokens < 1:
+            raise InvalidRequest("empty prompt")
+        if prompt_tokens + max_tokens > self.engine.max_model_len:
+            raise PromptTooLong(f"{prompt_tokens} prompt + {max_tokens} new tokens exceed "
+                                f"the model's {self.engine.max_model_len}")
+        if deadline_ms and time.time() * 1000 > deadline_ms:
+            raise CpdError("deadline passed before the work started",
+                           code=ErrorCode.DEADLINE_EXCEEDED)
+        if self.waiting + self.in_flight >= self.settings.worker.max_queued_requests:
+            raise Overloaded(f"{self.node_id} holds {self.waiting + self.in_flight} requests")
+
+    async def _prefill(self, req: wire.PrefillRequest, out: ReplyStream) -> None:
+        t0 = time.perf_counter()
+        tokens = wire.unpack_tokens(req.tokens).tolist()
+        hashes = wire.split_hashes(req.block_hashes)
+        self._admit(len(tokens), req.sampling.max_tokens, req.deadline_unix_ms)
+        if len(hashes) != len(tokens) // self.block_size:
+            raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
+        self.waiting += 1
+        self.queued_tokens += len(tokens)
+        try:
+            loaded, remote = await self._gather_prefix(req, hashes)
+            t_load = time.perf_counter()
+            step, saved = await self._run_prefill(req, tokens, hashes, loaded)
+        finally:
+            self.waiting -= 1
+            self.queued_tokens -= len(tokens)
+        t_done = time.perf_counter()
+        computed = len(tokens) - step.cached_tokens
+        if computed > 0:  # EWMA of this node's prefill speed: the router's queue estimate
+            self.ms_per_token = 0.8 * self.ms_per_token + 0.2 * (
+                (t_done - t_load) * 1e3 / computed)
+        first = step.token_ids[0]
+        await out.tokens([first])
+        bs = self.block_size
+        route = wire.Route(**{**_route_fields(req.route), "prefill_node": self.node_id,
+                              "tokens_gpu": step.gpu_blocks * bs,
+                              "tokens_dram": (step.loaded_blocks - remote) * bs,
+                              "tokens_remote": remote * bs,
+                              "tokens_computed": computed})
+        timings = wire.Timings(load_ms=(t_load - t0) * 1e3, prefill_ms=(t_done - t_load) * 1e3,
+                               ttft_ms=(t_done - t0) * 1e3)
+        if step.finished and (req.sampling.max_tokens <= 1 or step.finish_reason == "stop"):
+            await out.final(finish_reason=step.finish_reason or "length",
+                            usage=wire.Usage(prompt_tokens=len(tokens), completion_tokens=1,
+                                             cached_tokens=step.cached_tokens),
+                            timings=timings, route=route)
+            return
+        await self._handoff(req, hashes, first, route, timings, out, saved)
+
+    async def _gather_prefix(self, req: wire.PrefillRequest,
+                             hashes: list[bytes]) -> tuple[list[bytes], int]:
+        """The sealed local blocks the engine will load, in chain order from block 0,
+        after pulling the planned remote runs; and how many of them came from peers."""
+        remote = 0
+        for src in sorted(req.sources, key=lambda x: x.first_block):
+            want = hashes[src.first_block:src.first_block + src.num_blocks]
+            if src.node == self.node_id or not want:
+                continue
+            address = self.peers.get(src.node)
+            if address is None:
+                self.log.warning("prefill.peer_unknown", peer=src.node)
+                break
+            try:
+                remote += len(await self.client.pull(address, want, self.kv,
+                                                     namespace=req.namespace))
+            except CpdError as e:  # peer gone, evicted, corrupt: recompute from here
+                self.log.warning("prefill.pull_failed", peer=src.node, error=e.code.value,
+                                 detail=e.message)
+                break
+        have: list[bytes] = []
+        for h in hashes:
+            entry = self.kv.store.get(h)
+            if entry is None or entry.state is not BlockState.SEALED:
+                break
+            have.append(h)
+        return have, min(remote, len(have))
+
+    async def _run_prefill(self, req: wire.PrefillRequest, tokens: list[int],
+                           hashes: list[bytes], loaded: list[bytes]
+                           ) -> tuple[EngineStep, list[bytes]]:
+        assert self.engine is not None
+        store = self.kv.store
+        lease = f"load-{req.request_id}-{uuid.uuid4().hex[:6]}"
+        if loaded:
+            self.kv.pin(lease, loaded, self.settings.dataplane.pin_ttl_s)
+        new_refs = [wire.BlockRef(h, hashes[i - 1] if i else b"", self.block_size)
+                    for i, h in enumerate(hashes) if h not in store]
+        entries = await self.kv.allocate(req.namespace, new_refs) if new_refs else []
+        fresh = [e for e in entries if e is not None]
+        if fresh:
+            await self.kv.begin_write([e.hash for e in fresh])
+        slot_of = {e.hash: e.slot for e in fresh}
+        save = [slot_of.get(h, -1) for h in hashes]
+        entries_loaded = [store.get(h) for h in loaded]
+        ereq = EngineRequest(
+            request_id=req.request_id, tokens=tokens,
+            sampling=_with_max_tokens(req.sampling, 1),
+            load_slots=[e.slot for e in entries_loaded if e is not None],
+            load_checksums=[e.checksum for e in entries_loaded if e is not None],
+            save_slots=save)
+        self.in_flight += 1
+        try:
+            step = EngineStep()
+            async for part in self.engine.generate(ereq):
+                step = part if part.finished else step
+                if part.token_ids and not step.token_ids:
+                    step.token_ids = part.token_ids
+            if not step.token_ids:
+                raise CpdError("engine produced no token", code=ErrorCode.INTERNAL)
+        except BaseException:
+            if fresh:
+                await self.kv.fail([e.hash for e in fresh], "prefill failed")
+            raise
+        finally:
+            self.in_flight -= 1
+            if loaded:
+                self.kv.unpin(lease)
+        saved = [e.hash for e in fresh]
+        if saved:
+            await self.kv.seal([(h, store.slot_bytes) for h in saved])
+        return step, saved
+
+    async def _handoff(self, req: wire.PrefillRequest, hashes: list[bytes], first: int,
+                       route: wire.Route, timings: wire.Timings, out: ReplyStream,
+                       saved: list[bytes]) -> None:
+        """Pin the request's blocks and give it to its decode node."""
+        store = self.kv.store
+        held = []
+        for h in hashes:
+            e = store.get(h)
+            if e is None or e.state is not BlockState.SEALED:
+                break
+            held.append(h)
+        lease = f"handoff-{req.request_id}-{uuid.uuid4().hex[:6]}"
+        ttl = self.settings.dataplane.pin_ttl_s
+        if held:
+            self.kv.pin(lease, held, ttl)
+            self._leases[lease] = asyncio.get_running_loop().call_later(
+                ttl, self._leases.pop, lease, None)
+        dreq = wire.DecodeRequest(
+            request_id=req.request_id, reply_to=req.reply_to, tokens=req.tokens,
+            first_token=first, sampling=req.sampling, namespace=req.namespace,
+            block_hashes=b"".join(held), source_node=self.node_id, lease_id=lease,
+            deadline_unix_ms=req.deadline_unix_ms, seq_start=out.seq,
+            route=route, timings=timings, trace=req.trace)
+        try:
+            await self.bus.request(subjects.run("decode", req.decode_node), dreq,
+                                   expect=wire.Accepted,
+                                   timeout=self.settings.worker.handoff_timeout_s)
+        except CpdError as e:
+            self._release(lease)
+            raise DecodeUnavailable(f"decode node {req.decode_node} did not take the "
+                                    f"request: {e.message}") from e
+        out.closed = True  # decode owns the rest of the stream
+
+    def _release(self, lease: str) -> None:
+        handle = self._leases.pop(lease, None)
+        if handle is not None:
+            handle.cancel()
+        self.kv.unpin(lease)
+
+    async def _on_pull_ack(self, msg: Msg) -> None:
+        with contextlib.suppress(CpdError):
+            ack = wire.decode(msg.data, wire.PullAck)
+            self._release(ack.lease_id)
+
+    # ------------------------------------------------------------------ decode
+
+    async def _on_decode(self, req: wire.DecodeRequest, _: Request) -> wire.Accepted:
+        tokens = wire.unpack_tokens(req.tokens).tolist()
+        hashes = wire.split_hashes(req.block_hashes)
+        remaining = req.sampling.max_tokens - 1
+        if remaining < 1:
+            raise InvalidRequest("a hand-off needs at least one more token to generate")
+        self._admit(len(tokens) + 1, remaining, req.deadline_unix_ms)
+        self.spawn(self._decode(req, tokens, hashes, remaining), f"decode-{req.request_id}",
+                   background=False)
+        return wire.Accepted(request_id=req.request_id, node=self.node_id)
+
+    async def _decode(self, req: wire.DecodeRequest, tokens: list[int], hashes: list[bytes],
+                      remaining: int) -> None:
+        out = ReplyStream(self.bus, req.reply_to, req.request_id, seq_start=req.seq_start)
+        t0 = time.perf_counter()
+        try:
+            pulled_ok = True
+            address = self.peers.get(req.source_node)
+            if hashes and address is not None:
+                try:
+                    await self.client.pull(address, hashes, self.kv, namespace=req.namespace)
+                except CpdError as e:  # recompute what could not be pulled
+                    pulled_ok = False
+                    self.log.warning("decode.pull_failed", peer=req.source_node,
+                                     error=e.code.value, detail=e.message)
+            with contextlib.suppress(CpdError):
+                await self.bus.publish(subjects.pull_ack(req.source_node), wire.PullAck(
+                    request_id=req.request_id, lease_id=req.lease_id, ok=pulled_ok))
+            t_pull = time.perf_counter()
+            full = [*tokens, req.first_token]
+            usable = (len(full) - 1) // self.block_size
+            have = []
+            for h in hashes[:usable]:
+                e = self.kv.store.get(h)
+                if e is None or e.state is not BlockState.SEALED:
+                    break
+                have.append(e)
+            lease = f"decode-{req.request_id}-{uuid.uuid4().hex[:6]}"
+            if have:
+                self.kv.pin(lease, [e.hash for e in have], self.settings.dataplane.pin_ttl_s)
+            assert self.engine is not None
+            ereq = EngineRequest(request_id=req.request_id, tokens=full,
+                                 sampling=_with_max_tokens(req.sampling, remaining),
+                                 load_slots=[e.slot for e in have],
+                                 load_checksums=[e.checksum for e in have])
+            self.in_flight += 1
+            generated = 1
+            last = EngineStep()
+            try:
+                async for step in self.engine.generate(ereq):
+                    if step.token_ids:
+                        generated += len(step.token_ids)
+                        await out.tokens(step.token_ids)
+                    last = step
+            finally:
+                self.in_flight -= 1
+                if have:
+                    self.kv.unpin(lease)
+            t_end = time.perf_counter()
+            route = wire.Route(**{**_route_fields(req.route), "decode_node": self.node_id,
+                                  "decode_tokens_pulled": last.loaded_blocks * self.block_size,
+                                  "decode_tokens_computed": len(full) - last.cached_tokens})
+            timings = wire.Timings(**{**_timing_fields(req.timings),
+                                      "handoff_ms": (t_pull - t0) * 1e3,
+                                      "decode_ms": (t_end - t_pull) * 1e3})
+            await out.final(finish_reason=last.finish_reason or "length",
+                            usage=wire.Usage(prompt_tokens=len(tokens),
+                                             completion_tokens=generated,
+                                             cached_tokens=req.route.tokens_gpu
+                                             + req.route.tokens_dram + req.route.tokens_remote),
+                            timings=timings, route=route)
+        except Exception as e:
+            self.log.warning("decode.failed", error=repr(e))
+            await out.error(e)
+
+
+def _with_max_tokens(s: wire.SamplingParams, n: int) -> wire.SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(s, max_tokens=n)
+
+
+def _route_fields(r: wire.Route) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(r)
+
+
+def _timing_fields(t: wire.Timings) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(t)
+
+
+def run_worker(role: str) -> None:
+    """Entry point of ``python -m services.<role>``."""
+    from cpd import telemetry
+    from cpd.bus import run_service
+    from cpd.config import load_settings
+
+    settings = load_settings()
+    telemetry.setup(role, settings.telemetry)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.worker.engine_kv_cache_gib))
+    run_service(WorkerService(settings, role))

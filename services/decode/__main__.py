@@ -1,0 +1,6 @@
+"""``python -m services.decode``: one decode worker until SIGTERM/SIGINT."""
+
+from cpd.worker import run_worker
+
+if __name__ == "__main__":
+    run_worker("decode")

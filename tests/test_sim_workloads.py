@@ -1,0 +1,139 @@
+"""Workloads: the coding-agent generator (deterministic, growing warm sessions, cold
+starts, bursty arrivals at the target rate), Mooncake replay, open-loop Poisson."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpd.sim.workloads import (
+    CodingAgentConfig,
+    WorkloadRequest,
+    block_token_ids,
+    coding_agent,
+    mooncake,
+    poisson,
+    poisson_arrivals,
+)
+
+pytestmark = pytest.mark.timeout(30)
+TRACES = Path("/work/shared/traces/mooncake")
+# Small contexts so the tests can materialize every prompt.
+SMALL = CodingAgentConfig(qps=2.0, duration_s=120.0, ramp_s=10.0, repo_min_tokens=2_000,
+                          repo_max_tokens=6_000, system_tokens=300, step_min_tokens=100,
+                          step_max_tokens=400, mean_turns=5.0, seed=7)
+
+
+def test_block_tokens_depend_on_the_id_only() -> None:
+    a = block_token_ids([5, 9], 16, vocab=1000)
+    b = block_token_ids([9, 5], 16, vocab=1000)
+    assert a.dtype == np.uint32 and len(a) == 32 and a.max() < 1000
+    assert np.array_equal(a[:16], b[16:]) and np.array_equal(a[16:], b[:16])
+    assert not np.array_equal(a[:16], a[16:])
+
+
+def test_coding_agent_is_deterministic_by_seed() -> None:
+    assert coding_agent(SMALL) == coding_agent(SMALL)
+    other = coding_agent(CodingAgentConfig(**{**SMALL.__dict__, "seed": 8}))
+    assert other != coding_agent(SMALL)
+
+
+def test_sessions_grow_and_each_turn_extends_the_last() -> None:
+    reqs = coding_agent(SMALL)
+    sessions: dict[str, list[WorkloadRequest]] = defaultdict(list)
+    for r in reqs:
+        sessions[r.session_id].append(r)
+    multi = [s for s in sessions.values() if len(s) > 2]
+    assert len(multi) > 5
+    system = None
+    for turns in multi:
+        assert [t.turn for t in turns] == list(range(len(turns)))
+        prev = turns[0].token_ids()
+        # A first turn holds the system prompt, the repository and a first step.
+        assert len(prev) >= SMALL.system_tokens + SMALL.repo_min_tokens - SMALL.block_tokens
+        head = prev[:SMALL.system_tokens]
+        assert system is None or np.array_equal(head, system)  # shared by all sessions
+        system = head
+        for t in turns[1:]:
+            cur = t.token_ids()
+            assert t.arrival_s > turns[0].arrival_s
+            grew = len(cur) - len(prev)
+            assert SMALL.step_min_tokens + SMALL.output_min_tokens - 2 <= grew
+            assert np.array_equal(cur[:len(prev)], prev)  # warm: the last prompt is a prefix
+            prev = cur
+    # Different sessions have different repositories: only the system prompt is shared.
+    firsts = [s[0].token_ids() for s in multi[:2]]
+    start = SMALL.system_tokens + SMALL.block_tokens
+    assert not np.array_equal(firsts[0][start:start + 64], firsts[1][start:start + 64])
+
+
+def test_default_agent_matches_the_paper_scenario() -> None:
+    cfg = CodingAgentConfig(duration_s=300.0)
+    reqs = coding_agent(cfg)
+    assert reqs == sorted(reqs, key=lambda r: (r.arrival_s, r.request_id))
+    first = [r.prompt_len for r in reqs if r.turn == 0]
+    assert min(first) >= cfg.repo_min_tokens and max(first) <= cfg.max_context_tokens
+    assert all(r.prompt_len <= cfg.max_context_tokens for r in reqs)
+    # Mostly warm: new (cold) sessions are a small share of requests.
+    cold_share = len(first) / len(reqs)
+    assert 0.03 < cold_share < 0.2
+    # After the ramp and the first sessions' lifetime, the rate is near the target.
+    steady = [r for r in reqs if 120 <= r.arrival_s < 300]
+    assert 0.8 * cfg.qps < len(steady) / 180 < 1.2 * cfg.qps
+    # Bursty: per-second counts are over-dispersed compared with Poisson (var = mean).
+    counts = np.bincount([int(r.arrival_s) for r in steady])
+    assert counts.var() > 1.3 * counts.mean()
+
+
+def test_mooncake_replay_maps_hash_ids_to_tokens(tmp_path: Path) -> None:
+    rows = [{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]},
+            {"timestamp": 2000, "input_length": 1100, "output_length": 0,
+             "hash_ids": [0, 1, 2]},
+            {"timestamp": 4000, "input_length": 10, "output_length": 3, "hash_ids": [3]}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reqs = mooncake(path, time_scale=2.0)
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0, 2.0]
+    assert [r.prompt_len for r in reqs] == [700, 1100, 10]
+    assert reqs[1].output_len == 1  # at least one output token
+    a, b = reqs[0].token_ids(), reqs[1].token_ids()
+    assert np.array_equal(a, b[:700])              # same hash ids -> same tokens
+    assert not np.array_equal(b[1024:1034], reqs[2].token_ids())
+    later = mooncake(path, start_s=1.0)
+    assert [r.arrival_s for r in later] == [1.0, 3.0]
+    big = mooncake(path, block_tokens=1024)  # each hash id stands for 1024 tokens
+    assert np.array_equal(big[0].token_ids()[:512], a[:512])  # first tokens of id 0
+    assert not np.array_equal(big[1].token_ids()[1024:1100], b[1024:1100])
+    with pytest.raises(ValueError, match="cannot cover"):
+        mooncake(path, block_tokens=256)
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="Mooncake traces not present")
+def test_mooncake_real_trace_shares_prefixes() -> None:
+    reqs = mooncake(TRACES / "conversation_trace.jsonl", limit=200)
+    assert len(reqs) == 200 and reqs[0].block_tokens == 512
+    assert all(len(r.block_ids) * 512 >= r.prompt_len for r in reqs)
+    # The trace's hash id 0 (a shared system prompt) starts many requests.
+    starts = [r for r in reqs if r.block_ids[0] == reqs[0].block_ids[0] and r.prompt_len >= 512]
+    assert len(starts) > 10
+    assert np.array_equal(starts[0].token_ids()[:512], starts[1].token_ids()[:512])
+
+
+def test_poisson_rate_and_mix() -> None:
+    times = poisson_arrivals(5.0, 400.0, seed=1)
+    assert np.all(np.diff(times) > 0) and times[-1] < 400
+    assert 0.9 * 5 * 400 < len(times) < 1.1 * 5 * 400
+    assert np.array_equal(times, poisson_arrivals(5.0, 400.0, seed=1))
+    fresh = poisson(2.0, 50.0, seed=3, prompt_len=600, block_tokens=256)
+    assert all(r.prompt_len == 600 and len(r.block_ids) == 3 for r in fresh)
+    assert len({r.block_ids[0] for r in fresh}) == len(fresh)  # no shared prefix
+    mix = coding_agent(SMALL)[:3]
+    timed = poisson(1.0, 30.0, mix, seed=3)
+    assert [r.block_ids for r in timed[:4]] == [m.block_ids for m in [*mix, mix[0]]]
+    assert len({r.request_id for r in timed}) == len(timed)
+    with pytest.raises(ValueError):
+        poisson(0.0, 10.0)

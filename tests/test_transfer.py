@@ -1,0 +1,288 @@
+"""The UCX data plane between real processes: each peer is a separate Python process
+(tests/ucx_peer.py) serving deterministic blocks from its own arena; this process pulls,
+gets and puts over UCX and checks every byte, deadline and typed error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpd import wire
+from cpd.config import DataPlaneSettings, load_settings
+from cpd.errors import (
+    BlockEvicted,
+    ChecksumMismatch,
+    ConfigError,
+    MalformedMessage,
+    PeerGone,
+    TransferTimeout,
+)
+from cpd.kvstore import BlockStore, KvStore, checksum
+from cpd.transfer import BandwidthMeter, TransferClient, decode_address, encode_address
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ucx_peer import NAMESPACE, block_hash, block_payload, block_refs, parse_sizes
+
+PEER = Path(__file__).with_name("ucx_peer.py")
+MIXED = "1x1,4097x3,65536x8,1048576x6,8388608x2"  # 20 blocks, 1 B .. 8 MiB
+
+
+class Peer:
+    """One ucx_peer.py process."""
+
+    def __init__(self, *args: str, seed: int, sizes: str) -> None:
+        self.seed = seed
+        self.sizes = parse_sizes(sizes)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), "--seed", str(seed), "--sizes", sizes, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited with {self.proc.wait()}")
+        self.address = json.loads(line)["address"].encode()
+
+    def hashes(self, idx: list[int] | range) -> list[bytes]:
+        return [block_hash(self.seed, i) for i in idx]
+
+    def expected(self, i: int) -> np.ndarray:
+        return block_payload(self.seed, i, self.sizes[i])
+
+    async def next_line(self) -> dict:
+        assert self.proc.stdout is not None
+        line = await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline)
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait(5)
+
+
+@contextlib.contextmanager
+def peer(*args: str, seed: int, sizes: str) -> Iterator[Peer]:
+    p = Peer(*args, seed=seed, sizes=sizes)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def mixed() -> Iterator[Peer]:
+    with peer(seed=11, sizes=MIXED) as p:
+        yield p
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[TransferClient]:
+    c = TransferClient(DataPlaneSettings(max_concurrent_transfers=4))
+    yield c
+    await c.close()
+
+
+def local_store(slots: int, slot_bytes: int = 8 << 20) -> KvStore:
+    return KvStore(BlockStore(slot_bytes, slots, node="me"), None)
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batch", [[3], [0, 1, 2, 3], list(range(4, 12)),
+                                   [19, 0, 12, 5, 18], list(range(20))])
+async def test_get_into_is_byte_exact(mixed: Peer, client: TransferClient,
+                                      batch: list[int]) -> None:
+    dests = [np.full(mixed.sizes[i] + 3, 0xAB, np.uint8) for i in batch]  # oversized
+    got = await client.get_into(mixed.address, mixed.hashes(batch), dests)
+    for i, d, f in zip(batch, dests, got, strict=True):
+        n = mixed.sizes[i]
+        assert f.seal.nbytes == n and f.namespace == NAMESPACE
+        assert np.array_equal(d[:n], mixed.expected(i))
+        assert (d[n:] == 0xAB).all()  # nothing written past the block
+    assert [f.ref.hash for f in got] == mixed.hashes(batch)
+
+
+@pytest.mark.timeout(60)
+async def test_pull_into_the_local_store_is_byte_exact_and_sealed(
+        mixed: Peer, client: TransferClient) -> None:
+    kv = local_store(24)
+    idx = list(range(20))
+    seals = await client.pull(mixed.address, mixed.hashes(idx), kv, namespace=NAMESPACE)
+    assert len(seals) == 20
+    for i in idx:
+        e = kv.store.get(mixed.hashes([i])[0])
+        assert e.namespace == NAMESPACE and e.ref == block_refs(mixed.seed, 20)[i]
+        assert np.array_equal(kv.store.data(e.hash), mixed.expected(i))
+        assert e.checksum == checksum(mixed.expected(i))
+        assert np.shares_memory(kv.store.data(e.hash), kv.store.arena)
+    # Held blocks are not fetched again.
+    assert await client.pull(mixed.address, mixed.hashes(idx), kv) == []
+    # Events a kvindex would get: allocated, writing, sealed.
+    kinds = [e.__struct_config__.tag for e in kv.store.drain_events()]
+    assert kinds == []  # the KvStore wrapper drained them (publisher None drops them)
+
+
+@pytest.mark.timeout(90)
+async def test_many_concurrent_transfers_stay_correct(client: TransferClient) -> None:
+    with peer(seed=21, sizes="65536x64,262144x32") as a, \
+            peer(seed=22, sizes="131072x48,4096x16") as b:
+        rng = random.Random(5)
+        peak = 0
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, client.in_flight)
+                await asyncio.sleep(0)
+
+        async def one(p: Peer) -> None:
+            idx = rng.sample(range(len(p.sizes)), rng.randint(1, 24))
+            dests = [np.empty(p.sizes[i], np.uint8) for i in idx]
+            await client.get_into(p.address, p.hashes(idx), dests, timeout_s=30)
+            for i, d in zip(idx, dests, strict=True):
+                assert np.array_equal(d, p.expected(i))
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(one(a if k % 2 else b) for k in range(48)))
+        stop.set()
+        await watcher
+        assert 1 < peak <= 4  # concurrency was real and bounded
+        assert len(client._conns) == 2  # one reused connection per peer
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.timeout(60)
+async def test_peer_killed_mid_transfer_is_peer_gone_within_the_deadline(
+        client: TransferClient) -> None:
+    with peer("--stall-after", "5", seed=31, sizes="1048576x16") as p:
+        kv = local_store(16, 1 << 20)
+        task = asyncio.create_task(client.pull(p.address, p.hashes(range(16)), kv,
+                                               timeout_s=10))
+        assert (await p.next_line()) == {"stalled": True}  # 5 blocks sent, then stuck
+        t0 = time.monotonic()
+        os.kill(p.proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerGone):
+            await task
+        assert time.monotonic() - t0 < 5  # well within the 10 s deadline
+        # The half-received blocks were failed and their slots returned.
+        assert len(kv.store) == 0 and kv.store.free_slots == 16
+        # A later call to the dead address fails typed, within its own deadline.
+        t0 = time.monotonic()
+        with pytest.raises((PeerGone, TransferTimeout)):
+            await client.get_into(p.address, p.hashes([0]), [np.empty(1 << 20, np.uint8)],
+                                  timeout_s=2)
+        assert time.monotonic() - t0 < 3
+
+
+@pytest.mark.timeout(60)
+async def test_paused_peer_times_out_within_the_deadline(client: TransferClient) -> None:
+    with peer(seed=41, sizes="1048576x8") as p:
+        dests = [np.empty(1 << 20, np.uint8) for _ in range(8)]
+        await client.get_into(p.address, p.hashes(range(8)), dests)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=1.0)
+            elapsed = time.monotonic() - t0
+            assert 1.0 <= elapsed < 2.0
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        # The aborted connection was dropped; the resumed peer serves a fresh one.
+        dests[0][:] = 0
+        await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=10)
+        assert np.array_equal(dests[0], p.expected(0))
+
+
+@pytest.mark.timeout(60)
+async def test_evicted_block_is_a_typed_error_and_put_lands_byte_exact(
+        client: TransferClient) -> None:
+    # The peer's arena is full with one chain of 6 blocks; a put of 2 new blocks makes it
+    # evict the 2 youngest leaves of the chain (prefix-closed: from the tail).
+    with peer("--slots", "6", seed=51, sizes="65536x6") as p:
+        mine = local_store(4, 65536)
+        refs = block_refs(99, 2)
+        payloads = [block_payload(99, i, 65536) for i in range(2)]
+        await mine.write_blocks(NAMESPACE, refs, payloads)
+        assert await client.put(p.address, [r.hash for r in refs], mine) == 2
+        assert mine.store.leases() == []  # the local pin ended with the put
+        # Pushing again sends nothing: the peer holds them already.
+        assert await client.put(p.address, [r.hash for r in refs], mine) == 0
+        with pytest.raises(BlockEvicted):
+            await client.get_into(p.address, p.hashes([5]), [np.empty(65536, np.uint8)])
+        with pytest.raises(BlockEvicted):
+            await client.get_into(p.address, p.hashes([0, 4]),
+                                  [np.empty(65536, np.uint8) for _ in range(2)])
+        # The connection survives a clean error; the rest is intact.
+        dests = [np.empty(65536, np.uint8) for _ in range(4)]
+        await client.get_into(p.address, [*p.hashes([0, 3]), refs[0].hash, refs[1].hash],
+                              dests)
+        assert np.array_equal(dests[1], p.expected(3))
+        assert np.array_equal(dests[2], payloads[0]) and np.array_equal(dests[3], payloads[1])
+        # A namespace filter hides blocks of other namespaces.
+        with pytest.raises(BlockEvicted):
+            await client.get_into(p.address, p.hashes([0]), dests[:1], namespace="other")
+
+
+@pytest.mark.timeout(60)
+async def test_corrupted_block_is_detected_by_checksum(client: TransferClient) -> None:
+    with peer("--corrupt", "2", seed=61, sizes="65536x4") as p:
+        with pytest.raises(ChecksumMismatch):
+            await client.get_into(p.address, p.hashes(range(4)),
+                                  [np.empty(65536, np.uint8) for _ in range(4)])
+        kv = KvStore(BlockStore(65536, 4, node="me"), None)
+        with pytest.raises(ChecksumMismatch):
+            await client.pull(p.address, p.hashes(range(4)), kv)
+        held = {e.hash for e in kv.store.entries()}
+        assert held == set(p.hashes([0, 1, 3]))  # the bad block was failed, not sealed
+        assert kv.store.free_slots == 1
+
+
+# ------------------------------------------------------------------------- pure parts
+
+
+@pytest.mark.timeout(10)
+def test_bandwidth_meter_is_an_ewma_of_large_transfers() -> None:
+    m = BandwidthMeter(alpha=0.5, min_bytes=1000)
+    assert m.gbps == 0.0
+    m.record(100, 1e-6)  # tiny: latency, not bandwidth
+    assert m.gbps == 0.0 and m.total_bytes == 100
+    m.record(2_000_000_000, 1.0)
+    assert m.gbps == pytest.approx(2.0)
+    m.record(4_000_000_000, 1.0)
+    assert m.gbps == pytest.approx(3.0)
+    report = wire.LoadReport(node="n", role="prefill", kv_bandwidth_gbps=m.gbps)
+    assert wire.decode(wire.encode(report), wire.LoadReport).kv_bandwidth_gbps == 3.0
+
+
+@pytest.mark.timeout(10)
+def test_addresses_and_settings() -> None:
+    assert decode_address(encode_address("10.0.0.5", 4242)) == ("10.0.0.5", 4242)
+    for bad in (b"nohost", b"h:0", b":12", b"h:x"):
+        with pytest.raises(MalformedMessage):
+            decode_address(bad)
+    with pytest.raises(ConfigError):
+        load_settings(environ={"CPD_DATAPLANE__UCX_TLS": "posix,cma"})

