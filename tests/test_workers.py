@@ -116,12 +116,13 @@ async def _ask(c: dict, node: str, prompt: list[int],
     return tokens, msgs[-1]
 
 
-async def _visible_on(c: dict, prompt: list[int], node: str) -> int:
+async def _visible_on(c: dict, prompt: list[int], node: str,
+                      tier: wire.Tier = wire.Tier.DRAM) -> int:
     ns: Namespace = c["ns"]
     for _ in range(100):
         r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
             namespace=ns.id, block_hashes=block_hashes(ns, prompt)), expect=wire.LookupReply)
-        hit = {(m.node, m.tier): m.num_blocks for m in r.matches}.get((node, wire.Tier.DRAM), 0)
+        hit = {(m.node, m.tier): m.num_blocks for m in r.matches}.get((node, tier), 0)
         if hit:
             return hit
         await asyncio.sleep(0.1)
@@ -141,6 +142,8 @@ async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
     # 2. kvindex made pp0's blocks visible; a prompt sharing the prefix loads them
     #    from pp0's DRAM on the prefill node and computes only its own suffix.
     assert await _visible_on(cluster, b, "pp0") == 4
+    # vLLM's own KV events reached kvindex too: pp0's GPU prefix cache holds the prefix.
+    assert await _visible_on(cluster, b, "pp0", wire.Tier.GPU) == 4
     src = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0, num_blocks=4)
     tokens, final = await _ask(cluster, "p0", b, [src])
     assert tokens == reference["b"]

@@ -31,6 +31,8 @@ class EngineRequest:
     load_checksums: Sequence[int] = ()
     # Slot per prompt block index to write the block's KV into (-1: don't).
     save_slots: Sequence[int] = ()
+    # Isolates the engine's own prefix cache per tenant (vLLM's cache_salt).
+    cache_salt: str = ""
 
 
 @dataclass

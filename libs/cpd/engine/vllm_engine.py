@@ -24,7 +24,7 @@ class VllmEngine:
     def __init__(self, model_dir: str | os.PathLike[str], *, block_size: int,
                  arena: ArenaSpec | None, dtype: str = "float32",
                  prefix_caching: bool = True, max_model_len: int | None = None,
-                 kv_cache_gib: int = 1) -> None:
+                 kv_cache_gib: int = 1, kv_events_endpoint: str = "") -> None:
         self.model_dir = Path(model_dir)
         self.block_size = block_size
         self.arena = arena
@@ -32,6 +32,8 @@ class VllmEngine:
         self.prefix_caching = prefix_caching
         self._max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
+        # Where vLLM publishes its KV cache events (ZMQ), for cpd.engine.gpu_events.
+        self.kv_events_endpoint = kv_events_endpoint
         self._llm: Any = None
 
     @property
@@ -57,6 +59,12 @@ class VllmEngine:
                 kv_connector_extra_config={"arena_path": self.arena.path,
                                            "num_slots": self.arena.num_slots,
                                            "slot_bytes": self.arena.slot_bytes})
+        if self.kv_events_endpoint:
+            from vllm.config import KVEventsConfig
+
+            args["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq",
+                endpoint=self.kv_events_endpoint, topic="cpd")
         return args
 
     async def start(self) -> None:
@@ -80,8 +88,10 @@ class VllmEngine:
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
             output_kind=RequestOutputKind.DELTA, extra_args=extra)
-        async for out in self._llm.generate({"prompt_token_ids": list(request.tokens)},
-                                            params, request.request_id):
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.tokens)}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        async for out in self._llm.generate(prompt, params, request.request_id):
             comp = out.outputs[0] if out.outputs else None
             step = EngineStep(token_ids=list(comp.token_ids) if comp else [],
                               finished=out.finished,

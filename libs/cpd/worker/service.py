@@ -89,7 +89,13 @@ class WorkerService(Service):
             adapter_id=s.cache.adapter_id)
         nbytes = slot_bytes(s)
         num_slots = max(1, s.dataplane.arena_bytes // nbytes)
-        self._arena_path = Path(s.worker.arena_dir) / f"cpd-arena-{self.node_id}-{self.epoch}"
+        arena_dir = Path(s.worker.arena_dir)
+        # A crashed earlier incarnation of this node id left its arena behind: shared
+        # memory is only freed when the file goes.
+        for pattern in (f"cpd-arena-{self.node_id}-*", f"cpd-kvevents-{self.node_id}-*"):
+            for stale in arena_dir.glob(pattern):
+                stale.unlink(missing_ok=True)
+        self._arena_path = arena_dir / f"cpd-arena-{self.node_id}-{self.epoch}"
         arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
                           shape=(num_slots, nbytes))
         js = self.bus.nc.jetstream()
@@ -100,14 +106,22 @@ class WorkerService(Service):
         init_ucx(s.dataplane)
         self.server = await TransferServer(self.kv, s.dataplane).start()
         self.client = TransferClient(s.dataplane)
+        self._bridge = None
         if self.engine is None:
+            from cpd.engine.gpu_events import GpuEventBridge
             from cpd.engine.vllm_engine import VllmEngine
 
+            endpoint = f"ipc://{arena_dir / f'cpd-kvevents-{self.node_id}-{self.epoch}'}"
             self.engine = VllmEngine(folder, block_size=self.block_size,
                                      arena=ArenaSpec(str(self._arena_path), num_slots, nbytes),
                                      dtype=s.model.dtype,
-                                     kv_cache_gib=s.worker.engine_kv_cache_gib)
+                                     kv_cache_gib=s.worker.engine_kv_cache_gib,
+                                     kv_events_endpoint=endpoint)
+            assert self.kv.publisher is not None
+            self._bridge = GpuEventBridge(endpoint, self.kv.publisher, self.namespace.id)
         await self.engine.start()
+        if self._bridge is not None:
+            await self._bridge.start()
         await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         if self.role in PREFILL_ROLES:
             await self.bus.nc.subscribe(subjects.pull_ack(self.node_id), cb=self._on_pull_ack)
@@ -123,6 +137,8 @@ class WorkerService(Service):
     async def on_stop(self) -> None:
         for handle in self._leases.values():
             handle.cancel()
+        if self._bridge is not None:
+            await self._bridge.close()
         if self.engine is not None:
             await self.engine.stop()
         with contextlib.suppress(Exception):
@@ -133,6 +149,8 @@ class WorkerService(Service):
             await self.kv.close()
         if self._arena_path is not None:
             self._arena_path.unlink(missing_ok=True)
+            for ipc in self._arena_path.parent.glob(f"cpd-kvevents-{self.node_id}-{self.epoch}"):
+                ipc.unlink(missing_ok=True)
 
     # ------------------------------------------------------------- liveness, load
 
@@ -174,6 +192,10 @@ class WorkerService(Service):
             hb = wire.decode(msg.data, wire.Heartbeat)
             if hb.ucx_address:
                 self.peers[hb.node] = hb.ucx_address
+
+    def _salt(self, namespace: str) -> str:
+        """vLLM cache salt of a request: tenants' namespaces never share engine blocks."""
+        return "" if namespace == self.namespace.id else namespace
 
     # ----------------------------------------------------------------- prefill
 
@@ -293,7 +315,7 @@ class WorkerService(Service):
             sampling=_with_max_tokens(req.sampling, 1),
             load_slots=[e.slot for e in entries_loaded if e is not None],
             load_checksums=[e.checksum for e in entries_loaded if e is not None],
-            save_slots=save)
+            save_slots=save, cache_salt=self._salt(req.namespace))
         self.in_flight += 1
         try:
             step = EngineStep()
@@ -406,7 +428,8 @@ class WorkerService(Service):
             ereq = EngineRequest(request_id=req.request_id, tokens=full,
                                  sampling=_with_max_tokens(req.sampling, remaining),
                                  load_slots=[e.slot for e in have],
-                                 load_checksums=[e.checksum for e in have])
+                                 load_checksums=[e.checksum for e in have],
+                                 cache_salt=self._salt(req.namespace))
             self.in_flight += 1
             generated = 1
             last = EngineStep()
