@@ -328,3 +328,29 @@ async def test_kill_9_mid_stream_then_restart_gives_the_same_answers(
         await hb.stop()
         await bus.close()
     assert proc.returncode == 0, (tmp_path / "kvindex.log").read_text()[-3000:]
+
+
+@pytest.mark.timeout(60)
+async def test_sigterm_with_nats_gone_still_exits(fresh_nats: NatsServer, tmp_path: Path) -> None:
+    """A service whose NATS server vanished must still stop on SIGTERM (a client left
+    reconnecting forever would keep the process alive)."""
+    s = _settings(fresh_nats, tmp_path, "kvi-t")
+    proc = _spawn(s, tmp_path / "kvindex.log")
+    bus = await Bus.open(s, "sigterm-test")
+    try:
+        async def up() -> bool:
+            try:
+                return (await _lookup(bus, b"\x00" * 16)).status == "unknown_namespace"
+            except Exception:
+                return False
+        await _until(up, timeout=30)
+    finally:
+        await bus.close()
+    fresh_nats.kill()
+    await asyncio.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(25)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("kvindex did not exit after SIGTERM with NATS gone")

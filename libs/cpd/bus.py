@@ -213,10 +213,16 @@ class Bus:
                 await sub.unsubscribe()
 
     async def close(self) -> None:
-        """Drain and close the connection."""
+        """Drain (when connected) and close the connection, even with NATS gone: a
+        client left reconnecting keeps its tasks alive and the process never exits."""
+        if self.nc.is_closed:
+            return
+        if self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.drain(), self.nc.options["drain_timeout"] + 1)
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await self.nc.drain()
+                await self.nc.close()
 
 
 class ReplyStream:

@@ -107,6 +107,11 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                         store_dir=settings.nats.embedded_store_dir,
                         log_file=str(logs / "nats.log"))
     server.start()
+    wanted = [x for x in available_services() if not only or x in only]
+    if any(x in ("preprefill", "prefill", "decode") for x in wanted) and not settings.model.path:
+        from .modelbuild import build
+
+        build(settings.model.preset, settings.model_cache_dir)  # once, before the workers
     procs: list[Proc] = []
     stop = asyncio.Event()
 
@@ -115,15 +120,23 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         base_env = {**os.environ, "CPD_NATS__URL": server.url}
-        for service in [x for x in available_services() if not only or x in only]:
-            for i in range((counts or {}).get(service, 1)):
-                node_id = f"{service}-{i}"
-                proc = Proc(service, node_id, logs / f"{node_id}.log",
-                            {**base_env, "CPD_NODE__NODE_ID": node_id})
-                proc.start()
-                procs.append(proc)
-                await wait_ready(server.url, service, node_id, ready_timeout)
-                log.info("service.ready", service=service, node=node_id)
+        # kvindex first (it replays the stream); then every worker at once: their
+        # engines take the longest to start and do not depend on each other.
+        stages = [[x for x in wanted if x == "kvindex"], [x for x in wanted if x != "kvindex"]]
+        for stage in stages:
+            started = []
+            for service in stage:
+                for i in range((counts or {}).get(service, 1)):
+                    node_id = f"{service}-{i}"
+                    proc = Proc(service, node_id, logs / f"{node_id}.log",
+                                {**base_env, "CPD_NODE__NODE_ID": node_id})
+                    proc.start()
+                    procs.append(proc)
+                    started.append(proc)
+            await asyncio.gather(*(wait_ready(server.url, p.service, p.node_id, ready_timeout)
+                                   for p in started))
+            for p in started:
+                log.info("service.ready", service=p.service, node=p.node_id)
         _banner(server.url, procs, logs)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):

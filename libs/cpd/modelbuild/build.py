@@ -129,6 +129,11 @@ def build(preset: str, cache_dir: str | os.PathLike[str], *, force: bool = False
         digests = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_bytes(_json({"preset": preset, "recipe": RECIPE_VERSION,
                                             "config": asdict(p), "sha256": digests}))
+        if verify(target):
+            # Another process finished the same (byte-identical) build first: keep its
+            # folder, which readers may already have open.
+            shutil.rmtree(tmp)
+            return target
         if target.exists():
             shutil.rmtree(target)
         # Atomic publish: a reader sees no folder or a complete one.
