@@ -43,6 +43,7 @@ from cpd.transfer import (
     active_transports,
     decode_address,
     init_ucx,
+    shutdown_ucx,
     ucx_options,
 )
 
@@ -126,6 +127,7 @@ async def _peer(block_bytes: int, blocks: int, nats_url: str) -> None:
     await nc.close()
     await server.close()
     raw_listener.close()
+    shutdown_ucx()
 
 
 class _PeerProc:
@@ -270,6 +272,7 @@ async def _run(quick: bool) -> dict[str, Any]:
                     peer.stop()
         finally:
             await nc.close()
+            shutdown_ucx()
     head = next(c for c in cases if (c["blocks"], c["block_bytes"]) == HEADLINE)
     return {
         "benchmark": "transfer",

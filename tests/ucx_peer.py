@@ -27,7 +27,7 @@ import xxhash
 from cpd import telemetry, wire
 from cpd.config import DataPlaneSettings
 from cpd.kvstore import BlockStore, KvStore
-from cpd.transfer import TransferServer
+from cpd.transfer import TransferServer, shutdown_ucx
 
 NAMESPACE = "ns-test"
 
@@ -104,6 +104,7 @@ async def main(argv: list[str] | None = None) -> None:
     # Run until the parent closes our stdin (or kills us).
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await server.close()
+    shutdown_ucx()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "kvindex":
         from bench.kvindex import run as run_kvindex
         result = run_kvindex(quick=args.quick, blocks=args.blocks)
+    elif args.what == "transfer":
+        from bench.transfer import run as run_transfer
+        result = run_transfer(quick=args.quick)
     elif args.what == "model":
         from bench.model import run as run_model
         result = run_model(_settings(args), preset=args.preset, prefill_tokens=args.tokens)
@@ -106,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_model_check)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
-    bench.add_argument("what", choices=["hashing", "kvindex", "model"])
+    bench.add_argument("what", choices=["hashing", "kvindex", "model", "transfer"])
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.add_argument("--tokens", type=int, default=None,
                        help="prompt tokens (hashing: 100000; model: 8192)")

@@ -197,10 +197,12 @@ class _ProgressDriver:
         self.on_event()
 
     def on_event(self) -> None:
-        while True:
-            self.worker.progress()
-            if self._busy or self.worker.arm():  # arm False: more events; progress again
-                return
+        self.worker.progress()
+        if not self._busy and not self.worker.arm():
+            # Events arrived meanwhile: progress again on the next loop turn, never in a
+            # tight loop here (a failing endpoint can keep the worker busy, and timers,
+            # deadlines included, must still run).
+            self.loop.call_soon(self.on_event)
 
     @contextlib.asynccontextmanager
     async def busy(self) -> AsyncIterator[None]:

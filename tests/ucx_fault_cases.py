@@ -1,0 +1,100 @@
+"""UCX fault cases, each run in a fresh process by tests/test_transfer_faults.py.
+
+A killed or paused peer can leave this process's UCX state such that later handshakes
+stall (ucxx 0.52; issue 4 stays open until found): one process per case keeps one case's
+after-effects out of every other test. Run directly: ``pytest tests/ucx_fault_cases.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpd.errors import PeerGone, TransferTimeout
+from cpd.transfer import TransferClient
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ucx_harness import local_store, new_client, peer
+from ucx_peer import block_hash
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[TransferClient]:
+    c = await new_client()
+    yield c
+    await c.close()
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_peer_killed_mid_transfer_is_peer_gone_within_the_deadline(
+        client: TransferClient) -> None:
+    with peer("--stall-after", "5", seed=31, sizes="1048576x16") as p:
+        kv = local_store(16, 1 << 20)
+        task = asyncio.create_task(client.pull(p.address, p.hashes(range(16)), kv,
+                                               timeout_s=10))
+        assert (await p.next_line()) == {"stalled": True}  # 5 blocks sent, then stuck
+        t0 = time.monotonic()
+        os.kill(p.proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerGone):
+            await task
+        assert time.monotonic() - t0 < 5  # well within the 10 s deadline
+        # The half-received blocks were failed and their slots returned.
+        assert len(kv.store) == 0 and kv.store.free_slots == 16
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_a_dead_address_fails_typed_within_the_deadline(client: TransferClient) -> None:
+    # Last of the UCX tests on purpose: ucxx leaves the refused connection attempt behind
+    # and, in this process, later handshakes can stall (docs/benchmarks.md, data plane).
+    with peer(seed=71, sizes="65536x1") as p:
+        address = p.address
+    t0 = time.monotonic()
+    with pytest.raises((PeerGone, TransferTimeout)):
+        await client.get_into(address, [block_hash(71, 0)], [np.empty(65536, np.uint8)],
+                              timeout_s=2)
+    assert time.monotonic() - t0 < 3
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_paused_peer_times_out_within_the_deadline(client: TransferClient) -> None:
+    with peer(seed=41, sizes="1048576x8") as p:
+        dests = [np.empty(1 << 20, np.uint8) for _ in range(8)]
+        await client.get_into(p.address, p.hashes(range(8)), dests)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=1.0)
+            elapsed = time.monotonic() - t0
+            assert 1.0 <= elapsed < 2.0
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.xfail(strict=False, raises=TransferTimeout,
+                   reason="known: reconnecting after an aborted endpoint sometimes stalls "
+                          "past the deadline in ucxx 0.52 (issue 4 open); the transfer "
+                          "still ends in a typed TransferTimeout, never a hang")
+@pytest.mark.timeout(60, method="thread")
+async def test_a_resumed_peer_serves_a_fresh_connection(client: TransferClient) -> None:
+    with peer(seed=42, sizes="1048576x8") as p:
+        dests = [np.empty(1 << 20, np.uint8) for _ in range(8)]
+        await client.get_into(p.address, p.hashes(range(8)), dests)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransferTimeout):
+                await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=1.0)
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        # The aborted connection was dropped; the resumed peer serves a fresh one.
+        dests[0][:] = 0
+        await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=10)
+        assert np.array_equal(dests[0], p.expected(0))
