@@ -22,7 +22,7 @@ from cpd.errors import PeerGone, TransferTimeout
 from cpd.transfer import TransferClient
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ucx_harness import local_store, new_client, peer
+from ucx_harness import Peer, local_store, new_client, peer
 from ucx_peer import block_hash
 
 
@@ -52,8 +52,6 @@ async def test_peer_killed_mid_transfer_is_peer_gone_within_the_deadline(
 
 @pytest.mark.timeout(60, method="thread")
 async def test_a_dead_address_fails_typed_within_the_deadline(client: TransferClient) -> None:
-    # Last of the UCX tests on purpose: ucxx leaves the refused connection attempt behind
-    # and, in this process, later handshakes can stall (docs/benchmarks.md, data plane).
     with peer(seed=71, sizes="65536x1") as p:
         address = p.address
     t0 = time.monotonic()
@@ -63,20 +61,26 @@ async def test_a_dead_address_fails_typed_within_the_deadline(client: TransferCl
     assert time.monotonic() - t0 < 3
 
 
+async def _pause_and_time_out(client: TransferClient, p: Peer, dests: list[np.ndarray]) -> float:
+    """Warm a connection, SIGSTOP the peer, and return how long the next get took to
+    fail with TransferTimeout (the peer is resumed afterwards)."""
+    await client.get_into(p.address, p.hashes(range(len(dests))), dests)
+    os.kill(p.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            await client.get_into(p.address, p.hashes(range(len(dests))), dests, timeout_s=1.0)
+        return time.monotonic() - t0
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+
+
 @pytest.mark.timeout(60, method="thread")
 async def test_paused_peer_times_out_within_the_deadline(client: TransferClient) -> None:
     with peer(seed=41, sizes="1048576x8") as p:
-        dests = [np.empty(1 << 20, np.uint8) for _ in range(8)]
-        await client.get_into(p.address, p.hashes(range(8)), dests)
-        os.kill(p.proc.pid, signal.SIGSTOP)
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(TransferTimeout):
-                await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=1.0)
-            elapsed = time.monotonic() - t0
-            assert 1.0 <= elapsed < 2.0
-        finally:
-            os.kill(p.proc.pid, signal.SIGCONT)
+        elapsed = await _pause_and_time_out(client, p, [np.empty(1 << 20, np.uint8)
+                                                        for _ in range(8)])
+        assert 1.0 <= elapsed < 2.0
 
 
 @pytest.mark.xfail(strict=False, raises=TransferTimeout,
@@ -87,13 +91,7 @@ async def test_paused_peer_times_out_within_the_deadline(client: TransferClient)
 async def test_a_resumed_peer_serves_a_fresh_connection(client: TransferClient) -> None:
     with peer(seed=42, sizes="1048576x8") as p:
         dests = [np.empty(1 << 20, np.uint8) for _ in range(8)]
-        await client.get_into(p.address, p.hashes(range(8)), dests)
-        os.kill(p.proc.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(TransferTimeout):
-                await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=1.0)
-        finally:
-            os.kill(p.proc.pid, signal.SIGCONT)
+        await _pause_and_time_out(client, p, dests)
         # The aborted connection was dropped; the resumed peer serves a fresh one.
         dests[0][:] = 0
         await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=10)
