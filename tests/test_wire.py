@@ -58,6 +58,7 @@ SAMPLES: list[wire.Message] = [
                        first_token=7, sampling=wire.SamplingParams(), namespace="ns",
                        block_hashes=H, source_node="p0", lease_id="l1", deadline_unix_ms=9),
     wire.Accepted(request_id="r1", node="d0"),
+    wire.ResetCache(reason="test"),
     wire.PullAck(request_id="r1", lease_id="l1"),
     wire.BlockGet(xfer_id=7, hashes=H * 2, namespace="ns", timeout_ms=500),
     wire.BlockPut(xfer_id=8, namespace="ns", blocks=[wire.BlockRef(H, b"", 256)],

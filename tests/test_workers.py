@@ -37,6 +37,12 @@ PROMPTS = {
     "b": PREFIX + _rng.integers(0, 1900, size=60).tolist(),
     "c": _rng.integers(0, 1900, size=700).tolist(),
 }
+# The crown set: 20 prompts from 300 tokens to close to the model's 8,192 (less room for
+# the generated tokens), full blocks and ragged tails alike.
+CROWN_LENGTHS = [300, 512, 700, 1024, 1300, 1790, 2048, 2500, 2900, 3333,
+                 3800, 4096, 4500, 5000, 5555, 6000, 6400, 7000, 7600, 8180 - MAX_TOKENS]
+for _i, _n in enumerate(CROWN_LENGTHS):
+    PROMPTS[f"crown{_i}"] = _rng.integers(0, 1900, size=_n).tolist()
 NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
 
 
@@ -65,7 +71,7 @@ async def cluster(model_cache: Path,
     kvi = KvIndexService(s)
     await kvi.start()
     env = {**os.environ, "CPD_NATS__URL": server.url, "CPD_MODEL__CACHE_DIR": str(model_cache),
-           "CPD_DATAPLANE__ARENA_BYTES": str(64 << 20), "CPD_TELEMETRY__LOG_JSON": "false"}
+           "CPD_DATAPLANE__ARENA_BYTES": str(512 << 20), "CPD_TELEMETRY__LOG_JSON": "false"}
     procs = {}
     for node, role in NODES.items():
         with open(tmp / f"{node}.log", "wb") as log:
@@ -169,3 +175,40 @@ async def test_bad_input_gets_typed_errors_and_workers_stay_up(cluster: dict) ->
                                           timeout=10)
     assert wire.decode(raw.data, wire.Error).code == "malformed"
     assert all(p.poll() is None for p in cluster["procs"].values())
+
+
+async def _reset_gpu_cache(c: dict, node: str) -> None:
+    await c["bus"].request(subjects.admin(NODES[node], node), wire.ResetCache(reason="test"),
+                           expect=wire.Accepted)
+
+
+async def test_crown_every_path_is_token_identical_to_monolithic_vllm(cluster: dict,
+                                                                      reference: dict) -> None:
+    """For 20 prompts up to the model's limit: cold on pre-prefill, warm from a peer's DRAM,
+    warm from the prefill node's own DRAM, and warm from its GPU prefix cache — each path
+    asserted from the final message, each output equal to the monolithic run."""
+    for i, n in enumerate(CROWN_LENGTHS):
+        prompt, want = PROMPTS[f"crown{i}"], reference[f"crown{i}"]
+        blocks = (n - 1) // BS  # the last prompt token is always computed
+        cached = blocks * BS
+        tokens, final = await _ask(cluster, "pp0", prompt)  # cold
+        r = final.route
+        assert tokens == want, f"cold, {n} tokens"
+        assert (r.prefill_node, r.tokens_computed, r.tokens_gpu) == ("pp0", n, 0)
+        assert r.decode_tokens_pulled == n // BS * BS
+        src = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0,
+                              num_blocks=blocks)
+        tokens, final = await _ask(cluster, "p0", prompt, [src])  # warm, peer's DRAM
+        r = final.route
+        assert tokens == want, f"warm-remote, {n} tokens"
+        assert (r.tokens_remote, r.tokens_dram, r.tokens_computed) == (cached, 0, n - cached)
+        await _reset_gpu_cache(cluster, "p0")
+        tokens, final = await _ask(cluster, "p0", prompt)  # warm, own DRAM
+        r = final.route
+        assert tokens == want, f"warm-local-DRAM, {n} tokens"
+        assert (r.tokens_dram, r.tokens_gpu, r.tokens_remote) == (cached, 0, 0)
+        tokens, final = await _ask(cluster, "p0", prompt)  # warm, GPU prefix cache
+        r = final.route
+        assert tokens == want, f"GPU hit, {n} tokens"
+        assert (r.tokens_gpu, r.tokens_dram, r.tokens_remote) == (cached, 0, 0)
+        assert r.tokens_computed == n - cached

@@ -73,6 +73,11 @@ def run(role: str, node: str) -> str:
     return f"{PREFIX}.{_role(role)}.{check_token(node, 'node id')}.run"
 
 
+def admin(role: str, node: str) -> str:
+    """Per-instance operator subject (cache resets)."""
+    return f"{PREFIX}.{_role(role)}.{check_token(node, 'node id')}.admin"
+
+
 def node_of(subject: str) -> str:
     """The last token of a per-node subject (events, heartbeats, load reports)."""
     return subject.rsplit(".", 1)[-1]

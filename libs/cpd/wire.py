@@ -374,6 +374,13 @@ class Accepted(Message, tag="accepted", kw_only=True):
     node: str = ""
 
 
+class ResetCache(Message, tag="reset_cache", kw_only=True):
+    """Operator request to a worker: drop its engine's own prefix cache (the GPU tier).
+    DRAM blocks stay; kvindex hears of the drop through the engine's KV events."""
+
+    reason: str = ""
+
+
 class PullAck(Message, tag="pull_ack", kw_only=True):
     """Decode → prefill side: the pull of ``lease_id`` is done; unpin the blocks."""
 
@@ -434,7 +441,7 @@ AnyMessage = (
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
-    | PrefillRequest | DecodeRequest | Accepted | PullAck
+    | PrefillRequest | DecodeRequest | Accepted | ResetCache | PullAck
     | BlockGet | BlockPut | BlockReply
 )
 

@@ -65,5 +65,8 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream ends)."""
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the engine's own prefix cache; False if requests still hold blocks."""
+
     async def stop(self) -> None:
         """Release the engine."""

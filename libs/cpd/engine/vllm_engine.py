@@ -110,6 +110,10 @@ class VllmEngine:
         if self._llm is not None:
             await self._llm.abort(request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        assert self._llm is not None, "start() first"
+        return bool(await self._llm.reset_prefix_cache())
+
     async def stop(self) -> None:
         if self._llm is not None:
             self._llm.shutdown()

@@ -207,6 +207,11 @@ class SimEngine:
                 st.done = True
             self._streams.pop(rid, None)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the simulated engine prefix cache (the GPU tier), as vLLM's does."""
+        self.prefix_cache.clear()
+        return True
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a finished ``abort`` step."""
         if request_id in self._streams:

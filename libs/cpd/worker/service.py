@@ -130,6 +130,8 @@ class WorkerService(Service):
         else:
             await self.add_endpoint("run", subjects.run(self.role, self.node_id),
                                     self._on_decode, expect=wire.DecodeRequest)
+        await self.add_endpoint("admin", subjects.admin(self.role, self.node_id),
+                                self._on_reset, expect=wire.ResetCache)
         await self._heartbeat()
         self.spawn(self._heartbeats(), "heartbeats")
         self.spawn(self._load_reports(), "load-reports")
@@ -151,6 +153,14 @@ class WorkerService(Service):
             self._arena_path.unlink(missing_ok=True)
             for ipc in self._arena_path.parent.glob(f"cpd-kvevents-{self.node_id}-{self.epoch}"):
                 ipc.unlink(missing_ok=True)
+
+    async def _on_reset(self, req: wire.ResetCache, _: Request) -> wire.Accepted:
+        assert self.engine is not None
+        if not await self.engine.reset_prefix_cache():
+            raise CpdError("engine prefix cache busy (requests running)",
+                           code=ErrorCode.UNAVAILABLE, retryable=True)
+        self.log.info("worker.prefix_cache_reset", reason=req.reason)
+        return wire.Accepted(request_id="", node=self.node_id)
 
     # ------------------------------------------------------------- liveness, load
 
