@@ -27,6 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import numpy as np
 from nats.aio.msg import Msg
 
@@ -472,20 +473,14 @@ class WorkerService(Service):
 
 
 def _with_max_tokens(s: wire.SamplingParams, n: int) -> wire.SamplingParams:
-    import msgspec
-
     return msgspec.structs.replace(s, max_tokens=n)
 
 
 def _route_fields(r: wire.Route) -> dict:
-    import msgspec
-
     return msgspec.structs.asdict(r)
 
 
 def _timing_fields(t: wire.Timings) -> dict:
-    import msgspec
-
     return msgspec.structs.asdict(t)
 
 
