@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from cpd.kvstore import checksum  # one block checksum everywhere (xxh3-64)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,11 +45,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 PARAMS_KEY = "cpd"
-
-
-def checksum(data: np.ndarray | bytes | memoryview) -> int:
-    """The block checksum used everywhere in CPD (xxh3-64 of the slot bytes)."""
-    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass

@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from cpd.engine.protocol import ArenaSpec, EngineRequest, EngineStep
+from cpd.kvstore import checksum
 
 from .costmodel import DEFAULT_PRESET, CostModel, preset
 from .prefixcache import TOKEN_DTYPE, PrefixCache, chain_hashes
@@ -45,11 +46,6 @@ FINISH_STOP = "stop"
 FINISH_ABORT = "abort"
 _MASK64 = (1 << 64) - 1
 
-
-def checksum(data: np.ndarray | bytes | memoryview) -> int:
-    """xxh3-64: the block checksum of :func:`cpd.engine.connector.checksum` (which cannot
-    be imported without torch)."""
-    return xxhash.xxh3_64_intdigest(data)
 
 
 def block_bytes(block_hash: int, index: int, nbytes: int) -> np.ndarray:

@@ -43,7 +43,7 @@ from cpd.errors import (
     PromptTooLong,
 )
 from cpd.hashing import Namespace
-from cpd.kvstore import BlockState, BlockStore, KvStore, slot_bytes
+from cpd.kvstore import BlockEntry, BlockState, BlockStore, KvStore, slot_bytes
 from cpd.modelbuild import RECIPE_VERSION, build, tokenizer_hash
 from cpd.transfer import TransferClient, TransferServer, init_ucx
 
@@ -296,13 +296,18 @@ class WorkerService(Service):
                 self.log.warning("prefill.pull_failed", peer=src.node, error=e.code.value,
                                  detail=e.message)
                 break
-        have: list[bytes] = []
+        have = [e.hash for e in self._sealed_prefix(hashes)]
+        return have, min(remote, len(have))
+
+    def _sealed_prefix(self, hashes: list[bytes]) -> list[BlockEntry]:
+        """The longest run of ``hashes`` from the first that this store holds sealed."""
+        out: list[BlockEntry] = []
         for h in hashes:
             entry = self.kv.store.get(h)
             if entry is None or entry.state is not BlockState.SEALED:
                 break
-            have.append(h)
-        return have, min(remote, len(have))
+            out.append(entry)
+        return out
 
     async def _run_prefill(self, req: wire.PrefillRequest, tokens: list[int],
                            hashes: list[bytes], loaded: list[bytes]
@@ -353,13 +358,7 @@ class WorkerService(Service):
                        route: wire.Route, timings: wire.Timings, out: ReplyStream,
                        saved: list[bytes]) -> None:
         """Pin the request's blocks and give it to its decode node."""
-        store = self.kv.store
-        held = []
-        for h in hashes:
-            e = store.get(h)
-            if e is None or e.state is not BlockState.SEALED:
-                break
-            held.append(h)
+        held = [e.hash for e in self._sealed_prefix(hashes)]
         lease = f"handoff-{req.request_id}-{uuid.uuid4().hex[:6]}"
         ttl = self.settings.dataplane.pin_ttl_s
         if held:
@@ -426,12 +425,7 @@ class WorkerService(Service):
             t_pull = time.perf_counter()
             full = [*tokens, req.first_token]
             usable = (len(full) - 1) // self.block_size
-            have = []
-            for h in hashes[:usable]:
-                e = self.kv.store.get(h)
-                if e is None or e.state is not BlockState.SEALED:
-                    break
-                have.append(e)
+            have = self._sealed_prefix(hashes[:usable])
             lease = f"decode-{req.request_id}-{uuid.uuid4().hex[:6]}"
             if have:
                 self.kv.pin(lease, [e.hash for e in have], self.settings.dataplane.pin_ttl_s)
