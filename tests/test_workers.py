@@ -5,25 +5,16 @@ vanished peer, and bad input; every output equal to a monolithic vLLM run."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import VllmCluster, reference_outputs
 
 from cpd import subjects, wire
-from cpd.bus import Bus
-from cpd.config import load_settings
 from cpd.errors import PromptTooLong
 from cpd.hashing import Namespace, block_hashes
-from cpd.natsserver import NatsServer
-from services.kvindex import KvIndexService
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -48,63 +39,15 @@ NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
 
 @pytest.fixture(scope="module")
 async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    f = tmp_path_factory.mktemp("ref") / "prompts.json"
-    f.write_text(json.dumps(list(PROMPTS.values())))
-    # Asynchronously: the in-process kvindex must keep serving heartbeats meanwhile.
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "tests" / "helpers" / "reference.py"), str(model_cache),
-        str(f), str(MAX_TOKENS), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    stdout, stderr = await asyncio.wait_for(proc.communicate(), 600)
-    line = next((x for x in stdout.decode().splitlines() if x.startswith("RESULT ")), None)
-    assert line, stderr.decode()[-4000:]
-    return dict(zip(PROMPTS, json.loads(line[len("RESULT "):]), strict=True))
+    outs = await reference_outputs(model_cache, tmp_path_factory.mktemp("ref"),
+                                   list(PROMPTS.values()), MAX_TOKENS)
+    return dict(zip(PROMPTS, outs, strict=True))
 
 
-@pytest.fixture(scope="module")
-async def cluster(model_cache: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict]:
-    tmp = tmp_path_factory.mktemp("cluster")
-    server = NatsServer(store_dir=tmp / "nats").start()
-    s = load_settings(environ={}, overrides=[f"nats.url={server.url}", "node.node_id=kvi",
-                                             f"kvindex.snapshot_dir={tmp / 'snap'}"])
-    kvi = KvIndexService(s)
-    await kvi.start()
-    env = {**os.environ, "CPD_NATS__URL": server.url, "CPD_MODEL__CACHE_DIR": str(model_cache),
-           "CPD_DATAPLANE__ARENA_BYTES": str(512 << 20), "CPD_TELEMETRY__LOG_JSON": "false"}
-    procs = {}
-    for node, role in NODES.items():
-        with open(tmp / f"{node}.log", "wb") as log:
-            procs[node] = subprocess.Popen([sys.executable, "-m", f"services.{role}"],
-                                           env={**env, "CPD_NODE__NODE_ID": node},
-                                           stdout=log, stderr=subprocess.STDOUT)
-    bus = await Bus.open(s, "workers-test")
-    sub = await bus.nc.subscribe(subjects.HEARTBEAT_ALL)
-    seen: dict[str, wire.Heartbeat] = {}
-    deadline = time.monotonic() + 400
-    try:
-        while set(seen) != set(NODES) and time.monotonic() < deadline:
-            dead = [n for n, p in procs.items() if p.poll() is not None]
-            assert not dead, (tmp / f"{dead[0]}.log").read_text()[-4000:]
-            try:
-                hb = wire.decode((await sub.next_msg(timeout=1)).data, wire.Heartbeat)
-                seen[hb.node] = hb
-            except Exception:
-                continue
-        assert set(seen) == set(NODES), "workers did not come up"
-        yield {"bus": bus, "ns": Namespace.from_spec(seen["pp0"].namespace_spec),
-               "procs": procs, "tmp": tmp, "kvindex": kvi}
-    finally:
-        for p in procs.values():
-            p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        await bus.close()
-        await kvi.stop()
-        server.cleanup()
+@pytest.fixture
+def cluster(vllm_cluster: VllmCluster) -> dict:
+    c = vllm_cluster
+    return {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp, "kvindex": c.kvindex}
 
 
 async def _ask(c: dict, node: str, prompt: list[int],

@@ -32,6 +32,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from . import telemetry, wire
 from .config import BusSettings, NatsSettings, Settings
 from .errors import (
+    Cancelled,
     CpdError,
     ErrorCode,
     NoResponders,
@@ -45,6 +46,7 @@ __all__ = [
     "Bus",
     "ReplyStream",
     "Service",
+    "StreamReader",
     "connect",
     "encoded_size",
 ]
@@ -171,46 +173,25 @@ class Bus:
         """
         idle = idle_timeout or self.settings.stream_idle_timeout_s
         deadline = time.monotonic() + timeout
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
+        reader = StreamReader(self, idle_timeout=idle, subject=subject)
+        inbox = await reader.open()
         try:
             payload, hdrs = self._prepare(msg, None)
             await self.nc.publish(subject, payload, reply=inbox, headers=hdrs)
-            expected = 0
-            early: dict[int, wire.Message] = {}
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RequestTimeout(f"stream on {subject} did not end within {timeout}s")
-                try:
-                    raw = await sub.next_msg(timeout=min(left, idle))
-                except nats.errors.TimeoutError:
-                    if early:
-                        raise StreamGap(f"stream on {subject}: message {expected} never came "
-                                        f"(have {sorted(early)})") from None
-                    if time.monotonic() >= deadline:
-                        continue  # reported by the deadline check above
-                    raise RequestTimeout(f"stream on {subject} idle for {idle}s") from None
-                if raw.headers and raw.headers.get(_STATUS) == _NO_RESPONDERS:
-                    raise NoResponders(f"no responders on {subject}")
-                reply = wire.decode(raw.data)
-                seq = getattr(reply, "seq", expected)
-                if isinstance(reply, wire.Error) and seq <= expected:
-                    raise error_from_wire(reply.code, reply.message, reply.retryable)
-                if seq < expected:
-                    continue  # duplicate delivery
-                early[seq] = reply
-                while expected in early:
-                    reply = early.pop(expected)
-                    expected += 1
-                    if isinstance(reply, wire.Error):
-                        raise error_from_wire(reply.code, reply.message, reply.retryable)
-                    yield reply
-                    if isinstance(reply, wire.Final):
-                        return
+                reply = await reader.next(min(left, idle))
+                if reply is None:
+                    if reader.gap_pending or time.monotonic() >= deadline:
+                        continue  # reported by next() or by the deadline check
+                    raise RequestTimeout(f"stream on {subject} idle for {idle}s")
+                yield reply
+                if isinstance(reply, wire.Final):
+                    return
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await reader.close()
 
     async def close(self) -> None:
         """Drain (when connected) and close the connection, even with NATS gone: a
@@ -223,6 +204,80 @@ class Bus:
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.close()
+
+
+class StreamReader:
+    """The receiving half of a streamed reply: an inbox whose messages come out in
+    ``seq`` order, whoever published them.
+
+    A ``wire.Error`` in order is raised as its typed exception; a sequence number that
+    stays missing for ``idle_timeout`` while later ones wait raises
+    :class:`~cpd.errors.StreamGap`; a NATS no-responders status raises
+    :class:`~cpd.errors.NoResponders`.
+    """
+
+    def __init__(self, bus: Bus, *, idle_timeout: float, subject: str = "") -> None:
+        self.bus = bus
+        self.idle_timeout = idle_timeout
+        self.subject = subject
+        self.inbox = ""
+        self._sub: Any = None
+        self._expected = 0
+        self._early: dict[int, wire.Message] = {}
+        self._gap_since = 0.0
+
+    async def open(self) -> str:
+        """Subscribe; returns the inbox to name as the stream's destination."""
+        self.inbox = self.bus.nc.new_inbox()
+        self._sub = await self.bus.nc.subscribe(self.inbox)
+        return self.inbox
+
+    @property
+    def gap_pending(self) -> bool:
+        """Later messages wait for a missing one."""
+        return bool(self._early)
+
+    async def next(self, timeout: float) -> wire.Message | None:
+        """The next message in order, or ``None`` when none came within ``timeout``."""
+        end = time.monotonic() + timeout
+        while True:
+            if self._expected in self._early:
+                reply = self._early.pop(self._expected)
+                self._expected += 1
+                self._gap_since = time.monotonic() if self._early else 0.0
+                if isinstance(reply, wire.Error):
+                    raise error_from_wire(reply.code, reply.message, reply.retryable)
+                return reply
+            now = time.monotonic()
+            if self._early and now - self._gap_since >= self.idle_timeout:
+                raise StreamGap(f"stream on {self.subject or self.inbox}: message "
+                                f"{self._expected} never came (have {sorted(self._early)})")
+            left = end - now
+            if self._early:
+                left = min(left, self._gap_since + self.idle_timeout - now)
+            if left <= 0:
+                return None
+            try:
+                raw = await self._sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                continue
+            if raw.headers and raw.headers.get(_STATUS) == _NO_RESPONDERS:
+                raise NoResponders(f"no responders on {self.subject or self.inbox}")
+            reply = wire.decode(raw.data)
+            seq = getattr(reply, "seq", self._expected)
+            if isinstance(reply, wire.Error) and seq <= self._expected:
+                raise error_from_wire(reply.code, reply.message, reply.retryable)
+            if seq < self._expected:
+                continue  # duplicate delivery
+            if not self._early:
+                self._gap_since = time.monotonic()
+            self._early[seq] = reply
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
 
 
 class ReplyStream:
@@ -266,7 +321,7 @@ def _error_message(exc: BaseException, request_id: str = "", seq: int = 0) -> wi
         return wire.Error(request_id=request_id, seq=seq, code=exc.code.value,
                           message=exc.message, retryable=exc.retryable)
     if isinstance(exc, asyncio.CancelledError):
-        return wire.Error(request_id=request_id, seq=seq, code=ErrorCode.CANCELLED.value,
+        return wire.Error(request_id=request_id, seq=seq, code=Cancelled.code.value,
                           message="request cancelled (service stopping)", retryable=True)
     return wire.Error(request_id=request_id, seq=seq, code=ErrorCode.INTERNAL.value,
                       message=f"internal error: {exc!r}", retryable=False)

@@ -7,6 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
+
+from . import wire
 from .config import Settings, load_settings
 from .errors import CpdError
 
@@ -54,6 +57,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "model":
         from bench.model import run as run_model
         result = run_model(_settings(args), preset=args.preset, prefill_tokens=args.tokens)
+    elif args.what == "ttft":
+        from bench.ttft import run as run_ttft
+        result = run_ttft(_settings(args), quick=args.quick)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     _write_json(result, args.json)
@@ -76,6 +82,85 @@ def cmd_nats(args: argparse.Namespace) -> int:
         return 0
     finally:
         server.stop()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .client import Client
+
+    s = _settings(args)
+    prompt: str | list[int] = (args.prompt if args.token_ids is None
+                               else [int(t) for t in args.token_ids.split(",") if t.strip()])
+
+    async def go() -> int:
+        async with await Client.connect(settings=s, name="cpd-cli") as client:
+            options = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                           seed=args.seed, ignore_eos=args.ignore_eos, tenant=args.tenant,
+                           timeout_s=args.timeout)
+            final = None
+            ids: list[int] = []
+            async for msg in client.stream(prompt, **options):
+                if isinstance(msg, wire.TokenChunk):
+                    ids.extend(msg.token_ids)
+                    if not args.json:
+                        print(msg.text, end="", flush=True)
+                else:
+                    final = msg
+            assert final is not None
+            if args.json:
+                print(json.dumps({"token_ids": ids, **msgspec.to_builtins(final)}, indent=2))
+            else:
+                r, t = final.route, final.timings
+                print(f"\n\n[{final.finish_reason}] {final.usage.prompt_tokens} prompt tokens "
+                      f"({final.usage.cached_tokens} cached), {len(ids)} generated; "
+                      f"path {r.path} via {r.prefill_node} -> {r.decode_node}; "
+                      f"TTFT {t.ttft_ms:.0f} ms, total {t.total_ms:.0f} ms", file=sys.stderr)
+            return 0
+
+    return asyncio.run(go())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .client import Client
+
+    s = _settings(args)
+
+    async def go() -> wire.StatusReply:
+        async with await Client.connect(settings=s, name="cpd-cli") as client:
+            return await client.status()
+
+    status = asyncio.run(go())
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(status), indent=2, sort_keys=True))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(status: wire.StatusReply) -> str:
+    """``cpd status`` as a table: nodes, roles, queues, cache use, then hit ratios."""
+    r = status.router
+    lines = [f"router {r.node} (policy {r.policy}): {r.in_flight}/{r.max_inflight} in flight, "
+             f"{r.queued} queued; {r.completed} done, {r.failed} failed, {r.rejected} "
+             f"rejected, {r.failovers} failovers; kvindex {status.kvindex}",
+             f"{'node':<16} {'role':<10} {'alive':<5} {'queue':>6} {'queued tok':>10} "
+             f"{'est ms':>8} {'running':>7} {'DRAM used':>16} {'GB/s':>6}"]
+    for n in status.nodes:
+        dram = (f"{n.dram_used_bytes / 2**20:.0f}/{n.dram_total_bytes / 2**20:.0f} MiB"
+                if n.dram_total_bytes else "-")
+        lines.append(f"{n.node:<16} {n.role:<10} {'yes' if n.alive else 'NO':<5} "
+                     f"{n.queue_depth:>6} {n.queued_new_tokens:>10} {n.est_queue_ms:>8.0f} "
+                     f"{n.in_flight:>7} {dram:>16} {n.kv_bandwidth_gbps:>6.2f}")
+    total = max(1, r.prompt_tokens)
+    lines.append("prompt tokens by source: " + ", ".join(
+        f"{tier} {getattr(r, f'tokens_{tier}') / total:.1%}"
+        for tier in ("gpu", "dram", "remote", "computed"))
+        + f" of {r.prompt_tokens}; paths " + (", ".join(
+            f"{k} {v}" for k, v in sorted(r.paths.items())) or "none yet"))
+    return "\n".join(lines)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -109,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_model_check)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
-    bench.add_argument("what", choices=["hashing", "kvindex", "model", "transfer"])
+    bench.add_argument("what", choices=["hashing", "kvindex", "model", "transfer", "ttft"])
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.add_argument("--tokens", type=int, default=None,
                        help="prompt tokens (hashing: 100000; model: 8192)")
@@ -124,6 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--port", type=int, help="default: nats.embedded_port; 0 = any free port")
     n.add_argument("--store-dir")
     n.set_defaults(func=cmd_nats)
+
+    g = sub.add_parser("generate", help="send one request through the router, stream the text")
+    g.add_argument("prompt", nargs="?", default="", help="prompt text (the router tokenizes)")
+    g.add_argument("--token-ids", help="comma-separated token ids instead of text")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--tenant", default="default")
+    g.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    g.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    st = sub.add_parser("status", help="nodes, roles, queues, cache use and hit ratios")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
 
     up = sub.add_parser("up", help="start the whole system on the embedded default")
     up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")

@@ -28,7 +28,7 @@ from .errors import CpdError
 from .natsserver import NatsServer
 
 # Start order: the index before anything that publishes to it.
-SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router")
+SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gateway")
 
 log = telemetry.get_logger("cpd.cluster")
 
@@ -108,7 +108,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                         log_file=str(logs / "nats.log"))
     server.start()
     wanted = [x for x in available_services() if not only or x in only]
-    if any(x in ("preprefill", "prefill", "decode") for x in wanted) and not settings.model.path:
+    if any(x != "kvindex" for x in wanted) and not settings.model.path:
         from .modelbuild import build
 
         build(settings.model.preset, settings.model_cache_dir)  # once, before the workers
@@ -137,7 +137,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                                    for p in started))
             for p in started:
                 log.info("service.ready", service=p.service, node=p.node_id)
-        _banner(server.url, procs, logs)
+        _banner(server.url, procs, logs, settings)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
@@ -170,13 +170,23 @@ def _restart(proc: Proc) -> None:
     proc.start()
 
 
-def _banner(url: str, procs: list[Proc], logs: Path) -> None:
+def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings) -> None:
     names = ", ".join(p.node_id for p in procs) or "none yet"
-    print(f"""
-CPD is up.
-  NATS (JetStream): {url}
-  services:         {names}
-  logs:             {logs}
-Connect:            any NATS client, e.g. CPD_NATS__URL={url}
-Stop:               Ctrl-C
-""", flush=True)
+    running = {p.service for p in procs}
+    lines = ["", "CPD is up.", f"  NATS (JetStream): {url}", f"  services:         {names}",
+             f"  logs:             {logs}"]
+    tries = []
+    if "gateway" in running:
+        g = settings.gateway
+        base = f"http://{g.host}:{g.port}/v1"
+        model = g.served_model_name or f"cpd-{settings.model.preset}"
+        lines.append(f'  OpenAI API:       {base}  (model "{model}")')
+        tries += [f"  curl {base}/completions -H 'Content-Type: application/json' \\",
+                  f"""    -d '{{"model": "{model}", "prompt": "def fib(n):", "max_tokens": 16}}'"""]
+    if "router" in running:
+        tries += [f'  CPD_NATS__URL={url} cpd generate "def fib(n):" --max-tokens 16',
+                  f"  CPD_NATS__URL={url} cpd status"]
+    if tries:
+        lines += ["Try:", *tries]
+    lines += ["Stop: Ctrl-C", ""]
+    print("\n".join(lines), flush=True)

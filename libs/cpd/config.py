@@ -107,6 +107,49 @@ class AdmissionSettings(_Section):
     default_deadline_s: Positive = 300.0
 
 
+class RouterSettings(_Section):
+    """The router: routing policy, its cost seeds, lookups and failover (DESIGN.md §8)."""
+
+    # cpd: cache-aware tiers; pd-kv: KV-aware cost like Dynamo/llm-d; pd-rr: round-robin.
+    policy: Literal["cpd", "pd-kv", "pd-rr"] = "cpd"
+    # A kvindex answer later than this counts as a miss (never wait on a slow index).
+    lookup_timeout_ms: Annotated[float, msgspec.Meta(gt=0)] = 100.0
+    # Reuse below this share of the prompt, or below this many tokens, makes it cold.
+    cold_reuse_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    min_reuse_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
+    # Work moves across tiers only when that finishes sooner by more than this.
+    overflow_margin_ms: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    # Transfer bandwidth assumed until a worker reports a measured one (GB/s).
+    default_bandwidth_gbps: Positive = 1.0
+    # A node loading from its own DRAM into its engine (GB/s).
+    host_bandwidth_gbps: Positive = 8.0
+    single_flight: bool = True
+    max_single_flight_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 30_000.0
+    # Prefill cost seeds (ms): fixed + per token + per token x context (DESIGN.md §8).
+    prefill_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    prefill_per_token_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.25
+    prefill_per_token_ctx_ms: Annotated[float, msgspec.Meta(ge=0)] = 1e-6
+    # Tries of one request across nodes: a refused dispatch or a node lost mid-stream
+    # moves the request to another node while nothing (or only reproducible greedy
+    # output) was sent to the client.
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=10)] = 3
+    # How long a worker has to accept a dispatched request.
+    dispatch_timeout_s: Positive = 5.0
+    # How often a streaming request checks that its prefill and decode nodes are alive.
+    liveness_check_interval_s: Positive = 0.25
+
+
+class GatewaySettings(_Section):
+    """The OpenAI-compatible HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    # The model name clients use; empty: "cpd-<model.preset>".
+    served_model_name: str = ""
+    # Deadline of one HTTP request when the body sets none.
+    request_timeout_s: Positive = 300.0
+
+
 class KvIndexSettings(_Section):
     """kvindex: durability and lease enforcement (DESIGN.md §6)."""
 
@@ -199,6 +242,8 @@ class Settings(_Section):
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
     dataplane: DataPlaneSettings = msgspec.field(default_factory=DataPlaneSettings)
     kvindex: KvIndexSettings = msgspec.field(default_factory=KvIndexSettings)
+    router: RouterSettings = msgspec.field(default_factory=RouterSettings)
+    gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
 
     def __post_init__(self) -> None:

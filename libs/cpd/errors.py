@@ -117,6 +117,19 @@ class Unavailable(CpdError):
     retryable = True
 
 
+class DeadlineExceeded(CpdError):
+    """The request's own deadline passed before it finished (queued or running)."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(CpdError):
+    """The request was cancelled, e.g. by a service that is stopping; retry elsewhere."""
+
+    code = ErrorCode.CANCELLED
+    retryable = True
+
+
 class ConfigError(CpdError):
     """Settings that fail validation; the message names the offending setting."""
 
@@ -194,7 +207,7 @@ _BY_CODE: dict[ErrorCode, type[CpdError]] = {
     for cls in (MalformedMessage, SchemaVersionError, UnknownKind, PayloadTooLarge,
                 NoResponders, RequestTimeout, Overloaded, StreamGap, ConfigError,
                 PromptTooLong, UnknownNamespace, InvalidRequest, PeerGone, BlockEvicted,
-                ChecksumMismatch, Unavailable)
+                ChecksumMismatch, Unavailable, DeadlineExceeded, Cancelled)
 }
 
 

@@ -13,6 +13,7 @@ PREFIX: Final = "cpd.v1"
 
 GENERATE: Final = f"{PREFIX}.generate"
 KVINDEX_LOOKUP: Final = f"{PREFIX}.kvindex.lookup"
+ROUTER_STATUS: Final = f"{PREFIX}.router.status"
 KV_EVENTS_ALL: Final = f"{PREFIX}.kv.events.>"
 KV_VISIBLE: Final = f"{PREFIX}.kv.visible"
 KV_INVALIDATE: Final = f"{PREFIX}.kv.invalidate"

@@ -5,7 +5,9 @@
 * One tracer provider per process; W3C trace context rides in NATS headers
   (:func:`inject`, :func:`extract`) and, for durable events, as a ``traceparent`` string
   (:func:`current_traceparent`, :func:`context_from_traceparent`).
-* One meter provider per process, exported for Prometheus when a port is configured.
+* One meter provider per process, exported for Prometheus when a port is configured
+  (its own HTTP server) or asked for (``prometheus_reader``: the process serves
+  ``prometheus_client.generate_latest()`` itself, as the gateway's ``/metrics``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ _propagator = TraceContextTextMapPropagator()
 _configured: str | None = None
 
 
-def setup(service: str, settings: TelemetrySettings | None = None) -> None:
-    """Configure logging, tracing and metrics for this process (idempotent)."""
+def setup(service: str, settings: TelemetrySettings | None = None, *,
+          prometheus_reader: bool = False) -> None:
+    """Configure logging, tracing and metrics for this process (idempotent).
+
+    Metrics go to prometheus_client's default registry when ``settings.prometheus_port``
+    is set (served on that port) or ``prometheus_reader`` is true (no server started: the
+    process exposes ``prometheus_client.generate_latest()`` itself).
+    """
     global _configured
     settings = settings or TelemetrySettings()
     _configure_logging(service, settings)
@@ -49,11 +57,13 @@ def setup(service: str, settings: TelemetrySettings | None = None) -> None:
         )
     trace.set_tracer_provider(provider)
     readers = []
-    if settings.prometheus_port:
+    if settings.prometheus_port or prometheus_reader:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import start_http_server
 
-        start_http_server(settings.prometheus_port)
+        if settings.prometheus_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(settings.prometheus_port)
         readers.append(PrometheusMetricReader())
     from opentelemetry.sdk.metrics import MeterProvider
 

@@ -389,6 +389,58 @@ class PullAck(Message, tag="pull_ack", kw_only=True):
     ok: bool = True
 
 
+# ------------------------------------------------------------------------ cluster status
+
+
+class StatusRequest(Message, tag="status", kw_only=True):
+    """Ask a router (``cpd.v1.router.status``) for its view of the cluster."""
+
+
+class NodeStatus(msgspec.Struct, kw_only=True):
+    """One worker as the router last heard of it."""
+
+    node: str
+    role: str
+    alive: bool
+    last_seen_ms: NonNegFloat = 0.0  # ago
+    queue_depth: NonNegInt = 0
+    queued_new_tokens: NonNegInt = 0
+    est_queue_ms: NonNegFloat = 0.0
+    in_flight: NonNegInt = 0
+    dram_used_bytes: NonNegInt = 0
+    dram_total_bytes: NonNegInt = 0
+    kv_bandwidth_gbps: NonNegFloat = 0.0
+    capacity_blocks: NonNegInt = 0
+
+
+class RouterStats(msgspec.Struct, kw_only=True):
+    """A router's counters since it started: admission and where prompt tokens came from."""
+
+    node: str = ""
+    policy: str = ""
+    in_flight: NonNegInt = 0
+    queued: NonNegInt = 0
+    max_inflight: NonNegInt = 0
+    admitted: NonNegInt = 0
+    rejected: NonNegInt = 0
+    completed: NonNegInt = 0
+    failed: NonNegInt = 0
+    failovers: NonNegInt = 0
+    prompt_tokens: NonNegInt = 0
+    tokens_gpu: NonNegInt = 0
+    tokens_dram: NonNegInt = 0
+    tokens_remote: NonNegInt = 0
+    tokens_computed: NonNegInt = 0
+    paths: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class StatusReply(Message, tag="status_reply", kw_only=True):
+    router: RouterStats
+    nodes: list[NodeStatus] = msgspec.field(default_factory=list)
+    kvindex: Literal["ok", "recovering", "unavailable"] = "ok"
+    namespace: str = ""
+
+
 # ------------------------------------------------------------------ data plane (UCX)
 #
 # These travel over UCX, not NATS: one header per exchange (length-prefixed msgpack in a
@@ -442,6 +494,7 @@ AnyMessage = (
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
     | PrefillRequest | DecodeRequest | Accepted | ResetCache | PullAck
+    | StatusRequest | StatusReply
     | BlockGet | BlockPut | BlockReply
 )
 

@@ -42,9 +42,8 @@ from cpd.errors import (
     Overloaded,
     PromptTooLong,
 )
-from cpd.hashing import Namespace
 from cpd.kvstore import BlockEntry, BlockState, BlockStore, KvStore, slot_bytes
-from cpd.modelbuild import RECIPE_VERSION, build, tokenizer_hash
+from cpd.servedmodel import ServedModel
 from cpd.transfer import TransferClient, TransferServer, init_ucx
 
 PREFILL_ROLES = ("preprefill", "prefill")
@@ -82,21 +81,13 @@ class WorkerService(Service):
 
     async def setup(self) -> None:
         s = self.settings
-        folder = Path(s.model.path) if s.model.path else build(s.model.preset, s.model_cache_dir)
-        self.namespace = Namespace(
-            model_id=f"cpd-{s.model.preset}" if not s.model.path else folder.name,
-            model_revision=f"r{RECIPE_VERSION}", tokenizer_hash=tokenizer_hash(folder),
-            kv_dtype=s.model.dtype, block_size=self.block_size,
-            adapter_id=s.cache.adapter_id)
+        model = ServedModel.load(s)
+        folder, self.namespace = model.folder, model.namespace
         nbytes = slot_bytes(s)
         num_slots = max(1, s.dataplane.arena_bytes // nbytes)
         arena_dir = Path(s.worker.arena_dir)
-        # A crashed earlier incarnation of this node id left its arena behind: shared
-        # memory is only freed when the file goes.
-        for pattern in (f"cpd-arena-{self.node_id}-*", f"cpd-kvevents-{self.node_id}-*"):
-            for stale in arena_dir.glob(pattern):
-                stale.unlink(missing_ok=True)
-        self._arena_path = arena_dir / f"cpd-arena-{self.node_id}-{self.epoch}"
+        _remove_stale_files(arena_dir, self.node_id)
+        self._arena_path = arena_dir / _shm_name("arena", self.node_id, self.epoch)
         arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
                           shape=(num_slots, nbytes))
         js = self.bus.nc.jetstream()
@@ -112,7 +103,7 @@ class WorkerService(Service):
             from cpd.engine.gpu_events import GpuEventBridge
             from cpd.engine.vllm_engine import VllmEngine
 
-            endpoint = f"ipc://{arena_dir / f'cpd-kvevents-{self.node_id}-{self.epoch}'}"
+            endpoint = f"ipc://{arena_dir / _shm_name('kvevents', self.node_id, self.epoch)}"
             self.engine = VllmEngine(folder, block_size=self.block_size,
                                      arena=ArenaSpec(str(self._arena_path), num_slots, nbytes),
                                      dtype=s.model.dtype,
@@ -152,8 +143,8 @@ class WorkerService(Service):
             await self.kv.close()
         if self._arena_path is not None:
             self._arena_path.unlink(missing_ok=True)
-            for ipc in self._arena_path.parent.glob(f"cpd-kvevents-{self.node_id}-{self.epoch}"):
-                ipc.unlink(missing_ok=True)
+            (self._arena_path.parent / _shm_name("kvevents", self.node_id, self.epoch)).unlink(
+                missing_ok=True)
 
     async def _on_reset(self, req: wire.ResetCache, _: Request) -> wire.Accepted:
         assert self.engine is not None
@@ -210,11 +201,23 @@ class WorkerService(Service):
 
     # ----------------------------------------------------------------- prefill
 
-    async def _on_prefill(self, req: wire.PrefillRequest, r: Request) -> None:
-        # The router names the client's inbox; a direct caller gets its own request's.
-        req.reply_to = req.reply_to or r.reply_to
+    async def _on_prefill(self, req: wire.PrefillRequest,
+                          r: Request) -> wire.Accepted | None:
+        """A dispatcher that names a stream inbox (the router) gets ``Accepted`` at once,
+        or a typed refusal it can route around; the stream follows on that inbox. A
+        direct caller without one gets the stream on its own request's inbox."""
         if not req.reply_to:
-            raise InvalidRequest("prefill request without a reply inbox")
+            if not r.reply_to:
+                raise InvalidRequest("prefill request without a reply inbox")
+            req.reply_to = r.reply_to
+            await self._prefill_stream(req)
+            return None
+        self._admit(len(req.tokens) // wire.TOKEN_DTYPE.itemsize, req.sampling.max_tokens,
+                    req.deadline_unix_ms)
+        self.spawn(self._prefill_stream(req), f"prefill-{req.request_id}", background=False)
+        return wire.Accepted(request_id=req.request_id, node=self.node_id)
+
+    async def _prefill_stream(self, req: wire.PrefillRequest) -> None:
         out = ReplyStream(self.bus, req.reply_to, req.request_id)
         try:
             await self._prefill(req, out)
@@ -464,6 +467,32 @@ class WorkerService(Service):
         except Exception as e:
             self.log.warning("decode.failed", error=repr(e))
             await out.error(e)
+
+
+def _shm_name(kind: str, node: str, epoch: int) -> str:
+    # The owner's pid in the name tells a crashed predecessor's leftovers from a live
+    # process's files (two clusters on one host may reuse node ids).
+    return f"cpd-{kind}-{node}-{epoch}-{os.getpid()}"
+
+
+def _remove_stale_files(folder: Path, node: str) -> None:
+    """Shared memory is only freed when its file goes: remove what dead incarnations of
+    ``node`` left behind, never a live process's."""
+    for kind in ("arena", "kvevents"):
+        for path in folder.glob(f"cpd-{kind}-{node}-*-*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _with_max_tokens(s: wire.SamplingParams, n: int) -> wire.SamplingParams:

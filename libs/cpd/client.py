@@ -1,0 +1,141 @@
+"""The async Python client of CPD: requests go to the router on ``cpd.v1.generate`` and
+the reply streams back (DESIGN.md §3-4).
+
+    async with await Client.connect("nats://127.0.0.1:4222") as cpd:
+        async for chunk in cpd.stream("def fib(n):", max_tokens=32):
+            print(chunk.text, end="")
+        done = await cpd.generate([1, 2, 3], max_tokens=8)   # token ids work too
+        print(done.token_ids, done.route.path, done.timings.ttft_ms)
+
+Failures are typed :mod:`cpd.errors` exceptions with a ``retryable`` flag (for example
+:class:`~cpd.errors.Overloaded` when admission control refuses the request).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from types import TracebackType
+
+import msgspec
+
+from . import subjects, wire
+from .bus import Bus
+from .config import Settings, load_settings
+from .errors import InvalidRequest
+
+# Past the request's own deadline, how long the client waits for the router's typed
+# deadline error before giving up on its own.
+_GRACE_S = 5.0
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A finished request: every generated token, its text and the final message's data."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: wire.Usage
+    timings: wire.Timings
+    route: wire.Route
+
+
+class Client:
+    """A CPD client over one NATS connection (share it; requests run concurrently)."""
+
+    def __init__(self, bus: Bus, *, default_timeout_s: float = 300.0,
+                 owns_bus: bool = False) -> None:
+        self.bus = bus
+        self.default_timeout_s = default_timeout_s
+        self._owns_bus = owns_bus
+
+    @classmethod
+    async def connect(cls, url: str | None = None, *, settings: Settings | None = None,
+                      name: str = "cpd-client") -> Client:
+        """Connect to NATS (``url``, else ``settings.nats.url``)."""
+        settings = settings or load_settings()
+        bus = await Bus.open(settings, name, url=url)
+        return cls(bus, default_timeout_s=settings.admission.default_deadline_s,
+                   owns_bus=True)
+
+    async def close(self) -> None:
+        if self._owns_bus:
+            await self.bus.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    def request(self, prompt: str | Sequence[int], *, max_tokens: int = 16,
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
+                seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                ignore_eos: bool = False, tenant: str = "default", cache_salt: str = "",
+                priority: int = 0, model: str = "", timeout_s: float | None = None,
+                request_id: str | None = None) -> wire.GenerateRequest:
+        """The wire request for a prompt given as text (the router tokenizes it) or as
+        token ids. Raises :class:`~cpd.errors.InvalidRequest` for bad sampling values."""
+        try:
+            sampling = msgspec.convert(
+                {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                 "top_k": top_k, "seed": seed, "stop_token_ids": list(stop_token_ids),
+                 "ignore_eos": ignore_eos}, wire.SamplingParams)
+        except msgspec.ValidationError as e:
+            raise InvalidRequest(f"bad sampling parameters: {e}") from None
+        timeout_s = timeout_s or self.default_timeout_s
+        req = wire.GenerateRequest(
+            request_id=request_id or uuid.uuid4().hex, sampling=sampling, model=model,
+            tenant=tenant, cache_salt=cache_salt, priority=priority,
+            timeout_ms=int(timeout_s * 1000))
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            try:
+                req.tokens = wire.pack_tokens(list(prompt))
+            except (ValueError, TypeError, OverflowError) as e:
+                raise InvalidRequest(f"bad token ids: {e}") from None
+        return req
+
+    async def stream(self, prompt: str | Sequence[int], **options: object
+                     ) -> AsyncGenerator[wire.TokenChunk | wire.Final, None]:
+        """Yield ``TokenChunk``s as they are generated, then the ``Final`` message.
+
+        Takes the keyword options of :meth:`request`.
+        """
+        req = self.request(prompt, **options)  # type: ignore[arg-type]
+        async for msg in self.stream_request(req):
+            yield msg
+
+    async def stream_request(self, req: wire.GenerateRequest
+                             ) -> AsyncGenerator[wire.TokenChunk | wire.Final, None]:
+        """Stream a prepared :class:`~cpd.wire.GenerateRequest`."""
+        timeout = req.timeout_ms / 1000 + _GRACE_S
+        # The router bounds every request by its deadline and watches the nodes, so the
+        # client need not guess an idle limit: a long prefill is silent but not dead.
+        async for msg in self.bus.stream(subjects.GENERATE, req, timeout=timeout,
+                                         idle_timeout=timeout):
+            if isinstance(msg, wire.TokenChunk | wire.Final):
+                yield msg
+
+    async def generate(self, prompt: str | Sequence[int], **options: object) -> Completion:
+        """Run a request to the end and return the whole :class:`Completion`."""
+        req = self.request(prompt, **options)  # type: ignore[arg-type]
+        ids: list[int] = []
+        text: list[str] = []
+        async for msg in self.stream_request(req):
+            if isinstance(msg, wire.TokenChunk):
+                ids.extend(msg.token_ids)
+                text.append(msg.text)
+            else:
+                return Completion(request_id=req.request_id, token_ids=ids,
+                                  text="".join(text), finish_reason=msg.finish_reason,
+                                  usage=msg.usage, timings=msg.timings, route=msg.route)
+        raise AssertionError("a stream always ends with a final message or an error")
+
+    async def status(self, timeout_s: float = 5.0) -> wire.StatusReply:
+        """A router's view of the cluster: nodes, roles, queues, cache use, hit counts."""
+        return await self.bus.request(subjects.ROUTER_STATUS, wire.StatusRequest(),
+                                      expect=wire.StatusReply, timeout=timeout_s)

@@ -1,0 +1,330 @@
+"""The gateway's HTTP API: OpenAI-compatible completions over the CPD client.
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: one prompt each (chats are
+  rendered with the model's template), whole replies or SSE streams. Replies carry an
+  extra top-level ``cpd`` field (in a stream: on the chunk with the finish reason) with
+  the request id, the route the router took and its timings.
+* ``GET /v1/models``, ``GET /health`` (NATS connected and a router answering),
+  ``GET /metrics`` (Prometheus text of this process).
+
+A request is parsed and checked here, then sent to the router with the gateway's
+deadline. Errors before the first generated token keep their HTTP status (a streaming
+request's reply starts only once its first message arrived); an error after that ends
+the stream with an ``{"error": ...}`` event. A client that disconnects mid-stream stops
+the gateway's side of the request; the router finishes it or times it out on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from cpd import telemetry, wire
+from cpd.client import Client
+from cpd.config import Settings
+from cpd.errors import CpdError, ErrorCode
+from cpd.servedmodel import ServedModel
+
+from . import protocol
+from .errors import ApiError, http_exception_handler
+from .metrics import GatewayMetrics, Progress
+
+__all__ = ["create_app"]
+
+HEALTH_TIMEOUT_S = 1.0
+"""How long ``/health`` waits for a router's status reply."""
+
+_SSE_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_REQUEST_ID_HEADER = "x-request-id"
+_OWNER = "cpd"
+
+log = telemetry.get_logger("cpd.gateway")
+
+
+def create_app(client: Client, model: ServedModel, settings: Settings) -> FastAPI:
+    """The gateway's FastAPI application, sending requests through ``client``."""
+    gateway = _Gateway(client, model, settings)
+    app = FastAPI(title="CPD gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/health", gateway.health, methods=["GET"])
+    app.add_api_route("/metrics", gateway.prometheus, methods=["GET"])
+    app.add_exception_handler(HTTPException, http_exception_handler)
+    return app
+
+
+@dataclass
+class _Call:
+    """One generation request on its way through the gateway."""
+
+    endpoint: str
+    shape: protocol.Shape
+    request_id: str
+    span: Span
+    progress: Progress
+    created: int
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {_REQUEST_ID_HEADER: self.request_id}
+
+
+class _Gateway:
+    """The endpoint handlers and what they share."""
+
+    def __init__(self, client: Client, model: ServedModel, settings: Settings) -> None:
+        self.client = client
+        self.model = model
+        self.served_name = settings.gateway.served_model_name or model.name
+        self.timeout_s = settings.gateway.request_timeout_s
+        self.metrics = GatewayMetrics()
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, request: Request) -> Response:
+        """OpenAI's Completions API."""
+        return await self._generate(request, protocol.COMPLETION, protocol.CompletionRequest)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """OpenAI's Chat Completions API."""
+        return await self._generate(request, protocol.CHAT, protocol.ChatRequest)
+
+    async def models(self) -> Response:
+        """The one served model."""
+        card = {"id": self.served_name, "object": "model", "created": self.started,
+                "owned_by": _OWNER, "root": self.model.name,
+                "max_model_len": self.model.max_model_len}
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self) -> Response:
+        """200 when NATS is connected and a router answers, else 503 with the reason."""
+        if not self.client.bus.nc.is_connected:
+            return _unhealthy("not connected to NATS")
+        try:
+            await self.client.status(timeout_s=HEALTH_TIMEOUT_S)
+        except CpdError as e:
+            return _unhealthy(f"no router answered: {e.message}")
+        return _json({"status": "ok"})
+
+    async def prometheus(self) -> Response:
+        """This process's metrics in Prometheus text format."""
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    # ----------------------------------------------------------------- generation
+
+    async def _generate(self, request: Request, shape: protocol.Shape,
+                        kind: type[protocol.CompletionRequest] | type[protocol.ChatRequest]
+                        ) -> Response:
+        progress = Progress(started=time.perf_counter())
+        request_id = uuid.uuid4().hex
+        endpoint = request.url.path
+        call = _Call(endpoint=endpoint, shape=shape, request_id=request_id,
+                     progress=progress, created=int(time.time()),
+                     span=telemetry.tracer().start_span(
+                         f"gateway {endpoint}", kind=SpanKind.SERVER,
+                         attributes={"http.route": endpoint, "cpd.request_id": request_id}))
+        try:
+            # The span is current while the request is published, so its trace context
+            # rides to the router and on to the workers.
+            with trace.use_span(call.span, end_on_exit=False), \
+                    telemetry.bound_request(request_id):
+                body = protocol.decode_body(await request.body(), kind)
+                call.stream = bool(body.stream)
+                call.include_usage = bool(body.stream_options and
+                                          body.stream_options.include_usage)
+                messages = self.client.stream_request(await self._wire_request(body, request_id))
+                first = await _next(messages)
+        except ApiError as e:
+            return self._fail(call, e)
+        except CpdError as e:
+            return self._fail(call, ApiError.from_cpd(e))
+        except Exception as e:
+            return self._fail(call, _internal(e, call))
+        if call.stream:
+            return StreamingResponse(self._events(call, first, messages),
+                                     media_type="text/event-stream",
+                                     headers={**_SSE_HEADERS, **call.headers})
+        return await self._whole(call, first, messages)
+
+    async def _whole(self, call: _Call, first: wire.TokenChunk | wire.Final,
+                     messages: AsyncIterator[wire.TokenChunk | wire.Final]) -> Response:
+        """A non-streaming reply: every chunk's text, then the final message's data."""
+        texts: list[str] = []
+        msg = first
+        try:
+            while isinstance(msg, wire.TokenChunk):
+                call.progress.on_tokens(len(msg.token_ids), time.perf_counter())
+                texts.append(msg.text)
+                msg = await _next(messages)
+        except CpdError as e:
+            return self._fail(call, ApiError.from_cpd(e))
+        except Exception as e:
+            return self._fail(call, _internal(e, call))
+        self._succeed(call, msg)
+        call.span.end()
+        return _json(call.shape.response(request_id=call.request_id, created=call.created,
+                                         model=self.served_name, text="".join(texts),
+                                         final=msg), headers=call.headers)
+
+    async def _events(self, call: _Call, first: wire.TokenChunk | wire.Final,
+                      messages: AsyncIterator[wire.TokenChunk | wire.Final]
+                      ) -> AsyncIterator[bytes]:
+        """The SSE body of a streaming reply."""
+        shape = call.shape
+        ended = False
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            return _sse(shape.chunk(request_id=call.request_id, created=call.created,
+                                    model=self.served_name, choices=choices, **extra))
+
+        try:
+            try:
+                if opening := shape.opening_choices():
+                    yield chunk(opening)
+                msg = first
+                while isinstance(msg, wire.TokenChunk):
+                    call.progress.on_tokens(len(msg.token_ids), time.perf_counter())
+                    if msg.text:  # empty while a character's bytes are incomplete
+                        yield chunk([shape.delta_choice(msg.text)])
+                    msg = await _next(messages)
+                yield chunk([shape.delta_choice("", protocol.finish_reason(msg))],
+                            cpd=protocol.cpd_extension(call.request_id, msg))
+                if call.include_usage:
+                    yield chunk([], usage=protocol.usage(msg))
+                ended = True
+                self._succeed(call, msg)
+            except CpdError as e:
+                ended = True
+                yield _sse(self._record_failure(call, ApiError.from_cpd(e)).body())
+            except Exception as e:
+                ended = True
+                yield _sse(self._record_failure(call, _internal(e, call)).body())
+            yield _SSE_DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            if not ended:
+                self.metrics.abandoned(call.endpoint)
+                call.span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+                log.info("gateway.client_disconnected", request_id=call.request_id,
+                         tokens=call.progress.tokens)
+            raise
+        finally:
+            call.span.end()
+            await messages.aclose()  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- requests
+
+    async def _wire_request(self, body: protocol.CompletionRequest | protocol.ChatRequest,
+                      request_id: str) -> wire.GenerateRequest:
+        """Check a parsed body and turn it into the router's request."""
+        if body.model and body.model != self.served_name:
+            raise ApiError(HTTPStatus.NOT_FOUND,
+                           f"the model {body.model!r} does not exist; this server serves "
+                           f"{self.served_name!r}", code="model_not_found", param="model")
+        protocol.refuse_unsupported(body)
+        prompt: str | list[int]
+        if isinstance(body, protocol.ChatRequest):
+            prompt = protocol.chat_prompt(body, self.model)
+            max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                          else body.max_tokens)
+            if max_tokens is None:
+                max_tokens = await self._room_after(prompt)
+        else:
+            prompt = protocol.completion_prompt(body, self.model)
+            max_tokens = (protocol.DEFAULT_MAX_TOKENS if body.max_tokens is None
+                          else body.max_tokens)
+            if isinstance(prompt, list):
+                self._check_length(len(prompt))
+        given = {"top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+                 "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos}
+        temperature = (protocol.DEFAULT_TEMPERATURE if body.temperature is None
+                       else body.temperature)
+        return self.client.request(
+            prompt, max_tokens=max_tokens, temperature=temperature, model=self.model.name,
+            timeout_s=self.timeout_s, request_id=request_id,
+            **{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+
+    async def _room_after(self, prompt: str) -> int:
+        """Default completion length of a chat: what the context has left (as OpenAI and
+        vLLM do), or the completions default when the model's limit is unknown."""
+        if not self.model.max_model_len:
+            return protocol.DEFAULT_MAX_TOKENS
+        # A long prompt takes milliseconds to tokenize; keep the event loop serving.
+        n = len(await asyncio.to_thread(self.model.encode, prompt))
+        self._check_length(n)
+        return self.model.max_model_len - n
+
+    def _check_length(self, prompt_tokens: int) -> None:
+        limit = self.model.max_model_len
+        if limit and prompt_tokens >= limit:
+            raise ApiError.invalid(
+                f"the prompt has {prompt_tokens} tokens; this model's context is {limit} "
+                "tokens, prompt and completion together", param="prompt",
+                code=ErrorCode.PROMPT_TOO_LONG.value)
+
+    # ---------------------------------------------------------------- outcomes
+
+    def _succeed(self, call: _Call, final: wire.Final) -> None:
+        self.metrics.finished(call.endpoint, final, call.progress, time.perf_counter())
+        call.span.set_attribute("cpd.route.path", final.route.path)
+        call.span.set_attribute("http.status_code", HTTPStatus.OK)
+
+    def _fail(self, call: _Call, error: ApiError) -> Response:
+        self._record_failure(call, error)
+        call.span.end()
+        return error.response(call.headers)
+
+    def _record_failure(self, call: _Call, error: ApiError) -> ApiError:
+        self.metrics.failed(call.endpoint, error.status, error.code)
+        call.span.set_attribute("http.status_code", error.status)
+        call.span.set_status(Status(StatusCode.ERROR, error.code))
+        level = log.warning if error.status >= HTTPStatus.INTERNAL_SERVER_ERROR else log.info
+        level("gateway.request_failed", request_id=call.request_id, endpoint=call.endpoint,
+              status=error.status, code=error.code, detail=error.message)
+        return error
+
+
+async def _next(messages: AsyncIterator[wire.TokenChunk | wire.Final]
+                ) -> wire.TokenChunk | wire.Final:
+    try:
+        return await anext(messages)
+    except StopAsyncIteration:
+        raise CpdError("the reply stream ended without a final message") from None
+
+
+def _internal(exc: Exception, call: _Call) -> ApiError:
+    log.error("gateway.internal_error", request_id=call.request_id, exc_info=exc)
+    return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}",
+                    code=ErrorCode.INTERNAL.value)
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def _json(data: dict[str, Any], *, status: int = HTTPStatus.OK,
+          headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(data), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def _unhealthy(reason: str) -> Response:
+    return _json({"status": "unavailable", "reason": reason},
+                 status=HTTPStatus.SERVICE_UNAVAILABLE)

@@ -1,0 +1,273 @@
+"""OpenAI's Completions and Chat Completions APIs as the gateway speaks them.
+
+* Request bodies are msgspec structs: unknown fields are ignored (OpenAI clients send
+  fields of their own), known ones are type-checked; ``null`` means "not given".
+* Features CPD's engines do not have (several choices, log probabilities, penalties,
+  tools, stop *strings*...) are refused with a 400 naming the field, rather than silently
+  ignored: a client asking for them would otherwise get a different answer than asked.
+* :class:`Shape` builds the JSON of replies and stream chunks of each API, plus the
+  ``cpd`` extension (route and timings of the request) that clients ignore.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from cpd import wire
+from cpd.servedmodel import ServedModel
+
+from .errors import ApiError, field_of
+
+DEFAULT_MAX_TOKENS = 16
+"""Completions API default when ``max_tokens`` is absent (OpenAI's)."""
+
+DEFAULT_TEMPERATURE = 1.0
+"""OpenAI's default; clients that want greedy output send ``temperature=0``."""
+
+# Chat roles CPD renders, and the template role each maps to ("developer" is OpenAI's
+# newer name for "system").
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+_FINISH_REASONS = frozenset({"stop", "length"})
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """Fields both APIs share."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras, which CPD's engines implement.
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    """Body of ``POST /v1/completions``."""
+
+    # A string, token ids, or a list holding one of those (several prompts are refused).
+    prompt: str | list[Any]
+    max_tokens: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    # OpenAI's newer name for max_tokens; it wins when both are given.
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def decode_body(raw: bytes, kind: type[CompletionRequest] | type[ChatRequest]
+                ) -> CompletionRequest | ChatRequest:
+    """Parse a request body; bad JSON or a wrongly typed field is a 400 naming it."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise ApiError.invalid(f"invalid request body: {e}", param=field_of(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise ApiError.invalid(f"request body is not valid JSON: {e}") from None
+
+
+def refuse_unsupported(body: CompletionRequest | ChatRequest) -> None:
+    """Raise a 400 for the first requested feature CPD does not implement."""
+    if body.stop:
+        raise ApiError.invalid(
+            "stop strings are not supported; pass stop_token_ids (a list of token ids) "
+            "instead", param="stop")
+    if body.n not in (None, 1):
+        raise ApiError.invalid("only n=1 is supported; send one request per choice",
+                               param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0):
+            raise ApiError.invalid(f"{name} is not supported", param=name)
+    if body.logit_bias:
+        raise ApiError.invalid("logit_bias is not supported", param="logit_bias")
+    if body.logprobs is not None and body.logprobs is not False:
+        raise ApiError.invalid("logprobs are not supported", param="logprobs")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise ApiError.invalid("echo is not supported", param="echo")
+        if body.best_of not in (None, 1):
+            raise ApiError.invalid("only best_of=1 is supported", param="best_of")
+        if body.suffix:
+            raise ApiError.invalid("suffix is not supported", param="suffix")
+        return
+    if body.top_logprobs:
+        raise ApiError.invalid("top_logprobs is not supported", param="top_logprobs")
+    if body.tools:
+        raise ApiError.invalid("tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise ApiError.invalid("only the text response_format is supported",
+                               param="response_format")
+
+
+def completion_prompt(body: CompletionRequest, model: ServedModel) -> str | list[int]:
+    """The one prompt of a completions request: text, or token ids checked against the
+    model's vocabulary."""
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError.invalid("prompt must not be empty", param="prompt")
+        return prompt
+    if not prompt:
+        raise ApiError.invalid("prompt must not be empty", param="prompt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ApiError.invalid(
+            "prompt must be a string or a list of token ids; several prompts in one "
+            "request are not supported (send one request per prompt)", param="prompt")
+    if not model.vocab_size:
+        return prompt  # a model folder without a vocabulary size: the engine checks
+    bad = next((t for t in prompt if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise ApiError.invalid(f"token id {bad} is outside the vocabulary "
+                               f"(0..{model.vocab_size - 1})", param="prompt")
+    return prompt
+
+
+def chat_prompt(body: ChatRequest, model: ServedModel) -> str:
+    """The prompt text of a chat, rendered with the model's chat template."""
+    if not body.messages:
+        raise ApiError.invalid("messages must not be empty", param="messages")
+    turns: list[dict[str, str]] = []
+    for i, message in enumerate(body.messages):
+        role = _ROLES.get(message.role)
+        if role is None:
+            raise ApiError.invalid(
+                f"role {message.role!r} is not supported (use one of {sorted(_ROLES)})",
+                param=f"messages[{i}].role")
+        turns.append({"role": role, "content": _text_of(message, i)})
+    return model.render_chat(turns)
+
+
+def _text_of(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text":
+            raise ApiError.invalid(f"content of type {part.type!r} is not supported; only "
+                                   "text", param=f"messages[{index}].content")
+        texts.append(part.text or "")
+    return "".join(texts)
+
+
+def finish_reason(final: wire.Final) -> str:
+    """OpenAI's finish reason for CPD's: ``length`` at the token limit, else ``stop``."""
+    return final.finish_reason if final.finish_reason in _FINISH_REASONS else "stop"
+
+
+def usage(final: wire.Final) -> dict[str, Any]:
+    """OpenAI's usage object (cached prompt tokens in ``prompt_tokens_details``)."""
+    u = final.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def cpd_extension(request_id: str, final: wire.Final) -> dict[str, Any]:
+    """What CPD did for the request: its id, route and timings (an extra top-level field)."""
+    return {"request_id": request_id, "route": msgspec.to_builtins(final.route),
+            "timings": msgspec.to_builtins(final.timings)}
+
+
+@dataclass(frozen=True)
+class Shape(ABC):
+    """The reply shapes of one API; subclasses fill in the choice objects."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+
+    def response(self, *, request_id: str, created: int, model: str, text: str,
+                 final: wire.Final) -> dict[str, Any]:
+        """The whole reply of a non-streaming request."""
+        return {"id": self.id_prefix + request_id, "object": self.object,
+                "created": created, "model": model,
+                "choices": [self.choice(text, finish_reason(final))],
+                "usage": usage(final), "cpd": cpd_extension(request_id, final)}
+
+    def chunk(self, *, request_id: str, created: int, model: str,
+              choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """One stream chunk around ``choices`` (and extra top-level fields)."""
+        return {"id": self.id_prefix + request_id, "object": self.chunk_object,
+                "created": created, "model": model, "choices": choices, **extra}
+
+    @abstractmethod
+    def choice(self, text: str, finish: str) -> dict[str, Any]:
+        """The choice of a whole reply."""
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        """Choices of a chunk sent before any text (none by default)."""
+        return []
+
+    @abstractmethod
+    def delta_choice(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        """The choice of a stream chunk: new text, or the finish reason at the end."""
+
+
+class CompletionShape(Shape):
+    def choice(self, text: str, finish: str) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def delta_choice(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+class ChatShape(Shape):
+    def choice(self, text: str, finish: str) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish}
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        # OpenAI's first chat chunk names the role and carries no text yet.
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None}]
+
+    def delta_choice(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+COMPLETION = CompletionShape(object="text_completion", chunk_object="text_completion",
+                             id_prefix="cmpl-")
+CHAT = ChatShape(object="chat.completion", chunk_object="chat.completion.chunk",
+                 id_prefix="chatcmpl-")

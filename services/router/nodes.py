@@ -1,0 +1,107 @@
+"""The router's view of the workers, from their heartbeats and load reports. Pure: the
+caller passes the clock, so liveness rules are unit-testable without a server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cpd import wire
+
+from .policy import NodeLoad
+
+WORKER_ROLES = ("preprefill", "prefill", "decode")
+
+
+@dataclass
+class _Node:
+    node: str
+    role: str
+    last_seen: float
+    lease_ttl_s: float
+    namespace: str = ""
+    capacity_blocks: int = 0
+    load: wire.LoadReport | None = None
+    started_unix_ms: int = 0
+    # Work this router sent since the node's last load report: without it, a burst
+    # between two reports would all land on the node that looked idlest.
+    dispatched_ms: float = 0.0
+
+
+@dataclass
+class NodeTable:
+    """Live workers of one namespace. A node is alive while its lease (heartbeat or load
+    report within ``lease_ttl``) holds; a node that restarts with a new epoch is the same
+    name with a fresh state."""
+
+    namespace: str = ""
+    _nodes: dict[str, _Node] = field(default_factory=dict)
+    foreign: set[str] = field(default_factory=set)
+
+    def heartbeat(self, hb: wire.Heartbeat, now: float) -> None:
+        """Record a heartbeat; nodes serving another namespace (model) are kept out."""
+        if hb.role not in WORKER_ROLES:
+            return
+        if self.namespace and hb.namespace and hb.namespace != self.namespace:
+            self.foreign.add(hb.node)
+            return
+        self.foreign.discard(hb.node)
+        n = self._nodes.get(hb.node)
+        if n is None or n.started_unix_ms != hb.started_unix_ms or n.role != hb.role:
+            n = self._nodes[hb.node] = _Node(hb.node, hb.role, now, hb.lease_ttl_ms / 1000)
+        n.last_seen = now
+        n.lease_ttl_s = hb.lease_ttl_ms / 1000
+        n.namespace = hb.namespace
+        n.capacity_blocks = hb.capacity_blocks
+        n.started_unix_ms = hb.started_unix_ms
+
+    def load_report(self, report: wire.LoadReport, now: float) -> None:
+        """Record a load report (it renews liveness too: a node that reports is alive)."""
+        n = self._nodes.get(report.node)
+        if n is None or n.role != report.role:
+            return  # heartbeats introduce nodes; a report alone does not say its namespace
+        n.load = report
+        n.last_seen = now
+        n.dispatched_ms = 0.0
+
+    def dispatched(self, node: str, est_ms: float) -> None:
+        """Note work just sent to ``node`` until its next load report accounts for it."""
+        n = self._nodes.get(node)
+        if n is not None:
+            n.dispatched_ms += est_ms
+
+    def alive(self, node: str, now: float) -> bool:
+        n = self._nodes.get(node)
+        return n is not None and now - n.last_seen <= n.lease_ttl_s
+
+    def live(self, now: float, exclude: frozenset[str] = frozenset()) -> list[NodeLoad]:
+        """Every live worker as the policy sees it."""
+        out = []
+        for n in self._nodes.values():
+            if n.node in exclude or now - n.last_seen > n.lease_ttl_s:
+                continue
+            r = n.load
+            out.append(NodeLoad(node=n.node, role=n.role,
+                                queue_ms=(r.est_queue_ms if r else 0.0) + n.dispatched_ms,
+                                queued_new_tokens=r.queued_new_tokens if r else 0,
+                                in_flight=r.in_flight if r else 0,
+                                bandwidth_gbps=r.kv_bandwidth_gbps if r else 0.0))
+        return out
+
+    def status(self, now: float) -> list[wire.NodeStatus]:
+        """Every node ever heard of, alive or not, for ``cpd status``."""
+        out = []
+        for n in sorted(self._nodes.values(), key=lambda x: (x.role, x.node)):
+            r = n.load or wire.LoadReport(node=n.node, role=n.role)  # type: ignore[arg-type]
+            out.append(wire.NodeStatus(
+                node=n.node, role=n.role, alive=now - n.last_seen <= n.lease_ttl_s,
+                last_seen_ms=max(0.0, (now - n.last_seen) * 1000),
+                queue_depth=r.queue_depth, queued_new_tokens=r.queued_new_tokens,
+                est_queue_ms=r.est_queue_ms, in_flight=r.in_flight,
+                dram_used_bytes=r.dram_used_bytes, dram_total_bytes=r.dram_total_bytes,
+                kv_bandwidth_gbps=r.kv_bandwidth_gbps, capacity_blocks=n.capacity_blocks))
+        return out
+
+    def forget_dead(self, now: float, after_s: float) -> None:
+        """Drop nodes silent for ``after_s`` (bounded memory with churning node ids)."""
+        for name in [k for k, n in self._nodes.items() if now - n.last_seen > after_s]:
+            del self._nodes[name]

@@ -1,0 +1,453 @@
+"""The router process (DESIGN.md §3, §8, §10): the client-facing ``cpd.v1.generate`` API.
+
+Per request: validate and tokenize, wait for an admission slot (or refuse with a typed,
+retryable ``overloaded``), hash the prompt's blocks, ask kvindex how much of it is cached
+(a slow, failing or recovering kvindex is a miss), let the pure policy pick the prefill
+and decode nodes, dispatch, and relay the workers' stream to the client.
+
+The router stays on the stream for its whole life because it owns the guarantees a
+client relies on: every request ends in a final message or a typed error before its
+deadline; a node that stops heart-beating mid-request is routed around (the request
+is re-run elsewhere while nothing, or only reproducible greedy output, reached the
+client); admission slots are held exactly as long as requests run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import replace
+
+import msgspec
+from nats.aio.msg import Msg
+
+from cpd import subjects, telemetry, wire
+from cpd.bus import ReplyStream, Request, Service, StreamReader
+from cpd.config import Settings
+from cpd.errors import (
+    CpdError,
+    DeadlineExceeded,
+    ErrorCode,
+    InvalidRequest,
+    PromptTooLong,
+    RequestTimeout,
+    Unavailable,
+    UnknownNamespace,
+)
+from cpd.hashing import Namespace, block_hashes
+from cpd.kvstore import slot_bytes
+from cpd.servedmodel import Detokenizer, ServedModel
+
+from .admission import Admission
+from .cost import LoadCost, PrefillCost
+from .nodes import NodeTable
+from .policy import Decision, Hits, PolicyConfig, Router
+
+# Poll interval while a single-flight request waits for another node's prefix.
+_SINGLE_FLIGHT_POLL_S = 0.05
+# Nodes silent this many lease lengths are dropped from the table (and from `cpd status`).
+_FORGET_AFTER_LEASES = 60
+
+
+class _AttemptFailed(Exception):
+    """One try of a request failed; ``nodes`` are the ones to route around."""
+
+    def __init__(self, error: CpdError, nodes: set[str]) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.nodes = nodes
+
+
+class RouterService(Service):
+    """One router replica; replicas share the ``router`` queue group."""
+
+    name = "router"
+
+    def __init__(self, settings: Settings, *, nats_url: str | None = None,
+                 model: ServedModel | None = None) -> None:
+        super().__init__(settings, nats_url=nats_url)
+        self.cfg = settings.router
+        self.admission = Admission(settings.admission.max_inflight,
+                                   settings.admission.max_queue)
+        self.nodes = NodeTable()
+        self.stats = wire.RouterStats(node=self.node_id, policy=self.cfg.policy,
+                                      max_inflight=settings.admission.max_inflight)
+        self.kvindex_state: str = "ok"
+        self._model = model
+        self._instruments()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def setup(self) -> None:
+        self.model = self._model or await asyncio.to_thread(ServedModel.load, self.settings)
+        self.block_size = self.settings.cache.block_size
+        self.nodes.namespace = self.model.namespace.id
+        c = self.cfg
+        self.policy = Router(
+            PolicyConfig(name=c.policy, cold_reuse_ratio=c.cold_reuse_ratio,
+                         min_reuse_tokens=c.min_reuse_tokens,
+                         overflow_margin_ms=c.overflow_margin_ms,
+                         default_bandwidth_gbps=c.default_bandwidth_gbps,
+                         host_bandwidth_gbps=c.host_bandwidth_gbps,
+                         single_flight=c.single_flight,
+                         max_single_flight_wait_ms=c.max_single_flight_wait_ms),
+            PrefillCost(fixed_ms=c.prefill_fixed_ms, per_token_ms=c.prefill_per_token_ms,
+                        per_token_ctx_ms=c.prefill_per_token_ctx_ms),
+            LoadCost(kv_bytes_per_token=max(1, slot_bytes(self.settings) // self.block_size)))
+        nc = self.bus.nc
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
+        await nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
+        await self.add_endpoint("generate", subjects.GENERATE, self._on_generate,
+                                expect=wire.GenerateRequest, queue=subjects.QUEUE_ROUTER)
+        await self.add_endpoint("status", subjects.ROUTER_STATUS, self._on_status,
+                                expect=wire.StatusRequest, queue=subjects.QUEUE_ROUTER)
+        self.spawn(self._forget_dead_nodes(), "node-gc")
+        self.log.info("router.ready", policy=c.policy, model=self.model.name,
+                      namespace=self.model.namespace.id)
+
+    def _instruments(self) -> None:
+        m = telemetry.meter()
+        self._m_requests = m.create_counter(
+            "cpd_router_requests_total", description="requests by policy, path and outcome")
+        self._m_rejected = m.create_counter(
+            "cpd_router_rejected_total", description="requests refused (admission, bad input)")
+        self._m_failovers = m.create_counter(
+            "cpd_router_failovers_total", description="requests moved to another node")
+        self._m_tokens = m.create_counter(
+            "cpd_router_prompt_tokens_total",
+            description="prompt tokens by where their KV came from (gpu, dram, remote, "
+                        "computed): the hit ratio per tier")
+        self._m_ttft = m.create_histogram("cpd_router_ttft_ms", unit="ms",
+                                          description="time to first token at the router")
+        self._m_tpot = m.create_histogram("cpd_router_tpot_ms", unit="ms",
+                                          description="time per output token after the first")
+        self._m_admission = m.create_histogram(
+            "cpd_router_admission_wait_ms", unit="ms", description="wait for an admission slot")
+        self._m_decision = m.create_histogram(
+            "cpd_router_decision_ms", unit="ms",
+            description="hashing + kvindex lookup + policy, per request")
+        self._m_queue = m.create_histogram(
+            "cpd_prefill_queue_ms", unit="ms",
+            description="estimated queue time of the chosen node, by role (warm prefill, "
+                        "cold pre-prefill)")
+        self._m_in_flight = m.create_up_down_counter(
+            "cpd_router_in_flight", description="requests holding an admission slot")
+
+    # --------------------------------------------------------------- node table
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        with contextlib.suppress(CpdError):
+            self.nodes.heartbeat(wire.decode(msg.data, wire.Heartbeat), time.monotonic())
+
+    async def _on_load(self, msg: Msg) -> None:
+        with contextlib.suppress(CpdError):
+            self.nodes.load_report(wire.decode(msg.data, wire.LoadReport), time.monotonic())
+
+    async def _forget_dead_nodes(self) -> None:
+        ttl = self.settings.node.lease_ttl_s
+        while not self.stopping:
+            await asyncio.sleep(ttl)
+            self.nodes.forget_dead(time.monotonic(), ttl * _FORGET_AFTER_LEASES)
+
+    async def _on_status(self, _: wire.StatusRequest, __: Request) -> wire.StatusReply:
+        stats = msgspec.structs.replace(self.stats, in_flight=self.admission.in_flight,
+                                        queued=self.admission.queued,
+                                        paths=dict(self.stats.paths))
+        return wire.StatusReply(router=stats, nodes=self.nodes.status(time.monotonic()),
+                                kvindex=self.kvindex_state,  # type: ignore[arg-type]
+                                namespace=self.model.namespace.id)
+
+    # ------------------------------------------------------------------ requests
+
+    async def _on_generate(self, req: wire.GenerateRequest, r: Request) -> None:
+        if not r.reply_to:
+            raise InvalidRequest("a generate request needs a reply inbox")
+        out = r.stream(req.request_id)
+        try:
+            await self._generate(req, out)
+        except BaseException as e:
+            if isinstance(e, CpdError) and e.code in (ErrorCode.OVERLOADED,
+                                                      ErrorCode.INVALID_REQUEST,
+                                                      ErrorCode.PROMPT_TOO_LONG,
+                                                      ErrorCode.UNKNOWN_NAMESPACE):
+                self.stats.rejected += 1
+                self._m_rejected.add(1, {"reason": e.code.value})
+            else:
+                self.stats.failed += 1
+                self._m_requests.add(1, {"policy": self.cfg.policy, "outcome": "error"})
+            self.log.info("router.request_failed", error=getattr(e, "code", repr(e)),
+                          detail=str(e))
+            await out.error(e)
+            if not isinstance(e, Exception):
+                raise
+
+    async def _generate(self, req: wire.GenerateRequest, out: ReplyStream) -> None:
+        t0 = time.monotonic()
+        timeout_s = (req.timeout_ms / 1000 if req.timeout_ms
+                     else self.settings.admission.default_deadline_s)
+        deadline = t0 + timeout_s
+        deadline_unix_ms = int((time.time() + timeout_s) * 1000)
+        tokens = await self._prompt_tokens(req)
+        ns = self._namespace(req)
+        async with self.admission.slot(deadline) as waited:
+            self.stats.admitted += 1
+            self._m_in_flight.add(1)
+            self._m_admission.record(waited * 1000)
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._serve(req, tokens, ns, out, t0, waited, deadline_unix_ms)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"request did not finish within its {timeout_s:.1f}s deadline") from None
+            finally:
+                self._m_in_flight.add(-1)
+
+    async def _prompt_tokens(self, req: wire.GenerateRequest) -> list[int]:
+        """The prompt as token ids, checked against the model before any work is done."""
+        if req.model and req.model != self.model.name:
+            raise UnknownNamespace(f"model {req.model!r} is not served here "
+                                   f"(this cluster serves {self.model.name!r})")
+        if (req.prompt is None) == (req.tokens is None):
+            raise InvalidRequest("give exactly one of prompt (text) and tokens (ids)")
+        if req.prompt is not None:
+            tokens = await asyncio.to_thread(self.model.encode, req.prompt)
+        else:
+            arr = wire.unpack_tokens(req.tokens or b"")
+            if arr.size and int(arr.max()) >= self.model.vocab_size:
+                raise InvalidRequest(f"token id {int(arr.max())} is outside the vocabulary "
+                                     f"of {self.model.vocab_size}")
+            tokens = arr.tolist()
+        if not tokens:
+            raise InvalidRequest("empty prompt")
+        limit = self.model.max_model_len
+        if limit and len(tokens) + req.sampling.max_tokens > limit:
+            raise PromptTooLong(f"{len(tokens)} prompt + {req.sampling.max_tokens} new tokens "
+                                f"exceed the model's {limit}")
+        return tokens
+
+    def _namespace(self, req: wire.GenerateRequest) -> Namespace:
+        return self.model.namespace_for(req.tenant, req.cache_salt)
+
+    async def _lookup(self, ns: Namespace, hashes: bytes, request_id: str) -> Hits:
+        """kvindex's answer; a timeout, an error or a recovering index is a miss."""
+        if not hashes:
+            return Hits()
+        try:
+            reply = await self.bus.request(
+                subjects.KVINDEX_LOOKUP,
+                wire.LookupRequest(request_id=request_id, namespace=ns.id,
+                                   block_hashes=hashes),
+                expect=wire.LookupReply, timeout=self.cfg.lookup_timeout_ms / 1000)
+        except CpdError as e:
+            if self.kvindex_state != "unavailable":
+                self.log.warning("router.kvindex_unavailable", error=e.code.value)
+            self.kvindex_state = "unavailable"
+            return Hits(ok=False)
+        self.kvindex_state = "recovering" if reply.status == "recovering" else "ok"
+        return Hits.from_reply(reply)
+
+    def _decide(self, n: int, hits: Hits, exclude: set[str]) -> Decision:
+        nodes = self.nodes.live(time.monotonic(), frozenset(exclude))
+        return self.policy.decide(n, self.block_size, hits, nodes)
+
+    async def _route(self, req: wire.GenerateRequest, tokens: list[int], ns: Namespace,
+                     hashes: bytes, exclude: set[str]) -> tuple[Decision, float]:
+        """Look up, decide, and wait for another node's prefix when single-flight says
+        so; returns the decision and the lookup time (ms)."""
+        t = time.perf_counter()
+        hits = await self._lookup(ns, hashes, req.request_id)
+        lookup_ms = (time.perf_counter() - t) * 1000
+        decision = self._decide(len(tokens), hits, exclude)
+        if decision.wait is not None:
+            await self._await_prefix(decision, ns, hashes, req.request_id)
+            hits = await self._lookup(ns, hashes, req.request_id)
+            again = self._decide(len(tokens), hits, exclude)
+            # Waiting once is the bargain; a prefix still pending now is not waited for.
+            decision = replace(again, wait=None,
+                               reason=again.reason + f" (after waiting for "
+                                                     f"{decision.wait.node}'s prefix)")
+        return decision, lookup_ms
+
+    async def _await_prefix(self, decision: Decision, ns: Namespace, hashes: bytes,
+                            request_id: str) -> None:
+        """Single-flight: poll until the pending node shows the blocks, stops writing
+        them, or the wait the policy allowed is over."""
+        wait = decision.wait
+        assert wait is not None
+        end = time.monotonic() + wait.max_wait_ms / 1000
+        while time.monotonic() < end:
+            await asyncio.sleep(_SINGLE_FLIGHT_POLL_S)
+            hits = await self._lookup(ns, hashes, request_id)
+            if (not hits.ok or hits.dram.get(wait.node, 0) >= wait.blocks
+                    or wait.node not in hits.pending):
+                return
+
+    async def _serve(self, req: wire.GenerateRequest, tokens: list[int], ns: Namespace,
+                     out: ReplyStream, t0: float, waited: float,
+                     deadline_unix_ms: int) -> None:
+        t = time.perf_counter()
+        hashes = block_hashes(ns, tokens)
+        hash_ms = (time.perf_counter() - t) * 1000
+        packed = wire.pack_tokens(tokens)
+        relay = _Relay(out, self.model.detokenizer())
+        deterministic = req.sampling.temperature == 0 or req.sampling.seed is not None
+        exclude: set[str] = set()
+        failovers = 0
+        for attempt in range(1, self.cfg.max_attempts + 1):
+            decision, lookup_ms = await self._route(req, tokens, ns, hashes, exclude)
+            self._m_decision.record(hash_ms + lookup_ms, {"policy": self.cfg.policy})
+            if attempt == 1:
+                self._m_queue.record(decision.plan.queue_ms, {"role": decision.plan.role})
+            try:
+                final = await self._attempt(req, attempt, decision, packed, ns, hashes,
+                                            deadline_unix_ms, relay)
+            except _AttemptFailed as f:
+                retry = (attempt < self.cfg.max_attempts and f.error.retryable
+                         and (relay.sent == 0 or deterministic))
+                self.log.warning("router.attempt_failed", attempt=attempt,
+                                 nodes=sorted(f.nodes), error=f.error.code.value,
+                                 detail=f.error.message, retry=retry)
+                if not retry:
+                    raise f.error from None
+                exclude |= f.nodes
+                failovers += 1
+                self.stats.failovers += 1
+                self._m_failovers.add(1)
+                continue
+            self._finish(req, final, relay, decision, t0, waited, lookup_ms + hash_ms,
+                         failovers)
+            await relay.final(final)
+            return
+
+    async def _attempt(self, req: wire.GenerateRequest, attempt: int, decision: Decision,
+                       packed: bytes, ns: Namespace, hashes: bytes, deadline_unix_ms: int,
+                       relay: _Relay) -> wire.Final:
+        """Dispatch once and relay the stream until its final message."""
+        plan = decision.plan
+        reader = StreamReader(self.bus, idle_timeout=self.settings.bus.stream_idle_timeout_s)
+        inbox = await reader.open()
+        # Engines key requests by id: a retry must not collide with a leftover try.
+        rid = req.request_id if attempt == 1 else f"{req.request_id}~{attempt}"
+        try:
+            preq = wire.PrefillRequest(
+                request_id=rid, reply_to=inbox, tokens=packed, sampling=req.sampling,
+                namespace=ns.id, block_hashes=hashes, decode_node=decision.decode_node,
+                deadline_unix_ms=deadline_unix_ms, sources=list(plan.sources),
+                route=decision.route(), trace=telemetry.current_traceparent())
+            try:
+                await self.bus.request(subjects.run(plan.role, plan.node), preq,
+                                       expect=wire.Accepted,
+                                       timeout=self.cfg.dispatch_timeout_s)
+            except CpdError as e:
+                raise _AttemptFailed(e, {plan.node}) from None
+            self.nodes.dispatched(plan.node, plan.load_ms + plan.compute_ms)
+            relay.restart()
+            idle_s = self.settings.bus.stream_idle_timeout_s
+            last = time.monotonic()
+            while True:
+                # The node that owns the stream now: prefill until the first token,
+                # then decode.
+                owner = plan.node if relay.seen == 0 else decision.decode_node
+                try:
+                    msg = await reader.next(self.cfg.liveness_check_interval_s)
+                except CpdError as e:
+                    raise _AttemptFailed(e, {owner}) from None
+                now = time.monotonic()
+                if msg is None:
+                    if not self.nodes.alive(owner, now):
+                        raise _AttemptFailed(Unavailable(
+                            f"{owner} stopped heart-beating while serving the request"),
+                            {owner})
+                    # A long prefill may be silent for long; once tokens flow, a silence
+                    # this long means the stream was lost between nodes (a hand-off that
+                    # never landed), even with every node alive.
+                    if relay.seen and now - last > idle_s:
+                        raise _AttemptFailed(RequestTimeout(
+                            f"no token from {owner} for {idle_s:.0f}s"), {owner})
+                    continue
+                last = now
+                if isinstance(msg, wire.TokenChunk):
+                    await relay.tokens(msg.token_ids)
+                elif isinstance(msg, wire.Final):
+                    return msg
+        finally:
+            await reader.close()
+
+    def _finish(self, req: wire.GenerateRequest, final: wire.Final, relay: _Relay,
+                decision: Decision, t0: float, waited: float, decision_ms: float,
+                failovers: int) -> None:
+        """Complete the final message with the router's view and count it."""
+        now = time.monotonic()
+        ttft_ms = (relay.first_at - t0) * 1000 if relay.first_at else 0.0
+        final.timings = msgspec.structs.replace(
+            final.timings, admission_ms=waited * 1000, lookup_ms=decision_ms,
+            ttft_ms=ttft_ms, total_ms=(now - t0) * 1000)
+        if failovers:
+            final.route.reason += f"; after {failovers} failover(s)"
+        r = final.route
+        s = self.stats
+        s.completed += 1
+        s.prompt_tokens += final.usage.prompt_tokens
+        s.tokens_gpu += r.tokens_gpu
+        s.tokens_dram += r.tokens_dram
+        s.tokens_remote += r.tokens_remote
+        s.tokens_computed += r.tokens_computed
+        path = r.path or decision.path
+        s.paths[path] = s.paths.get(path, 0) + 1
+        attrs = {"policy": self.cfg.policy, "path": path}
+        self._m_requests.add(1, {**attrs, "outcome": "ok"})
+        for tier in ("gpu", "dram", "remote", "computed"):
+            self._m_tokens.add(getattr(r, f"tokens_{tier}"), {"tier": tier})
+        if relay.first_at:
+            self._m_ttft.record(ttft_ms, attrs)
+        if relay.sent > 1 and relay.first_at:
+            self._m_tpot.record((now - relay.first_at) * 1000 / (relay.sent - 1), attrs)
+        self.log.info("router.request_done", path=path, prefill=r.prefill_node,
+                      decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
+                      cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),
+                      failovers=failovers)
+
+
+class _Relay:
+    """The client's side of a request across tries: forwards tokens with their text and
+    makes a retried stream continue exactly where the last one stopped."""
+
+    def __init__(self, out: ReplyStream, detok: Detokenizer) -> None:
+        self.out = out
+        self.detok = detok
+        self.forwarded: list[int] = []
+        self.seen = 0  # tokens received in the current try
+        self.first_at = 0.0
+
+    @property
+    def sent(self) -> int:
+        return len(self.forwarded)
+
+    def restart(self) -> None:
+        self.seen = 0
+
+    async def tokens(self, ids: list[int]) -> None:
+        start = self.seen
+        self.seen += len(ids)
+        # A retry regenerates what the client already has: it must be the same tokens.
+        overlap = ids[:max(0, self.sent - start)]
+        if overlap != self.forwarded[start:start + len(overlap)]:
+            raise _AttemptFailed(CpdError(
+                "a retried request diverged from the tokens already sent",
+                code=ErrorCode.INTERNAL), set())
+        new = ids[len(overlap):]
+        if not new:
+            return
+        if not self.first_at:
+            self.first_at = time.monotonic()
+        self.forwarded.extend(new)
+        await self.out.tokens(new, self.detok.push(new))
+
+    async def final(self, final: wire.Final) -> None:
+        rest = self.detok.flush()
+        if rest:
+            await self.out.tokens([], rest)
+        fields = {f: getattr(final, f) for f in ("finish_reason", "usage", "timings", "route")}
+        fields["usage"] = msgspec.structs.replace(final.usage, completion_tokens=self.sent)
+        await self.out.final(**fields)

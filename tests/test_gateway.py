@@ -1,0 +1,511 @@
+"""The OpenAI-compatible gateway, driven by the real ``openai`` client against a real NATS
+server and a scripted router: replies and streams in OpenAI's shapes with CPD's route,
+errors mapped to HTTP statuses, health, disconnects, and the Prometheus metrics of a
+gateway process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from cpd import subjects, wire
+from cpd.bus import Request, Service
+from cpd.config import Settings, load_settings
+from cpd.errors import (
+    CpdError,
+    ErrorCode,
+    Overloaded,
+    PromptTooLong,
+    Unavailable,
+    UnknownNamespace,
+)
+from cpd.natsserver import NatsServer
+from cpd.servedmodel import ServedModel
+from services.gateway import GatewayService
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVED_NAME = "cpd-test-model"
+# What the scripted router generates, one token per chunk; "" is a token whose bytes end
+# mid-character (the router sends no text for it yet).
+PIECES = ("Once", " upon", "", " a time", " café", "!")
+FIRST_TOKEN = 100
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeRouter(Service):
+    """Answers ``generate`` with ``PIECES`` (or a scripted failure) and ``status``."""
+
+    name = "router"
+
+    def __init__(self, settings: Settings, model: ServedModel) -> None:
+        super().__init__(settings)
+        self.model = model
+        self.received: list[wire.GenerateRequest] = []
+        self.error: CpdError | None = None  # raised instead of answering
+        self.fail_after: int | None = None  # tokens sent before the stream fails
+        self.token_delay_s = 0.0
+        self.finished = asyncio.Event()
+
+    async def setup(self) -> None:
+        await self.add_endpoint("generate", subjects.GENERATE, self._generate,
+                                expect=wire.GenerateRequest, queue=subjects.QUEUE_ROUTER)
+        await self.add_endpoint("status", subjects.ROUTER_STATUS, self._status,
+                                expect=wire.StatusRequest, queue=subjects.QUEUE_ROUTER)
+
+    async def _generate(self, req: wire.GenerateRequest, request: Request) -> None:
+        self.received.append(req)
+        if self.error is not None:
+            raise self.error
+        stream = request.stream(req.request_id)
+        prompt_tokens = (len(self.model.encode(req.prompt)) if req.prompt is not None
+                         else len(wire.unpack_tokens(req.tokens or b"")))
+        n = min(req.sampling.max_tokens, len(PIECES))
+        for i in range(n):
+            if i == self.fail_after:
+                await stream.error(Unavailable("decode node lost"))
+                return
+            await stream.tokens([FIRST_TOKEN + i], PIECES[i])
+            await asyncio.sleep(self.token_delay_s)
+        await stream.final(
+            finish_reason="length" if n == req.sampling.max_tokens else "stop",
+            usage=wire.Usage(prompt_tokens=prompt_tokens, completion_tokens=n,
+                             cached_tokens=prompt_tokens // 2),
+            timings=wire.Timings(ttft_ms=1.5, total_ms=3.0),
+            route=wire.Route(policy="fake", path="cold", prefill_node="pp-0",
+                             decode_node="d-0", tokens_dram=prompt_tokens // 2,
+                             tokens_computed=prompt_tokens - prompt_tokens // 2))
+        self.finished.set()
+
+    async def _status(self, _: wire.StatusRequest, __: Request) -> wire.StatusReply:
+        return wire.StatusReply(router=wire.RouterStats(node=self.node_id, policy="fake"))
+
+
+# ------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def gw_settings(nats_server: NatsServer, model_cache: Path) -> Settings:
+    return load_settings(environ={}, overrides=[
+        f"nats.url={nats_server.url}", "nats.drain_timeout_s=2",
+        f"model.cache_dir={model_cache}", "gateway.port=0",
+        f"gateway.served_model_name={SERVED_NAME}", "gateway.request_timeout_s=20"])
+
+
+@pytest.fixture(scope="module")
+def model(gw_settings: Settings) -> ServedModel:
+    return ServedModel.load(gw_settings)
+
+
+@pytest.fixture(scope="module")
+async def gateway(gw_settings: Settings, model: ServedModel) -> AsyncIterator[GatewayService]:
+    service = GatewayService(gw_settings, model=model)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def router(gw_settings: Settings, model: ServedModel) -> AsyncIterator[FakeRouter]:
+    service = FakeRouter(gw_settings, model)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def oai(gateway: GatewayService) -> AsyncIterator[openai.AsyncOpenAI]:
+    # No retries: each test sees exactly one attempt and its error.
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                                timeout=20)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def http(gateway: GatewayService) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=20) as client:
+        yield client
+
+
+def _extra(obj: Any, name: str) -> Any:
+    """A field the OpenAI SDK's models do not declare (kept as extras)."""
+    return (obj.model_extra or {}).get(name)
+
+
+async def _sse_events(response: httpx.Response) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]``."""
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else msgspec.json.decode(data))
+    return events
+
+
+# ------------------------------------------------------------------- completions
+
+
+async def test_completion_reply_has_openai_shape_and_cpd_route(
+        oai: openai.AsyncOpenAI, router: FakeRouter, gw_settings: Settings,
+        model: ServedModel) -> None:
+    resp = await oai.completions.create(model=SERVED_NAME, prompt="def fib(n):",
+                                        max_tokens=4, temperature=0, seed=7)
+    assert resp.object == "text_completion" and resp.model == SERVED_NAME
+    assert resp.id.startswith("cmpl-") and resp.created > 0
+    assert resp.choices[0].text == "".join(PIECES[:4])
+    assert resp.choices[0].finish_reason == "length"
+    prompt_tokens = len(model.encode("def fib(n):"))
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens,
+            resp.usage.total_tokens) == (prompt_tokens, 4, prompt_tokens + 4)
+    cpd = _extra(resp, "cpd")
+    assert cpd["route"]["path"] == "cold" and cpd["route"]["prefill_node"] == "pp-0"
+    assert cpd["timings"]["ttft_ms"] == 1.5
+    assert resp.id == f"cmpl-{cpd['request_id']}" == f"cmpl-{router.received[-1].request_id}"
+    sent = router.received[-1]
+    assert sent.prompt == "def fib(n):" and sent.tokens is None
+    assert sent.model == model.name  # clients' alias, the cluster's own name
+    assert (sent.sampling.max_tokens, sent.sampling.temperature, sent.sampling.seed) == (
+        4, 0.0, 7)
+    assert sent.timeout_ms == int(gw_settings.gateway.request_timeout_s * 1000)
+
+
+async def test_completion_defaults_and_stop_reason(oai: openai.AsyncOpenAI,
+                                                   router: FakeRouter) -> None:
+    resp = await oai.completions.create(model=SERVED_NAME, prompt="x")
+    # Fewer pieces than the default 16 tokens: the router stopped on its own.
+    assert resp.choices[0].text == "".join(PIECES)
+    assert resp.choices[0].finish_reason == "stop"
+    sampling = router.received[-1].sampling
+    assert sampling.max_tokens == 16 and sampling.temperature == 1.0  # OpenAI's defaults
+
+
+async def test_completion_stream_assembles_the_router_text(oai: openai.AsyncOpenAI,
+                                                          router: FakeRouter) -> None:
+    stream = await oai.completions.create(model=SERVED_NAME, prompt="def fib(n):",
+                                          max_tokens=5, stream=True,
+                                          stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert texts == [p for p in PIECES[:5] if p]  # no chunk for the text-less token
+    assert all(c.object == "text_completion" and c.model == SERVED_NAME for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert last.choices[0].finish_reason == "length"
+    assert _extra(last, "cpd")["route"]["path"] == "cold"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+async def test_token_id_prompts(oai: openai.AsyncOpenAI, router: FakeRouter,
+                                model: ServedModel) -> None:
+    for prompt in ([1, 2, 3], [[1, 2, 3]]):
+        resp = await oai.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=2)
+        assert resp.choices[0].text == "".join(PIECES[:2])
+        sent = router.received[-1]
+        assert sent.prompt is None and wire.unpack_tokens(sent.tokens or b"").tolist() == [
+            1, 2, 3]
+        assert resp.usage is not None and resp.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.completions.create(model=SERVED_NAME, prompt=[1, model.vocab_size],
+                                     max_tokens=2)
+    assert err.value.body["param"] == "prompt"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.completions.create(model=SERVED_NAME, prompt=[1] * model.max_model_len)
+    assert err.value.body["code"] == "prompt_too_long"  # type: ignore[index]
+    assert len(router.received) == 2  # both refused at the door
+
+
+# -------------------------------------------------------------------------- chat
+
+
+async def test_chat_reply_renders_messages_with_the_template(
+        oai: openai.AsyncOpenAI, router: FakeRouter, model: ServedModel) -> None:
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "What is a fox?"}]
+    resp = await oai.chat.completions.create(model=SERVED_NAME, messages=messages,  # type: ignore[arg-type]
+                                             max_completion_tokens=3)
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and msg.content == "".join(PIECES[:3])
+    assert resp.choices[0].finish_reason == "length"
+    assert _extra(resp, "cpd")["route"]["path"] == "cold"
+    sent = router.received[-1]
+    assert sent.prompt == model.render_chat(messages)
+    assert "You answer briefly." in sent.prompt and "What is a fox?" in sent.prompt
+    assert sent.sampling.max_tokens == 3
+
+
+async def test_chat_without_max_tokens_may_fill_the_context(
+        oai: openai.AsyncOpenAI, router: FakeRouter, model: ServedModel) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                             {"type": "text", "text": " there"}]}]
+    await oai.chat.completions.create(model=SERVED_NAME, messages=messages)  # type: ignore[arg-type]
+    sent = router.received[-1]
+    prompt = model.render_chat([{"role": "user", "content": "Hi there"}])
+    assert sent.prompt == prompt
+    assert sent.sampling.max_tokens == model.max_model_len - len(model.encode(prompt))
+
+
+async def test_chat_stream_has_role_deltas_usage_and_route(oai: openai.AsyncOpenAI,
+                                                           router: FakeRouter) -> None:
+    stream = await oai.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=6, stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(PIECES)
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert last.choices[0].finish_reason == "length"
+    assert _extra(last, "cpd")["route"]["decode_node"] == "d-0"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 6
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // 2
+
+
+# --------------------------------------------------------------- models, health
+
+
+async def test_models_lists_the_served_model(oai: openai.AsyncOpenAI) -> None:
+    models = [m async for m in oai.models.list()]
+    assert [m.id for m in models] == [SERVED_NAME] and models[0].owned_by == "cpd"
+
+
+async def test_health_with_a_router(http: httpx.AsyncClient, router: FakeRouter) -> None:
+    resp = await http.get("/health")
+    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+
+
+async def test_health_without_a_router(http: httpx.AsyncClient) -> None:
+    resp = await http.get("/health")
+    assert resp.status_code == 503
+    assert resp.json()["status"] == "unavailable" and "router" in resp.json()["reason"]
+
+
+# ------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(("error", "exc_type", "status"), [
+    (Overloaded("admission queue full"), openai.RateLimitError, 429),
+    (Unavailable("no decode node"), openai.InternalServerError, 503),
+    (CpdError("deadline passed", code=ErrorCode.DEADLINE_EXCEEDED),
+     openai.InternalServerError, 504),
+    (PromptTooLong("prompt of 9000 tokens"), openai.BadRequestError, 400),
+    (UnknownNamespace("no such namespace"), openai.NotFoundError, 404),
+    (CpdError("bug", code=ErrorCode.INTERNAL), openai.InternalServerError, 500),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_router_errors_map_to_http(oai: openai.AsyncOpenAI, router: FakeRouter,
+                                         error: CpdError, exc_type: type[Exception],
+                                         status: int, stream: bool) -> None:
+    router.error = error
+    with pytest.raises(exc_type) as err:
+        await oai.completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2,
+                                     stream=stream)
+    api_error = err.value
+    assert isinstance(api_error, openai.APIStatusError)
+    assert api_error.status_code == status
+    body = api_error.body
+    assert isinstance(body, dict) and body["code"] == error.code.value
+    assert body["message"] == error.message and "type" in body and "param" in body
+    if status == 429:
+        assert body["type"] == "rate_limit_error"
+        assert api_error.response.headers["retry-after"] == "1"
+
+
+async def test_no_router_is_503(oai: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.InternalServerError) as err:
+        await oai.completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2)
+    assert err.value.status_code == 503
+    assert err.value.body["code"] == "no_responders"  # type: ignore[index]
+
+
+async def test_unknown_model_is_404(oai: openai.AsyncOpenAI, router: FakeRouter) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        await oai.chat.completions.create(model="gpt-4o",
+                                          messages=[{"role": "user", "content": "hi"}])
+    body = err.value.body
+    assert isinstance(body, dict) and "gpt-4o" in body.pop("message")
+    assert body == {"type": "invalid_request_error", "code": "model_not_found",
+                    "param": "model"}
+    assert not router.received  # refused at the door
+
+
+async def test_stop_strings_are_refused(oai: openai.AsyncOpenAI, router: FakeRouter) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.completions.create(model=SERVED_NAME, prompt="hi", stop=["\n"])
+    assert err.value.body["param"] == "stop"  # type: ignore[index]
+    assert "stop_token_ids" in err.value.body["message"]  # type: ignore[index]
+    # Token-id stops are what the engines implement.
+    await oai.completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2,
+                                 extra_body={"stop_token_ids": [5], "top_k": 3})
+    sampling = router.received[-1].sampling
+    assert sampling.stop_token_ids == [5] and sampling.top_k == 3
+
+
+@pytest.mark.parametrize(("path", "body", "param", "status"), [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens", 400),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature", 400),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", 400),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", 400),
+    ("/v1/completions", {"prompt": 5}, "prompt", 400),
+    ("/v1/completions", {"prompt": ""}, "prompt", 400),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", 400),
+    ("/v1/completions", {"max_tokens": 3}, None, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", 400),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", 400),
+    ("/v1/completions", {"prompt": "hi", "stop": "\n"}, "stop", 400),
+    ("/v1/completions", {"prompt": "hi", "model": "other"}, "model", 404),
+    ("/v1/chat/completions", {"messages": []}, "messages", 400),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", 400),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]},
+     "messages[0].role", 400),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content", 400),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools", 400),
+])
+async def test_bad_bodies_get_openai_errors(http: httpx.AsyncClient, router: FakeRouter,
+                                            path: str, body: dict[str, Any],
+                                            param: str | None, status: int) -> None:
+    resp = await http.post(path, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["code"] in ("invalid_request", "model_not_found")
+    assert not router.received
+
+
+async def test_invalid_json_and_unknown_paths(http: httpx.AsyncClient) -> None:
+    resp = await http.post("/v1/completions", content=b"{not json",
+                           headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
+    resp = await http.get("/v1/engines")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+
+
+async def test_unknown_fields_are_ignored(http: httpx.AsyncClient, router: FakeRouter) -> None:
+    resp = await http.post("/v1/completions", json={
+        "model": SERVED_NAME, "prompt": "hi", "max_tokens": 1, "user": "u1",
+        "tenant": "someone-else", "cache_salt": "s", "metadata": {"a": 1}})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-request-id"] == router.received[-1].request_id
+    # Tenants come from credentials, never from the body.
+    assert router.received[-1].tenant == "default" and router.received[-1].cache_salt == ""
+
+
+async def test_error_after_the_stream_started(oai: openai.AsyncOpenAI, http: httpx.AsyncClient,
+                                              router: FakeRouter) -> None:
+    router.fail_after = 2
+    stream = await oai.completions.create(model=SERVED_NAME, prompt="hi", max_tokens=6,
+                                          stream=True)
+    texts = []
+    with pytest.raises(openai.APIError) as err:
+        async for chunk in stream:
+            texts.append(chunk.choices[0].text)
+    assert texts == list(PIECES[:2])
+    assert err.value.body["code"] == "unavailable"  # type: ignore[index]
+    body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 6, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        events = await _sse_events(resp)
+    assert events[-2]["error"]["code"] == "unavailable" and events[-1] == "[DONE]"
+
+
+async def test_client_disconnect_stops_the_stream(http: httpx.AsyncClient,
+                                                  gateway: GatewayService,
+                                                  router: FakeRouter) -> None:
+    router.token_delay_s = 0.2
+    subs_before = len(gateway.bus.nc._subs)  # the gateway's NATS subscriptions
+    body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 6, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    deadline = time.monotonic() + 5
+    while len(gateway.bus.nc._subs) > subs_before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    # The reply inbox is gone long before the router ends its stream.
+    assert len(gateway.bus.nc._subs) == subs_before
+    assert not router.finished.is_set()
+
+
+# ----------------------------------------------------------------- process, metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_gateway_process_serves_metrics(router: FakeRouter, nats_server: NatsServer,
+                                              model_cache: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "CPD_NATS__URL": nats_server.url,
+           "CPD_MODEL__CACHE_DIR": str(model_cache), "CPD_GATEWAY__PORT": str(port),
+           "CPD_NATS__DRAIN_TIMEOUT_S": "2"}
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env,
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=20) as http:
+            deadline = time.monotonic() + 45
+            while True:
+                assert proc.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, log_path.read_text()
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.2)
+            body = {"model": "cpd-tiny", "prompt": "hi", "max_tokens": 3}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            async with http.stream("POST", "/v1/completions",
+                                   json={**body, "stream": True}) as resp:
+                await _sse_events(resp)
+            assert (await http.post("/v1/completions",
+                                    json={**body, "model": "x"})).status_code == 404
+            metrics = (await http.get("/metrics")).text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 30)
+    assert code == 0, log_path.read_text()
+    assert "gateway.listening" in log_path.read_text()
+    samples = {line.partition("{")[0]: line for line in metrics.splitlines()
+               if line.startswith("cpd_gateway_")}
+    for name in ("cpd_gateway_requests_total", "cpd_gateway_rejected_requests_total",
+                 "cpd_gateway_ttft_milliseconds_bucket", "cpd_gateway_tpot_milliseconds_bucket",
+                 "cpd_gateway_e2e_latency_milliseconds_bucket",
+                 "cpd_gateway_prompt_tokens_total", "cpd_gateway_completion_tokens_total"):
+        assert name in samples, name
+    gateway_lines = [line for line in metrics.splitlines() if line.startswith("cpd_gateway_")]
+    for label in ('status="200"', 'status="404"', 'code="model_not_found"', 'tier="gpu"',
+                  'tier="dram"', 'tier="computed"', 'path="cold"'):
+        assert any(label in line for line in gateway_lines), label

@@ -1,0 +1,119 @@
+"""Admission control and the router's node table: pure logic, no server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cpd import wire
+from cpd.errors import CpdError, ErrorCode, Overloaded
+from services.router import Admission, NodeTable
+
+pytestmark = pytest.mark.timeout(20)
+
+
+async def test_admits_up_to_the_limit_then_queues_in_order_then_refuses() -> None:
+    adm = Admission(max_inflight=2, max_queue=2)
+    far = time.monotonic() + 10
+    order: list[int] = []
+    gate = asyncio.Event()
+
+    async def job(i: int) -> None:
+        async with adm.slot(far):
+            order.append(i)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job(i)) for i in range(4)]
+    await asyncio.sleep(0.05)
+    assert (adm.in_flight, adm.queued, order) == (2, 2, [0, 1])
+    with pytest.raises(Overloaded) as exc:
+        async with adm.slot(far):
+            pass
+    assert exc.value.retryable
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3]  # the queue is FIFO
+    assert (adm.in_flight, adm.queued) == (0, 0)
+
+
+async def test_a_queued_request_past_its_deadline_fails_typed_and_frees_nothing() -> None:
+    adm = Admission(max_inflight=1, max_queue=4)
+    hold = asyncio.Event()
+
+    async def holder() -> None:
+        async with adm.slot(time.monotonic() + 10):
+            await hold.wait()
+
+    t = asyncio.create_task(holder())
+    await asyncio.sleep(0.01)
+    with pytest.raises(CpdError) as exc:
+        async with adm.slot(time.monotonic() + 0.05):
+            pass
+    assert exc.value.code is ErrorCode.DEADLINE_EXCEEDED
+    assert (adm.in_flight, adm.queued) == (1, 0)
+    hold.set()
+    await t
+    assert adm.in_flight == 0
+
+
+async def test_a_cancelled_waiter_leaves_no_slot_behind() -> None:
+    adm = Admission(max_inflight=1, max_queue=4)
+    hold = asyncio.Event()
+
+    async def holder() -> None:
+        async with adm.slot(time.monotonic() + 10):
+            await hold.wait()
+
+    async def waiter() -> None:
+        async with adm.slot(time.monotonic() + 10):
+            pass
+
+    h = asyncio.create_task(holder())
+    await asyncio.sleep(0.01)
+    w = asyncio.create_task(waiter())
+    await asyncio.sleep(0.01)
+    w.cancel()
+    await asyncio.gather(w, return_exceptions=True)
+    hold.set()
+    await h
+    assert (adm.in_flight, adm.queued) == (0, 0)
+
+
+def _hb(node: str, role: str, ns: str = "ns", started: int = 1, ttl_ms: int = 1000
+        ) -> wire.Heartbeat:
+    return wire.Heartbeat(node=node, role=role, started_unix_ms=started, lease_ttl_ms=ttl_ms,
+                          namespace=ns)
+
+
+def test_node_table_liveness_load_and_foreign_models() -> None:
+    t = NodeTable(namespace="ns")
+    t.heartbeat(_hb("p0", "prefill"), now=0.0)
+    t.heartbeat(_hb("d0", "decode"), now=0.0)
+    t.heartbeat(_hb("other", "prefill", ns="another-model"), now=0.0)
+    t.heartbeat(_hb("kvi", "kvindex"), now=0.0)
+    assert {n.node for n in t.live(0.5)} == {"p0", "d0"}
+    assert t.foreign == {"other"}
+    t.load_report(wire.LoadReport(node="p0", role="prefill", est_queue_ms=40.0,
+                                  in_flight=2, kv_bandwidth_gbps=3.0), now=0.9)
+    t.dispatched("p0", 25.0)  # sent since the report: counted until the next one
+    p0 = next(n for n in t.live(1.5) if n.node == "p0")
+    assert (p0.queue_ms, p0.in_flight, p0.bandwidth_gbps) == (65.0, 2, 3.0)
+    # d0's lease (1 s) lapsed at 1.5; p0's load report renewed its own.
+    assert not t.alive("d0", 1.5) and t.alive("p0", 1.5)
+    assert {n.node for n in t.live(1.5, exclude=frozenset({"p0"}))} == set()
+    status = {s.node: s for s in t.status(1.5)}
+    assert status["d0"].alive is False and status["p0"].est_queue_ms == 40.0
+    t.load_report(wire.LoadReport(node="p0", role="prefill", est_queue_ms=10.0), now=1.6)
+    assert next(n for n in t.live(1.6) if n.node == "p0").queue_ms == 10.0
+    t.forget_dead(now=100.0, after_s=10.0)
+    assert t.status(100.0) == []
+
+
+def test_a_restarted_node_starts_with_a_fresh_load() -> None:
+    t = NodeTable(namespace="ns")
+    t.heartbeat(_hb("p0", "prefill", started=1), now=0.0)
+    t.load_report(wire.LoadReport(node="p0", role="prefill", est_queue_ms=500.0), now=0.1)
+    t.heartbeat(_hb("p0", "prefill", started=2), now=0.2)
+    assert t.live(0.3)[0].queue_ms == 0.0

@@ -1,0 +1,311 @@
+"""The router on the real system (vLLM-CPU workers, NATS, kvindex, UCX): the seed's
+three-request story through the Python client, overload, kvindex loss, a peer lost
+before a load, and a decode node killed mid-stream — every completed output equal to a
+monolithic vLLM run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from conftest import VllmCluster, reference_outputs
+
+from cpd import subjects, wire
+from cpd.client import Client, Completion
+from cpd.config import load_settings
+from cpd.errors import CpdError, Overloaded
+from cpd.hashing import block_hashes
+from services.gateway import GatewayService
+from services.router import RouterService
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BS = 256
+LONG = 120  # tokens generated where a request must outlive a node kill
+_rng = np.random.default_rng(7)
+
+
+def _tokens(n: int) -> list[int]:
+    return _rng.integers(0, 1900, size=n).tolist()
+
+
+
+
+def _family(name: str, prefix_blocks: int, tails: list[int]) -> dict[str, list[int]]:
+    """Prompts sharing one prefix of ``prefix_blocks`` full blocks, with their own tails."""
+    prefix = _tokens(prefix_blocks * BS)
+    return {f"{name}{i}": prefix + _tokens(n) for i, n in enumerate(tails)}
+
+
+STORY = _family("story", 5, [40, 70, 33])
+KVI = _family("kvi", 4, [50, 20, 30])
+PEER = _family("peer", 6, [10, 90])
+HTTP = _family("http", 3, [25, 61, 17])
+PROMPTS = {**STORY, **KVI, **PEER, **HTTP, "short": _tokens(100), "long": _tokens(700)}
+
+
+@pytest.fixture(scope="module")
+async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    outs = await reference_outputs(model_cache, tmp_path_factory.mktemp("rref"),
+                                   list(PROMPTS.values()), LONG)
+    return dict(zip(PROMPTS, outs, strict=True))
+
+
+RouterFactory = Callable[..., Awaitable[RouterService]]
+
+
+@pytest.fixture
+async def make_router(vllm_cluster: VllmCluster) -> AsyncIterator[RouterFactory]:
+    """Start in-process routers with setting overrides; each is stopped after the test."""
+    started: list[RouterService] = []
+
+    async def make(*overrides: str, node_id: str = "router-t") -> RouterService:
+        s = load_settings(environ={}, overrides=[
+            f"nats.url={vllm_cluster.url}", f"node.node_id={node_id}",
+            f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2",
+            *overrides])
+        router = RouterService(s)
+        await router.start()
+        started.append(router)
+        # Heartbeats (1 s) introduce the workers to the router.
+        for _ in range(50):
+            if len(router.nodes.live(time.monotonic())) >= 3:
+                break
+            await asyncio.sleep(0.1)
+        return router
+
+    yield make
+    for router in started:
+        await router.stop()
+
+
+@pytest.fixture
+async def client(vllm_cluster: VllmCluster) -> AsyncIterator[Client]:
+    yield Client(vllm_cluster.bus, default_timeout_s=240)
+
+
+async def _generate(client: Client, prompt: list[int], max_tokens: int = 10,
+                    **kw: object) -> Completion:
+    return await client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+async def _wait_visible(c: VllmCluster, prompt: list[int], node: str, blocks: int,
+                        timeout: float = 30) -> None:
+    hashes = block_hashes(c.ns, prompt)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = await c.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+                namespace=c.ns.id, block_hashes=hashes), expect=wire.LookupReply)
+            hit = {(m.node, m.tier): m.num_blocks for m in r.matches}
+            if hit.get((node, wire.Tier.DRAM), 0) >= blocks:
+                return
+        except CpdError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{blocks} blocks never became visible on {node}")
+
+
+async def test_three_request_story_cold_then_warm_remote_then_warm_local(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
+        reference: dict) -> None:
+    """The seed's story: a cold prompt is computed on pre-prefill; the next one sharing
+    its prefix loads it from pre-prefill's DRAM on a prefill node; the third finds it
+    local to that prefill node."""
+    await make_router()
+    first = await _generate(client, STORY["story0"])
+    r = first.route
+    assert first.token_ids == reference["story0"][:10]
+    assert (r.policy, r.path, r.prefill_node, r.decode_node) == ("cpd", "cold", "pp0", "d0")
+    assert r.tokens_computed == len(STORY["story0"])
+    assert first.timings.ttft_ms > 0 and first.timings.total_ms >= first.timings.ttft_ms
+    await _wait_visible(vllm_cluster, STORY["story1"], "pp0", 5)
+
+    second = await _generate(client, STORY["story1"])
+    r = second.route
+    assert second.token_ids == reference["story1"][:10]
+    assert (r.path, r.prefill_node, r.tokens_remote) == ("warm", "p0", 5 * BS), r.reason
+    assert r.tokens_computed == len(STORY["story1"]) - 5 * BS
+    assert second.usage.cached_tokens == 5 * BS
+
+    third = await _generate(client, STORY["story2"])
+    r = third.route
+    assert third.token_ids == reference["story2"][:10]
+    assert (r.path, r.prefill_node, r.tokens_remote) == ("warm", "p0", 0), r.reason
+    assert r.tokens_gpu + r.tokens_dram == 5 * BS  # local: its own GPU cache or DRAM
+
+    status = await client.status()
+    assert status.kvindex == "ok"
+    assert {n.node for n in status.nodes if n.alive} >= {"pp0", "p0", "d0"}
+    assert status.router.completed == 3 and status.router.paths == {"cold": 1, "warm": 2}
+    assert status.router.tokens_remote == 5 * BS
+
+
+async def test_three_request_story_through_the_openai_gateway(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, reference: dict) -> None:
+    """The same story with the official ``openai`` client over HTTP, streaming and not;
+    the route comes back in the replies' ``cpd`` field."""
+    router = await make_router()
+    s = load_settings(environ={}, overrides=[
+        f"nats.url={vllm_cluster.url}", "node.node_id=gw-t", "gateway.port=0",
+        f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2"])
+    gateway = GatewayService(s, model=router.model)
+    await gateway.start()
+    api = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    try:
+        def extra(obj: object) -> dict:
+            return (getattr(obj, "model_extra", None) or {}).get("cpd") or {}
+
+        async def complete(name: str) -> tuple[str, dict]:
+            resp = await api.completions.create(model=router.model.name, prompt=HTTP[name],
+                                                max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True})
+            return resp.choices[0].text, extra(resp)["route"]
+
+        async def complete_streaming(name: str) -> tuple[str, dict]:
+            text, route = [], {}
+            stream = await api.completions.create(
+                model=router.model.name, prompt=HTTP[name], max_tokens=8, temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                text += [c.text for c in chunk.choices]
+                route = extra(chunk).get("route", route)
+            return "".join(text), route
+
+        text, route = await complete("http0")
+        assert text == router.model.decode(reference["http0"][:8])
+        assert (route["path"], route["prefill_node"]) == ("cold", "pp0")
+        await _wait_visible(vllm_cluster, HTTP["http1"], "pp0", 3)
+        text, route = await complete_streaming("http1")
+        assert text == router.model.decode(reference["http1"][:8])
+        assert (route["path"], route["prefill_node"], route["tokens_remote"]) == (
+            "warm", "p0", 3 * BS)
+        text, route = await complete("http2")
+        assert text == router.model.decode(reference["http2"][:8])
+        assert (route["path"], route["prefill_node"], route["tokens_remote"]) == (
+            "warm", "p0", 0)
+        assert route["tokens_gpu"] + route["tokens_dram"] == 3 * BS
+        chat = await api.chat.completions.create(
+            model=router.model.name, messages=[{"role": "user", "content": "hello"}],
+            max_tokens=4, temperature=0)
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.usage is not None and chat.usage.completion_tokens <= 4
+    finally:
+        await api.close()
+        await gateway.stop()
+
+
+async def test_text_prompts_are_tokenized_and_text_streams_back(
+        make_router: RouterFactory, client: Client) -> None:
+    router = await make_router()
+    done = await client.generate("def fib(n):\n    return", max_tokens=6, ignore_eos=True)
+    assert len(done.token_ids) == 6
+    assert done.text == router.model.decode(done.token_ids)
+    assert done.usage.prompt_tokens == len(router.model.encode("def fib(n):\n    return"))
+
+
+async def test_bad_requests_get_typed_errors(make_router: RouterFactory,
+                                            client: Client) -> None:
+    await make_router()
+    cases = [(list(range(2000, 2010)), "invalid_request"),  # outside the vocabulary
+             ([1] * 8190, "prompt_too_long")]
+    for prompt, code in cases:
+        with pytest.raises(CpdError) as exc:
+            await _generate(client, prompt)
+        assert exc.value.code.value == code
+    with pytest.raises(CpdError) as exc:
+        await _generate(client, [1, 2, 3], model="another-model")
+    assert exc.value.code.value == "unknown_namespace"
+    raw = await client.bus.nc.request(subjects.GENERATE, b"\xc1junk", timeout=10)
+    assert wire.decode(raw.data, wire.Error).code == "malformed"
+
+
+async def test_overload_is_a_typed_retryable_error_and_nothing_is_lost(
+        make_router: RouterFactory, client: Client, reference: dict) -> None:
+    await make_router("admission.max_inflight=1", "admission.max_queue=1")
+    results = await asyncio.gather(*(_generate(client, PROMPTS["short"], max_tokens=20)
+                                     for _ in range(6)), return_exceptions=True)
+    done = [r for r in results if isinstance(r, Completion)]
+    refused = [r for r in results if isinstance(r, Overloaded)]
+    assert len(done) + len(refused) == 6, results  # every request ended one way or the other
+    assert len(done) >= 2 and refused and all(e.retryable for e in refused)
+    assert all(d.token_ids == reference["short"][:20] for d in done)
+    # Once the burst is over the router admits again.
+    assert (await _generate(client, PROMPTS["short"])).token_ids == reference["short"][:10]
+
+
+async def test_kvindex_down_means_misses_and_routing_recovers_when_it_returns(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
+        reference: dict) -> None:
+    await make_router()
+    first = await _generate(client, KVI["kvi0"])
+    assert first.route.path == "cold"
+    await _wait_visible(vllm_cluster, KVI["kvi1"], "pp0", 4)
+    await vllm_cluster.stop_kvindex()
+    try:
+        blind = await _generate(client, KVI["kvi1"])
+        assert blind.token_ids == reference["kvi1"][:10]
+        assert blind.route.path == "cold" and "kvindex unavailable" in blind.route.reason
+        assert (await client.status()).kvindex == "unavailable"
+    finally:
+        await vllm_cluster.start_kvindex()
+    await _wait_visible(vllm_cluster, KVI["kvi2"], "pp0", 4)
+    again = await _generate(client, KVI["kvi2"])
+    assert again.token_ids == reference["kvi2"][:10]
+    assert again.route.path == "warm", again.route.reason
+    assert (await client.status()).kvindex == "ok"
+
+
+async def test_a_peer_lost_before_the_load_means_recompute_with_identical_output(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
+        reference: dict) -> None:
+    await make_router()
+    cold = await _generate(client, PEER["peer0"])
+    assert cold.route.prefill_node == "pp0"
+    await _wait_visible(vllm_cluster, PEER["peer1"], "pp0", 6)
+    vllm_cluster.kill("pp0")
+    try:
+        # kvindex still holds pp0's blocks visible (its lease has not lapsed yet), so the
+        # router plans a load from pp0; the prefill node finds it gone and recomputes.
+        warm = await _generate(client, PEER["peer1"])
+        r = warm.route
+        assert warm.token_ids == reference["peer1"][:10]
+        assert (r.prefill_node, r.tokens_remote) == ("p0", 0), r.reason
+        assert r.tokens_computed == len(PEER["peer1"]) - r.tokens_gpu - r.tokens_dram
+    finally:
+        await vllm_cluster.restart("pp0")
+
+
+async def test_decode_killed_mid_stream_fails_over_with_identical_output(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
+        reference: dict) -> None:
+    vllm_cluster.start_worker("d1", "decode")
+    try:
+        await vllm_cluster.wait_heartbeats(["d1"])
+        await make_router()
+        ids: list[int] = []
+        final = None
+        t0 = time.monotonic()
+        async for msg in client.stream(PROMPTS["long"], max_tokens=LONG, ignore_eos=True,
+                                       timeout_s=120):
+            if isinstance(msg, wire.TokenChunk):
+                ids.extend(msg.token_ids)
+                if len(ids) >= 3 and vllm_cluster.procs["d0"].poll() is None:
+                    vllm_cluster.kill("d0")  # decode d0 was streaming (least loaded, first)
+            else:
+                final = msg
+        assert final is not None and time.monotonic() - t0 < 120
+        assert ids == reference["long"]
+        assert final.route.decode_node == "d1" and "failover" in final.route.reason
+        assert final.usage.completion_tokens == LONG
+    finally:
+        if vllm_cluster.procs["d0"].poll() is not None:
+            await vllm_cluster.restart("d0")
+        d1 = vllm_cluster.procs.pop("d1")
+        d1.terminate()
+        await asyncio.to_thread(d1.wait, 60)

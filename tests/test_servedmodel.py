@@ -1,0 +1,55 @@
+"""The served model as the router and gateway see it: namespaces, limits, text."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from cpd.config import load_settings
+from cpd.servedmodel import ServedModel
+
+
+@pytest.fixture(scope="module")
+def model(model_cache: Path) -> ServedModel:
+    return ServedModel.load(load_settings(environ={},
+                                          overrides=[f"model.cache_dir={model_cache}"]))
+
+
+def test_limits_and_namespaces(model: ServedModel) -> None:
+    assert (model.name, model.max_model_len, model.vocab_size) == ("cpd-tiny", 8192, 1970)
+    assert model.namespace_for() == model.namespace
+    a, b = model.namespace_for("acme"), model.namespace_for("acme", "salt")
+    assert len({model.namespace.id, a.id, b.id}) == 3
+
+
+def test_incremental_text_equals_the_whole_and_never_splits_a_character(
+        model: ServedModel) -> None:
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # ünïcödé ✓ 数"
+    ids = model.encode(text)
+    assert model.decode(ids) == text
+    detok = model.detokenizer()
+    parts = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(parts) == text
+    assert not any("\ufffd" in p for p in parts)
+
+
+def test_chat_prompt_holds_every_turn(model: ServedModel) -> None:
+    prompt = model.render_chat([{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": "hi there"}])
+    assert "be brief" in prompt and "hi there" in prompt
+    assert prompt.endswith("<|assistant|>\n")
+
+
+def test_a_model_chat_template_is_rendered_sandboxed(model: ServedModel) -> None:
+    templated = dataclasses.replace(
+        model, special_tokens={"bos_token": "<s>"},
+        chat_template="{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
+                      "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    assert templated.render_chat([{"role": "user", "content": "hi"}]) == (
+        "<s>[user] hi\n[assistant] ")
+    hostile = dataclasses.replace(model, chat_template="{{ ''.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        hostile.render_chat([{"role": "user", "content": "hi"}])
