@@ -6,9 +6,11 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -39,26 +41,38 @@ def test_bad_settings_exit_with_a_clear_message(capsys: pytest.CaptureFixture[st
     assert "block_size" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(90)
-def test_cpd_up_starts_and_stops_cleanly(tmp_path: Path) -> None:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(150)
+def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: Path) -> None:
+    """``cpd up`` without workers: kvindex, router and gateway come up, the banner says
+    where to connect, ``cpd status``/``health``/``generate`` talk to them, and a request
+    with no worker to run it ends in a typed error."""
+    port = _free_port()
     env = {**os.environ, "CPD_NATS__EMBEDDED_STORE_DIR": str(tmp_path / "nats"),
-           "CPD_TELEMETRY__LOG_JSON": "false"}
+           "CPD_TELEMETRY__LOG_JSON": "false", "CPD_GATEWAY__PORT": str(port),
+           "CPD_MODEL__CACHE_DIR": str(model_cache)}
     proc = subprocess.Popen([sys.executable, "-m", "cpd.cli", "up", "--port", "0",
-                             "--only", "kvindex"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--only", "kvindex", "--only", "router", "--only", "gateway"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     assert proc.stdout is not None
     url = None
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     lines = []
-    while time.monotonic() < deadline and url is None:
+    while time.monotonic() < deadline and not any("Stop:" in x for x in lines):
         line = proc.stdout.readline()
         lines.append(line)
         if m := re.search(r"NATS \(JetStream\): (nats://\S+)", line):
             url = m.group(1)
-    assert url, "".join(lines)
-    while not any("services:" in line for line in lines):
-        lines.append(proc.stdout.readline())
-    assert "kvindex-0" in lines[-1]  # the service asked for is up and ready
+    banner = "".join(lines)
+    assert url, banner
+    assert "kvindex-0, router-0, gateway-0" in banner
+    assert f"OpenAI API:       http://127.0.0.1:{port}/v1" in banner and "cpd generate" in banner
     probe = ("import asyncio, nats, sys\n"
              "async def m():\n"
              "    nc = await nats.connect(sys.argv[1])\n"
@@ -69,8 +83,23 @@ def test_cpd_up_starts_and_stops_cleanly(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", probe, url], capture_output=True, text=True,
                          timeout=30)
     assert out.stdout.strip() == "True", out.stderr  # JetStream is enabled
+    cli_env = {**env, "CPD_NATS__URL": url}
+
+    def cpd(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cpd.cli", *args], env=cli_env,
+                              capture_output=True, text=True, timeout=60)
+
+    status = cpd("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["router"]["node"] == "router-0"
+    assert cpd("health", "router", "--node", "router-0").returncode == 0
+    assert cpd("health", "gateway", "--node", "gateway-0").returncode == 0
+    gen = cpd("generate", "--token-ids", "1,2,3", "--timeout", "20")
+    assert gen.returncode == 2 and "[unavailable]" in gen.stderr, gen.stderr
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+        assert resp.status == 200
     proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=30)
+    rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest
     assert "cpd: stopped" in rest
 

@@ -38,6 +38,28 @@ async def test_admits_up_to_the_limit_then_queues_in_order_then_refuses() -> Non
     assert (adm.in_flight, adm.queued) == (0, 0)
 
 
+async def test_higher_priority_waiters_go_first() -> None:
+    adm = Admission(max_inflight=1, max_queue=8)
+    far = time.monotonic() + 10
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def job(name: str, priority: int) -> None:
+        async with adm.slot(far, priority):
+            order.append(name)
+            if name == "first":
+                await gate.wait()
+
+    tasks = [asyncio.create_task(job("first", 0))]
+    await asyncio.sleep(0.01)
+    for name, prio in [("low", 0), ("high", 5), ("low2", 0), ("mid", 1)]:
+        tasks.append(asyncio.create_task(job(name, prio)))
+        await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert order == ["first", "high", "mid", "low", "low2"]
+
+
 async def test_a_queued_request_past_its_deadline_fails_typed_and_frees_nothing() -> None:
     adm = Admission(max_inflight=1, max_queue=4)
     hold = asyncio.Event()

@@ -75,7 +75,10 @@ def available_services() -> list[str]:
 
 async def wait_ready(url: str, service: str, node_id: str, timeout: float) -> None:
     """Wait until ``node_id`` of ``service`` answers a NATS micro PING."""
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    async def quiet(_: Exception) -> None:
+        """Connection refusals are expected while NATS starts; the deadline reports."""
+
+    nc = await nats.connect(url, max_reconnect_attempts=-1, error_cb=quiet)
     try:
         deadline = time.monotonic() + timeout
         inbox = nc.new_inbox()

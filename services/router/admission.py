@@ -1,12 +1,14 @@
 """Admission control (DESIGN.md §8): at most ``max_inflight`` requests run, at most
-``max_queue`` wait for a slot in arrival order, and the rest are refused at once with a
-typed, retryable :class:`~cpd.errors.Overloaded` — never left waiting in silence."""
+``max_queue`` wait for a slot (higher priority first, then arrival order), and the rest
+are refused at once with a typed, retryable :class:`~cpd.errors.Overloaded` — never left
+waiting in silence."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import heapq
+import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -14,7 +16,7 @@ from cpd.errors import DeadlineExceeded, Overloaded
 
 
 class Admission:
-    """A FIFO semaphore with a bounded wait queue and per-request deadlines."""
+    """A priority semaphore with a bounded wait queue and per-request deadlines."""
 
     def __init__(self, max_inflight: int, max_queue: int) -> None:
         if max_inflight < 1 or max_queue < 0:
@@ -22,27 +24,29 @@ class Admission:
         self.max_inflight = max_inflight
         self.max_queue = max_queue
         self.in_flight = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # (-priority, arrival number, future): a min-heap pops the most urgent, oldest.
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
 
     @contextlib.asynccontextmanager
-    async def slot(self, deadline: float) -> AsyncIterator[float]:
+    async def slot(self, deadline: float, priority: int = 0) -> AsyncIterator[float]:
         """Hold one slot for the body; yields the seconds spent waiting for it.
 
         ``deadline`` is a ``time.monotonic()`` instant: a request still queued then
-        fails with ``deadline_exceeded``.
+        fails with ``deadline_exceeded``. Among waiters, higher ``priority`` goes first.
         """
         t0 = time.monotonic()
-        await self._acquire(deadline)
+        await self._acquire(deadline, priority)
         try:
             yield time.monotonic() - t0
         finally:
             self._release()
 
-    async def _acquire(self, deadline: float) -> None:
+    async def _acquire(self, deadline: float, priority: int) -> None:
         if self.in_flight < self.max_inflight and not self._waiters:
             self.in_flight += 1
             return
@@ -51,7 +55,8 @@ class Admission:
                              f"{len(self._waiters)} queued (limits {self.max_inflight}/"
                              f"{self.max_queue}); retry later")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        entry = (-priority, next(self._arrivals), fut)
+        heapq.heappush(self._waiters, entry)
         try:
             await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -63,13 +68,15 @@ class Admission:
                 self._release()
             raise
         finally:
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(fut)
+            if not fut.done() or fut.cancelled():
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                    heapq.heapify(self._waiters)
 
     def _release(self) -> None:
-        # Hand the slot straight to the oldest live waiter: arrivals cannot jump the queue.
+        # Hand the slot straight to the next waiter: arrivals cannot jump the queue.
         while self._waiters:
-            fut = self._waiters.popleft()
+            _, _, fut = heapq.heappop(self._waiters)
             if not fut.done():
                 fut.set_result(None)
                 return

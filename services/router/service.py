@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 import msgspec
+import numpy as np
 from nats.aio.msg import Msg
 
 from cpd import subjects, telemetry, wire
@@ -190,7 +191,7 @@ class RouterService(Service):
         deadline_unix_ms = int((time.time() + timeout_s) * 1000)
         tokens = await self._prompt_tokens(req)
         ns = self._namespace(req)
-        async with self.admission.slot(deadline) as waited:
+        async with self.admission.slot(deadline, req.priority) as waited:
             self.stats.admitted += 1
             self._m_in_flight.add(1)
             self._m_admission.record(waited * 1000)
@@ -203,7 +204,7 @@ class RouterService(Service):
             finally:
                 self._m_in_flight.add(-1)
 
-    async def _prompt_tokens(self, req: wire.GenerateRequest) -> list[int]:
+    async def _prompt_tokens(self, req: wire.GenerateRequest) -> np.ndarray:
         """The prompt as token ids, checked against the model before any work is done."""
         if req.model and req.model != self.model.name:
             raise UnknownNamespace(f"model {req.model!r} is not served here "
@@ -211,20 +212,30 @@ class RouterService(Service):
         if (req.prompt is None) == (req.tokens is None):
             raise InvalidRequest("give exactly one of prompt (text) and tokens (ids)")
         if req.prompt is not None:
-            tokens = await asyncio.to_thread(self.model.encode, req.prompt)
+            ids = await asyncio.to_thread(self.model.encode, req.prompt)
+            tokens = np.asarray(ids, dtype=wire.TOKEN_DTYPE)
         else:
-            arr = wire.unpack_tokens(req.tokens or b"")
-            if arr.size and int(arr.max()) >= self.model.vocab_size:
-                raise InvalidRequest(f"token id {int(arr.max())} is outside the vocabulary "
-                                     f"of {self.model.vocab_size}")
-            tokens = arr.tolist()
-        if not tokens:
+            # Kept packed: a 100K-token prompt is hashed and forwarded without a list.
+            tokens = wire.unpack_tokens(req.tokens or b"")
+            if tokens.size and int(tokens.max()) >= self.model.vocab_size:
+                raise InvalidRequest(f"token id {int(tokens.max())} is outside the "
+                                     f"vocabulary of {self.model.vocab_size}")
+        if not tokens.size:
             raise InvalidRequest("empty prompt")
         limit = self.model.max_model_len
-        if limit and len(tokens) + req.sampling.max_tokens > limit:
-            raise PromptTooLong(f"{len(tokens)} prompt + {req.sampling.max_tokens} new tokens "
+        if limit and tokens.size + req.sampling.max_tokens > limit:
+            raise PromptTooLong(f"{tokens.size} prompt + {req.sampling.max_tokens} new tokens "
                                 f"exceed the model's {limit}")
         return tokens
+
+    async def decide(self, req: wire.GenerateRequest) -> Decision:
+        """The routing decision for ``req`` without running it: validation, tokenization,
+        block hashing, the kvindex lookup and the policy (what ``cpd bench router``
+        measures)."""
+        tokens = await self._prompt_tokens(req)
+        ns = self._namespace(req)
+        decision, _ = await self._route(req, len(tokens), ns, block_hashes(ns, tokens), set())
+        return decision
 
     def _namespace(self, req: wire.GenerateRequest) -> Namespace:
         return self.model.namespace_for(req.tenant, req.cache_salt)
@@ -251,18 +262,18 @@ class RouterService(Service):
         nodes = self.nodes.live(time.monotonic(), frozenset(exclude))
         return self.policy.decide(n, self.block_size, hits, nodes)
 
-    async def _route(self, req: wire.GenerateRequest, tokens: list[int], ns: Namespace,
+    async def _route(self, req: wire.GenerateRequest, n: int, ns: Namespace,
                      hashes: bytes, exclude: set[str]) -> tuple[Decision, float]:
         """Look up, decide, and wait for another node's prefix when single-flight says
         so; returns the decision and the lookup time (ms)."""
         t = time.perf_counter()
         hits = await self._lookup(ns, hashes, req.request_id)
         lookup_ms = (time.perf_counter() - t) * 1000
-        decision = self._decide(len(tokens), hits, exclude)
+        decision = self._decide(n, hits, exclude)
         if decision.wait is not None:
             await self._await_prefix(decision, ns, hashes, req.request_id)
             hits = await self._lookup(ns, hashes, req.request_id)
-            again = self._decide(len(tokens), hits, exclude)
+            again = self._decide(n, hits, exclude)
             # Waiting once is the bargain; a prefix still pending now is not waited for.
             decision = replace(again, wait=None,
                                reason=again.reason + f" (after waiting for "
@@ -283,7 +294,7 @@ class RouterService(Service):
                     or wait.node not in hits.pending):
                 return
 
-    async def _serve(self, req: wire.GenerateRequest, tokens: list[int], ns: Namespace,
+    async def _serve(self, req: wire.GenerateRequest, tokens: np.ndarray, ns: Namespace,
                      out: ReplyStream, t0: float, waited: float,
                      deadline_unix_ms: int) -> None:
         t = time.perf_counter()
@@ -295,7 +306,7 @@ class RouterService(Service):
         exclude: set[str] = set()
         failovers = 0
         for attempt in range(1, self.cfg.max_attempts + 1):
-            decision, lookup_ms = await self._route(req, tokens, ns, hashes, exclude)
+            decision, lookup_ms = await self._route(req, len(tokens), ns, hashes, exclude)
             self._m_decision.record(hash_ms + lookup_ms, {"policy": self.cfg.policy})
             if attempt == 1:
                 self._m_queue.record(decision.plan.queue_ms, {"role": decision.plan.role})
