@@ -163,6 +163,25 @@ def format_status(status: wire.StatusReply) -> str:
     return "\n".join(lines)
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when ``service`` (this node's, by default) answers a NATS micro PING: the
+    containers' health check."""
+    import asyncio
+
+    from .cluster import wait_ready
+
+    s = _settings(args)
+    node = args.node or s.node.node_id
+    try:
+        asyncio.run(asyncio.wait_for(wait_ready(s.nats.url, args.service, node, args.timeout),
+                                     args.timeout + 2))
+    except (CpdError, OSError, TimeoutError) as e:
+        print(f"cpd: {args.service} ({node}) is not healthy: {e!r}", file=sys.stderr)
+        return 1
+    print(f"{args.service} ({node}) is up")
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from .cluster import run_cluster
 
@@ -225,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="nodes, roles, queues, cache use and hit ratios")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    h = sub.add_parser("health", help="check that a service answers (container health checks)")
+    h.add_argument("service", help="kvindex, router, gateway, preprefill, prefill or decode")
+    h.add_argument("--node", help="node id (default: node.node_id)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(func=cmd_health)
 
     up = sub.add_parser("up", help="start the whole system on the embedded default")
     up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")
