@@ -129,6 +129,28 @@ def test_failed_and_mismatched_blocks_free_their_slots() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_corrupt_sealed_blocks_are_detected_and_discarded_unless_pinned() -> None:
+    s = BlockStore(64, 4, node="n1", clock=Clock())
+    refs = chain(1, 3)
+    s.allocate(NS, refs)
+    for r in refs:
+        s.view(r.hash)[:] = 7
+    s.seal([(r.hash, 64, checksum(s.view(r.hash))) for r in refs])
+    s.drain_events()
+    assert all(s.intact(r.hash) for r in refs)
+    s.view(h(2))[5] ^= 0xFF  # a bit flip after sealing
+    s.view(h(3))[0] ^= 0xFF
+    assert [s.intact(r.hash) for r in refs] == [True, False, False]
+    s.pin("reader", [h(3)], ttl_s=10)
+    assert s.discard([h(2), h(3), h(9)]) == [h(2)]  # h(3) is being read: kept for now
+    assert h(2) not in s and h(3) in s and s.free_slots == 2
+    assert [(e.__struct_config__.tag, e.hashes) for e in s.drain_events()] == [
+        ("kv_evicted", [h(2)])]
+    s.unpin("reader")
+    assert s.discard([h(3)]) == [h(3)] and len(s) == 1  # the orphan goes too once free
+
+
+@pytest.mark.timeout(10)
 def test_eviction_is_prefix_closed_then_lru() -> None:
     # a → b → c and a → d; a is the most recently used, yet leaves go first.
     s = sealed_store(4, [*chain(1, 3), wire.BlockRef(h(4), h(1), 16)])

@@ -20,6 +20,7 @@ from cpd.client import Client, Completion
 from cpd.config import load_settings
 from cpd.errors import CpdError, Overloaded
 from cpd.hashing import block_hashes
+from cpd.kvstore import slot_bytes
 from services.gateway import GatewayService
 from services.router import RouterService
 
@@ -46,7 +47,8 @@ STORY = _family("story", 5, [40, 70, 33])
 KVI = _family("kvi", 4, [50, 20, 30])
 PEER = _family("peer", 6, [10, 90])
 HTTP = _family("http", 3, [25, 61, 17])
-PROMPTS = {**STORY, **KVI, **PEER, **HTTP, "short": _tokens(100), "long": _tokens(700)}
+BAD = _family("bad", 3, [15, 44, 29])
+PROMPTS = {**STORY, **KVI, **PEER, **HTTP, **BAD, "short": _tokens(100), "long": _tokens(700)}
 
 
 @pytest.fixture(scope="module")
@@ -309,3 +311,40 @@ async def test_decode_killed_mid_stream_fails_over_with_identical_output(
         d1 = vllm_cluster.procs.pop("d1")
         d1.terminate()
         await asyncio.to_thread(d1.wait, 60)
+
+
+async def test_corrupted_dram_blocks_are_detected_invalidated_and_recomputed(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
+        reference: dict) -> None:
+    """Bytes of p0's DRAM blocks flipped after sealing: the load fails its checksums, the
+    prefix is recomputed with identical output, and the blocks leave kvindex."""
+    await make_router()
+    assert (await _generate(client, BAD["bad0"])).route.prefill_node == "pp0"
+    await _wait_visible(vllm_cluster, BAD["bad1"], "pp0", 3)
+    warm = await _generate(client, BAD["bad1"])
+    assert (warm.route.prefill_node, warm.route.tokens_remote) == ("p0", 3 * BS)
+    await _wait_visible(vllm_cluster, BAD["bad2"], "p0", 3)
+    # Only p0's DRAM copy may serve the next request: drop its engine's own cache.
+    await vllm_cluster.bus.request(subjects.admin("prefill", "p0"),
+                                   wire.ResetCache(reason="test"), expect=wire.Accepted)
+    pid = vllm_cluster.procs["p0"].pid
+    [arena_file] = Path("/dev/shm").glob(f"cpd-arena-p0-*-{pid}")
+    arena = np.memmap(arena_file, dtype=np.uint8, mode="r+").reshape(
+        -1, slot_bytes(vllm_cluster.settings))
+    arena[:, :64] ^= 0x5A  # every slot of p0's arena, as a bad DIMM would
+    arena.flush()
+    del arena
+    done = await _generate(client, BAD["bad2"])
+    r = done.route
+    assert done.token_ids == reference["bad2"][:10]
+    assert (r.prefill_node, r.tokens_dram, r.tokens_gpu) == ("p0", 0, 0), r.reason
+    assert r.tokens_computed == len(BAD["bad2"])
+    hashes = block_hashes(vllm_cluster.ns, BAD["bad2"])
+    for _ in range(100):
+        reply = await vllm_cluster.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+            namespace=vllm_cluster.ns.id, block_hashes=hashes), expect=wire.LookupReply)
+        if not any(m.node == "p0" and m.tier is wire.Tier.DRAM for m in reply.matches):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("kvindex still shows p0's corrupt blocks")

@@ -60,6 +60,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "ttft":
         from bench.ttft import run as run_ttft
         result = run_ttft(_settings(args), quick=args.quick)
+    elif args.what == "router":
+        from bench.router import run as run_router
+        result = run_router(_settings(args), quick=args.quick, blocks=args.blocks)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     _write_json(result, args.json)
@@ -213,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_model_check)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
-    bench.add_argument("what", choices=["hashing", "kvindex", "model", "transfer", "ttft"])
+    bench.add_argument("what", choices=["hashing", "kvindex", "model", "router", "transfer",
+                                          "ttft"])
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.add_argument("--tokens", type=int, default=None,
                        help="prompt tokens (hashing: 100000; model: 8192)")
@@ -221,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=200)
     bench.add_argument("--preset")
     bench.add_argument("--quick", action="store_true", help="a short run (tests, CI)")
-    bench.add_argument("--blocks", type=int, help="kvindex: index size (default 1M)")
+    bench.add_argument("--blocks", type=int, help="kvindex, router: index size (default 1M)")
     bench.set_defaults(func=cmd_bench)
 
     n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")

@@ -344,6 +344,26 @@ class BlockStore:
         for ns, hs in by_ns.items():
             self._emit(wire.BlocksFailed, ns, "hashes", hs, reason=reason)
 
+    def intact(self, block_hash: bytes) -> bool:
+        """Whether a sealed block's bytes still match the checksum it was sealed with."""
+        entry = self._sealed(block_hash)
+        return checksum(self.arena[entry.slot, :entry.nbytes]) == entry.checksum
+
+    def discard(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """Drop sealed blocks found bad (corrupt bytes): their locations go at once, as
+        an eviction kvindex applies. Pinned blocks stay until their leases end (a reader
+        verifies every block it receives); returns what was dropped."""
+        by_ns: dict[str, list[bytes]] = defaultdict(list)
+        for h in hashes:
+            entry = self._entries.get(h)
+            if entry is None or entry.state is not BlockState.SEALED or entry.pins:
+                continue
+            self._remove(entry)
+            by_ns[entry.namespace].append(h)
+        for ns, hs in by_ns.items():
+            self._emit(wire.BlocksEvicted, ns, "hashes", hs)
+        return [h for hs in by_ns.values() for h in hs]
+
     def touch(self, hashes: Iterable[bytes]) -> None:
         """Mark blocks as just used (a hit), moving them to the young end of the LRU."""
         for h in hashes:
@@ -623,6 +643,16 @@ class KvStore:
             return self.store.evict(count)
         finally:
             await self.flush()
+
+    async def discard(self, hashes: Iterable[bytes], reason: str) -> list[bytes]:
+        """Drop sealed blocks found bad and tell kvindex (see :meth:`BlockStore.discard`)."""
+        try:
+            dropped = self.store.discard(hashes)
+        finally:
+            await self.flush()
+        if dropped:
+            log.warning("kvstore.discarded", node=self.node, blocks=len(dropped), reason=reason)
+        return dropped
 
     async def take_slots(self, count: int) -> list[int]:
         """:meth:`BlockStore.take_slots`, publishing the evictions it caused."""

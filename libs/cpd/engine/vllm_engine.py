@@ -104,6 +104,10 @@ class VllmEngine:
                 step.loaded_blocks = info.get("loaded_blocks", 0)
                 step.failed_blocks = info.get("failed_blocks", 0)
                 step.saved_blocks = info.get("saved_blocks", 0)
+                # vLLM counts the connector's matched tokens as cached when it schedules
+                # them; blocks that then failed verification were computed after all.
+                step.cached_tokens = max(
+                    0, step.cached_tokens - step.failed_blocks * self.block_size)
             yield step
 
     async def abort(self, request_id: str) -> None:

@@ -352,6 +352,8 @@ class WorkerService(Service):
             self.in_flight -= 1
             if loaded:
                 self.kv.unpin(lease)
+        if step.failed_blocks:
+            await self._drop_corrupt(loaded)
         saved = [e.hash for e in fresh]
         if saved:
             await self.kv.seal([(h, store.slot_bytes) for h in saved])
@@ -383,6 +385,16 @@ class WorkerService(Service):
             raise DecodeUnavailable(f"decode node {req.decode_node} did not take the "
                                     f"request: {e.message}") from e
         out.closed = True  # decode owns the rest of the stream
+
+    async def _drop_corrupt(self, loaded: list[bytes]) -> None:
+        """The engine refused some loaded blocks (checksum): they were recomputed, and
+        whichever no longer match their seal leave the store and kvindex for good."""
+        store = self.kv.store
+        bad = [h for h in loaded if h in store
+               and store.get(h).state is BlockState.SEALED  # type: ignore[union-attr]
+               and not store.intact(h)]
+        if bad:
+            await self.kv.discard(bad, "checksum mismatch on load")
 
     def _release(self, lease: str) -> None:
         handle = self._leases.pop(lease, None)
@@ -451,6 +463,8 @@ class WorkerService(Service):
                 self.in_flight -= 1
                 if have:
                     self.kv.unpin(lease)
+            if last.failed_blocks:
+                await self._drop_corrupt([e.hash for e in have])
             t_end = time.perf_counter()
             route = wire.Route(**{**_route_fields(req.route), "decode_node": self.node_id,
                                   "decode_tokens_pulled": last.loaded_blocks * self.block_size,
