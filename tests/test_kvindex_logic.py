@@ -172,6 +172,22 @@ def test_lookup_statuses_pending_and_ordering() -> None:
     assert idx.lookup(NS, chain_hashes("C0"), 1).num_blocks == 0
 
 
+def test_a_gpu_visible_prefix_does_not_hide_dram_blocks_still_being_written() -> None:
+    idx = Index()
+    w = Writer("n1")
+    idx.heartbeat(hb("n1"), 0)
+    idx.apply(w.alloc("A0", "A1", "A2", tier=GPU))
+    idx.apply(w.seal("A0", "A1", "A2", tier=GPU))
+    idx.apply(w.alloc("A0", "A1", "A2"))  # the DRAM write-through, not sealed yet
+    r = idx.lookup(NS, chain_hashes("A0", "A1", "A2"), 1)
+    assert r.matches == [wire.TierMatch("n1", GPU, 3)]
+    assert r.pending == [wire.PendingMatch("n1", 3)]
+    idx.apply(w.seal("A0", "A1", "A2"))
+    r = idx.lookup(NS, chain_hashes("A0", "A1", "A2"), 1)
+    assert {(m.tier, m.num_blocks) for m in r.matches} == {(GPU, 3), (DRAM, 3)}
+    assert r.pending == []
+
+
 def test_gpu_events_map_to_cpd_hashes_through_token_ids() -> None:
     spec = Namespace(model_id="m", model_revision="r", tokenizer_hash="t", kv_dtype="float32",
                      block_size=32)

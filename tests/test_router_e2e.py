@@ -48,7 +48,9 @@ KVI = _family("kvi", 4, [50, 20, 30])
 PEER = _family("peer", 6, [10, 90])
 HTTP = _family("http", 3, [25, 61, 17])
 BAD = _family("bad", 3, [15, 44, 29])
-PROMPTS = {**STORY, **KVI, **PEER, **HTTP, **BAD, "short": _tokens(100), "long": _tokens(700)}
+FLIGHT = _family("flight", 24, [30, 50])
+PROMPTS = {**STORY, **KVI, **PEER, **HTTP, **BAD, **FLIGHT,
+           "short": _tokens(100), "long": _tokens(700)}
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +202,43 @@ async def test_three_request_story_through_the_openai_gateway(
     finally:
         await api.close()
         await gateway.stop()
+
+
+async def test_a_cold_prefix_being_computed_is_waited_for_not_computed_twice(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
+        reference: dict) -> None:
+    """Single-flight: a second request arriving while pre-prefill computes the prefix it
+    shares waits for those blocks and loads them, instead of computing them again."""
+    # A wide margin: the wait must win on this noisy machine whatever the overflow says.
+    await make_router("router.overflow_margin_ms=1000")
+    first = asyncio.create_task(_generate(client, FLIGHT["flight0"]))
+    hashes = block_hashes(vllm_cluster.ns, FLIGHT["flight1"])
+    for _ in range(200):  # until pp0 is writing the prefix (pending in kvindex)
+        reply = await vllm_cluster.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+            namespace=vllm_cluster.ns.id, block_hashes=hashes), expect=wire.LookupReply)
+        if any(p.node == "pp0" for p in reply.pending):
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("pp0 never showed the prefix as pending")
+    second = await _generate(client, FLIGHT["flight1"])
+    cold = await first
+    assert cold.route.path == "cold" and cold.token_ids == reference["flight0"][:10]
+    r = second.route
+    assert second.token_ids == reference["flight1"][:10]
+    assert "after waiting for pp0's prefix" in r.reason, r.reason
+    assert (r.path, r.prefill_node, r.tokens_remote) == ("warm", "p0", 24 * BS), r.reason
+
+
+async def test_several_routers_share_the_load(make_router: RouterFactory, client: Client,
+                                             reference: dict) -> None:
+    a = await make_router(node_id="router-a")
+    b = await make_router(node_id="router-b")
+    done = await asyncio.gather(*(_generate(client, PROMPTS["short"], max_tokens=2)
+                                  for _ in range(12)))
+    assert all(d.token_ids == reference["short"][:2] for d in done)
+    assert a.stats.completed + b.stats.completed == 12
+    assert a.stats.completed and b.stats.completed  # a queue group, not a single router
 
 
 async def test_text_prompts_are_tokenized_and_text_streams_back(

@@ -126,13 +126,19 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         # kvindex first (it replays the stream); then every worker at once: their
         # engines take the longest to start and do not depend on each other.
         stages = [[x for x in wanted if x == "kvindex"], [x for x in wanted if x != "kvindex"]]
+        # With telemetry.prometheus_port set, it is the first of consecutive scrape ports,
+        # one per process (printed in the banner).
+        metrics_port = settings.telemetry.prometheus_port
         for stage in stages:
             started = []
             for service in stage:
                 for i in range((counts or {}).get(service, 1)):
                     node_id = f"{service}-{i}"
-                    proc = Proc(service, node_id, logs / f"{node_id}.log",
-                                {**base_env, "CPD_NODE__NODE_ID": node_id})
+                    env = {**base_env, "CPD_NODE__NODE_ID": node_id}
+                    if metrics_port:
+                        env["CPD_TELEMETRY__PROMETHEUS_PORT"] = str(
+                            metrics_port + len(procs))
+                    proc = Proc(service, node_id, logs / f"{node_id}.log", env)
                     proc.start()
                     procs.append(proc)
                     started.append(proc)
@@ -189,6 +195,10 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings) -> None
     if "router" in running:
         tries += [f'  CPD_NATS__URL={url} cpd generate "def fib(n):" --max-tokens 16',
                   f"  CPD_NATS__URL={url} cpd status"]
+    if settings.telemetry.prometheus_port:
+        first = settings.telemetry.prometheus_port
+        lines.append(f"  metrics:          http://127.0.0.1:{first}..{first + len(procs) - 1}"
+                     "/metrics (one port per service, in the order above)")
     if tries:
         lines += ["Try:", *tries]
     lines += ["Stop: Ctrl-C", ""]

@@ -172,13 +172,18 @@ class Index:
             info = nodes.get(node)
             if info is None or not info.alive(now) or loc.epoch != info.live_epoch:
                 continue
+            # Pending coverage is about blocks being written into a node's DRAM store;
+            # the engine's GPU tier never has unsealed states, and a GPU-visible prefix
+            # must not hide DRAM blocks still being written (single-flight waits on them).
             if loc.state is not State.VISIBLE:
-                seen_nodes.setdefault(node, 0)
+                if tier is Tier.DRAM:
+                    seen_nodes.setdefault(node, 0)
                 continue
             lo = _prefix(table, hashes, n, lambda b, k=key: _visible_at(b, k))
             matches.append(wire.TierMatch(node, tier, lo))
             best = max(best, lo)
-            seen_nodes[node] = max(seen_nodes.get(node, 0), lo)
+            if tier is Tier.DRAM:
+                seen_nodes[node] = max(seen_nodes.get(node, 0), lo)
         if include_pending:
             for node, vis in seen_nodes.items():
                 if vis < n:

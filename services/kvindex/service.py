@@ -23,6 +23,7 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 from nats.js import api
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from cpd import kvevents, subjects, telemetry, wire
 from cpd.bus import Request, Service
@@ -64,6 +65,19 @@ class KvIndexService(Service):
         self._m_illegal = m.create_counter("cpd_kvindex_illegal_transitions_total")
         self._m_evictions = m.create_counter("cpd_kvindex_invalidated_blocks_total",
                                              description="visible blocks made unreadable")
+        # Replicas (the seed's "number of copies"): locations per block, cluster-wide.
+        m.create_observable_gauge(
+            "cpd_kvindex_blocks", callbacks=[self._observe_blocks],
+            description="distinct blocks the index holds")
+        m.create_observable_gauge(
+            "cpd_kvindex_locations", callbacks=[self._observe_locations],
+            description="block copies (node, tier) the index holds; / blocks = replicas")
+
+    def _observe_blocks(self, _: CallbackOptions) -> list[Observation]:
+        return [Observation(self.index.num_blocks, {"node": self.node_id})]
+
+    def _observe_locations(self, _: CallbackOptions) -> list[Observation]:
+        return [Observation(self.index.num_locations, {"node": self.node_id})]
 
     @property
     def snapshot_path(self) -> Path:

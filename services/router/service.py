@@ -414,7 +414,7 @@ class RouterService(Service):
             self._m_ttft.record(ttft_ms, attrs)
         if relay.sent > 1 and relay.first_at:
             self._m_tpot.record((now - relay.first_at) * 1000 / (relay.sent - 1), attrs)
-        self.log.info("router.request_done", path=path, prefill=r.prefill_node,
+        self.log.info("router.request_done", path=path, reason=r.reason, prefill=r.prefill_node,
                       decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
                       cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),
                       failovers=failovers)

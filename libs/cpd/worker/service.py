@@ -30,8 +30,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 from nats.aio.msg import Msg
+from opentelemetry.metrics import Observation
 
-from cpd import kvevents, subjects, wire
+from cpd import kvevents, subjects, telemetry, wire
 from cpd.bus import ReplyStream, Request, Service
 from cpd.config import Settings
 from cpd.engine import ArenaSpec, Engine, EngineRequest, EngineStep
@@ -76,6 +77,25 @@ class WorkerService(Service):
         self.ms_per_token = settings.worker.initial_ms_per_token
         self._arena_path: Path | None = None
         self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._instruments()
+
+    def _instruments(self) -> None:
+        m = telemetry.meter()
+        attrs = {"role": self.role, "node": self.node_id}
+        self._m_kv_bytes = m.create_counter(
+            "cpd_worker_kv_bytes_total", unit="By",
+            description="KV bytes by direction: written through to DRAM, loaded from DRAM")
+        self._m_phase = m.create_histogram(
+            "cpd_worker_phase_ms", unit="ms",
+            description="time per request phase on this worker (load, prefill, decode)")
+        m.create_observable_gauge(
+            "cpd_worker_dram_used_bytes", description="block arena bytes in use",
+            callbacks=[lambda _: [Observation(self.kv.store.used_bytes, attrs)]
+                       if hasattr(self, "kv") else []])
+        m.create_observable_counter(
+            "cpd_worker_evictions_total", description="blocks evicted from the DRAM arena",
+            callbacks=[lambda _: [Observation(self.kv.store.evictions, attrs)]
+                       if hasattr(self, "kv") else []])
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -257,6 +277,12 @@ class WorkerService(Service):
             self.waiting -= 1
             self.queued_tokens -= len(tokens)
         t_done = time.perf_counter()
+        attrs = {"role": self.role}
+        self._m_phase.record((t_load - t0) * 1e3, {**attrs, "phase": "load"})
+        self._m_phase.record((t_done - t_load) * 1e3, {**attrs, "phase": "prefill"})
+        slot = self.kv.store.slot_bytes
+        self._m_kv_bytes.add(len(saved) * slot, {**attrs, "direction": "write"})
+        self._m_kv_bytes.add(step.loaded_blocks * slot, {**attrs, "direction": "load"})
         computed = len(tokens) - step.cached_tokens
         if computed > 0:  # EWMA of this node's prefill speed: the router's queue estimate
             self.ms_per_token = 0.8 * self.ms_per_token + 0.2 * (
@@ -466,6 +492,10 @@ class WorkerService(Service):
             if last.failed_blocks:
                 await self._drop_corrupt([e.hash for e in have])
             t_end = time.perf_counter()
+            self._m_phase.record((t_pull - t0) * 1e3, {"role": self.role, "phase": "pull"})
+            self._m_phase.record((t_end - t_pull) * 1e3, {"role": self.role, "phase": "decode"})
+            self._m_kv_bytes.add(last.loaded_blocks * self.kv.store.slot_bytes,
+                                 {"role": self.role, "direction": "load"})
             route = wire.Route(**{**_route_fields(req.route), "decode_node": self.node_id,
                                   "decode_tokens_pulled": last.loaded_blocks * self.block_size,
                                   "decode_tokens_computed": len(full) - last.cached_tokens})
@@ -523,7 +553,6 @@ def _timing_fields(t: wire.Timings) -> dict:
 
 def run_worker(role: str) -> None:
     """Entry point of ``python -m services.<role>``."""
-    from cpd import telemetry
     from cpd.bus import run_service
     from cpd.config import load_settings
 

@@ -1,0 +1,55 @@
+"""``cpd bench router --quick`` end to end on a small index: the JSON carries the documented
+keys with sane values. Speed is measured by the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(120)
+def test_quick_router_bench_reports_latency_throughput_and_breakdown(
+        tmp_path: Path, model_cache: Path) -> None:
+    out = tmp_path / "router.json"
+    # A process of its own: the benchmark configures telemetry and runs its own loop.
+    env = {**os.environ, "CPD_MODEL__CACHE_DIR": str(model_cache)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cpd.cli", "bench", "router", "--quick", "--blocks", "20000",
+         "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == r
+
+    assert r["quick"] is True and r["prompt_tokens"] == 100_000
+    assert r["prompt_blocks"] == 100_000 // 256
+    assert r["index_blocks"] >= 20_000 // 391 * 391
+    assert "process" in r["kvindex"] and r["cpu_count"] >= 1
+    assert r["nodes"] == {"preprefill": 2, "prefill": 4, "decode": 2}
+    assert r["decision_p99_ms"] >= r["decision_p50_ms"] > 0
+    for kind in ("all", "warm", "cold"):
+        st = r["decision_ms"][kind]
+        assert st["max"] >= st["p99"] >= st["p90"] >= st["p50"] > 0 and st["n"] > 0
+    assert r["decisions_per_s"] > 0
+    assert [lv["concurrency"] for lv in r["throughput"]] == [8, 32]
+    assert all(lv["decisions_per_s"] > 0 and lv["decisions"] > 0 for lv in r["throughput"])
+    for key in ("hash_ms_p50", "lookup_ms_p50", "lookup_ms_p99", "policy_ms_p50",
+                "validate_ms_p50", "request_decode_ms_p50"):
+        assert r[key] > 0, key
+    assert r["lookup_ms_p99"] >= r["lookup_ms_p50"]
+    # Every decision made with kvindex's answer took the path its prompt calls for (a
+    # lookup past the router's timeout on a busy machine is counted, not failed).
+    assert r["decision_errors"] == 0, r["decision_error_examples"]
+    assert r["decisions_without_kvindex_answer"] < r["decision_ms"]["all"]["n"]
+    assert r["paths"].get("warm->warm", 0) + r["paths"].get("warm->overflow", 0) > 0
+    assert r["paths"].get("cold->cold", 0) + r["paths"].get("cold->overflow", 0) > 0
+    t = r["targets"]
+    assert t["decision_p99_ms"] == 2.0 and t["decisions_per_s"] == 2000
+    assert t["decision_p99_met"] == (r["decision_p99_ms"] < 2.0)
+    assert t["decisions_per_s_met"] == (r["decisions_per_s"] >= 2000)
