@@ -21,7 +21,8 @@ from cpd.sim.workloads import (
 )
 
 pytestmark = pytest.mark.timeout(30)
-TRACES = Path("/work/shared/traces/mooncake")
+# The head of the public Mooncake conversation trace (tests/data/mooncake/NOTICE).
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace_head200.jsonl"
 # Small contexts so the tests can materialize every prompt.
 SMALL = CodingAgentConfig(qps=2.0, duration_s=120.0, ramp_s=10.0, repo_min_tokens=2_000,
                           repo_max_tokens=6_000, system_tokens=300, step_min_tokens=100,
@@ -112,9 +113,8 @@ def test_mooncake_replay_maps_hash_ids_to_tokens(tmp_path: Path) -> None:
         mooncake(path, block_tokens=256)
 
 
-@pytest.mark.skipif(not TRACES.exists(), reason="Mooncake traces not present")
 def test_mooncake_real_trace_shares_prefixes() -> None:
-    reqs = mooncake(TRACES / "conversation_trace.jsonl", limit=200)
+    reqs = mooncake(TRACE, limit=200)
     assert len(reqs) == 200 and reqs[0].block_tokens == 512
     assert all(len(r.block_ids) * 512 >= r.prompt_len for r in reqs)
     # The trace's hash id 0 (a shared system prompt) starts many requests.

@@ -1,0 +1,119 @@
+"""The pure parts of ``cpd bench ttft`` (medians, ratios, path checks) and the GPU check
+script's environment report on a machine without CUDA. No servers, no engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.ttft import (
+    Sample,
+    check_route,
+    prompt_lengths,
+    summarize,
+)
+from cpd import wire
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 256
+
+
+def _samples(n: int, cold: list[float], remote: list[float], dram: list[float],
+             gpu: list[float]) -> list[Sample]:
+    out = []
+    for case, xs in (("cold", cold), ("warm_remote", remote), ("warm_local_dram", dram),
+                     ("gpu_hit", gpu)):
+        out += [Sample(prompt_tokens=n, case=case, ttft_ms=x, path_ok=True) for x in xs]
+    return out
+
+
+def test_summarize_takes_medians_and_ratios_to_cold_per_length() -> None:
+    samples = (_samples(1024, [100, 300, 200], [50, 60, 70], [40, 40, 41], [20, 10, 30])
+               + _samples(8178, [2000, 2100, 1900], [400, 500, 600], [300, 300, 300],
+                          [200, 100, 150]))
+    r = summarize(samples)
+    short, long_ = r["lengths"]
+    assert short["prompt_tokens"] == 1024 and long_["prompt_tokens"] == 8178
+    assert short["ttft_ms"] == {"cold": 200, "warm_remote": 60, "warm_local_dram": 40,
+                                "gpu_hit": 20}
+    assert short["warm_remote_over_cold"] == 0.3
+    assert short["ttft_ms_all"]["cold"] == [100, 300, 200]
+    assert long_["warm_remote_over_cold"] == 0.25
+    assert r["max_prompt_tokens"] == 8178
+    assert r["warm_remote_over_cold_at_max"] == 0.25
+    assert r["warm_local_dram_over_cold_at_max"] == 0.15
+    assert r["gpu_hit_over_cold_at_max"] == 0.075
+    assert r["target_warm_remote_over_cold_at_max"] == 0.5
+    assert r["path_ok"] and r["path_errors"] == [] and r["met_target"]
+
+
+def test_summarize_misses_the_target_when_warm_is_too_slow() -> None:
+    r = summarize(_samples(4096, [100], [60], [50], [10]))
+    assert r["warm_remote_over_cold_at_max"] == 0.6
+    assert r["path_ok"] and not r["met_target"]
+
+
+def test_a_wrong_path_is_reported_and_never_meets_the_target() -> None:
+    samples = _samples(2048, [100], [10], [10], [10])
+    samples[1] = Sample(prompt_tokens=2048, case="warm_remote", ttft_ms=10, path_ok=False,
+                        path_error="tokens_remote=0 (want 1792)")
+    r = summarize(samples)
+    assert not r["path_ok"] and not r["met_target"]
+    assert not r["lengths"][0]["path_ok"]
+    assert r["path_errors"] == ["warm_remote at 2048 tokens: tokens_remote=0 (want 1792)"]
+
+
+def test_summarize_of_nothing_reports_no_headline() -> None:
+    r = summarize([])
+    assert r["lengths"] == [] and r["warm_remote_over_cold_at_max"] is None
+    assert not r["path_ok"] and not r["met_target"]
+
+
+def test_summarize_rejects_unknown_cases() -> None:
+    with pytest.raises(ValueError):
+        summarize([Sample(prompt_tokens=1, case="lukewarm", ttft_ms=1, path_ok=True)])
+
+
+def test_prompt_lengths_run_from_1k_to_the_model_limit() -> None:
+    assert prompt_lengths(True, 8192) == [1024, 8178]
+    assert prompt_lengths(False, 8192) == [1024, 2048, 4096, 8178]
+    assert prompt_lengths(False, 2048) == [1024, 2034]
+
+
+def test_check_route_accepts_each_intended_path_and_names_what_differs() -> None:
+    n, cached = 1300, 1280  # 5 full blocks before the last prompt token
+    cold = wire.Route(prefill_node="pp0", decode_node="d0", tokens_computed=n)
+    remote = wire.Route(prefill_node="p0", decode_node="d0", tokens_remote=cached,
+                        tokens_computed=n - cached)
+    dram = wire.Route(prefill_node="p0", decode_node="d0", tokens_dram=cached,
+                      tokens_computed=n - cached)
+    gpu = wire.Route(prefill_node="p0", decode_node="d0", tokens_gpu=cached,
+                     tokens_computed=n - cached)
+    assert check_route("cold", n, BS, cold) == ""
+    assert check_route("warm_remote", n, BS, remote) == ""
+    assert check_route("warm_local_dram", n, BS, dram) == ""
+    assert check_route("gpu_hit", n, BS, gpu) == ""
+    # A "remote" request that the peer could not serve was recomputed: say so.
+    err = check_route("warm_remote", n, BS, cold)
+    assert "tokens_remote=0 (want 1280)" in err and "prefill_node='pp0'" in err
+    # An exact multiple of the block size still computes its last block.
+    assert check_route("gpu_hit", 1024, BS, wire.Route(
+        prefill_node="p0", decode_node="d0", tokens_gpu=768, tokens_computed=256)) == ""
+
+
+def test_gpu_check_dry_run_reports_no_cuda_with_its_own_exit_code(tmp_path: Path) -> None:
+    from bench.gpu_check import EXIT_NO_CUDA
+
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_NO_CUDA, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["environment"]["cuda_available"] is False
+    assert report["ok"] is False and "CUDA" in report["reason"]
+    assert json.loads(proc.stdout) == report
