@@ -260,7 +260,10 @@ async def test_graceful_stop_finishes_in_flight_work(settings: Settings, bus: Bu
     await svc.start()
     pending = asyncio.create_task(bus.request(f"{svc.prefix}.lookup", _lookup("slow"),
                                               expect=wire.LookupReply, timeout=10))
-    await asyncio.sleep(0.3)  # the slow request is in flight
+    for _ in range(200):  # until the slow request is in flight (the handler started)
+        if svc.seen_trace_ids:
+            break
+        await asyncio.sleep(0.01)
     await svc.stop()
     assert (await pending).num_blocks == 2
     with pytest.raises(NoResponders):

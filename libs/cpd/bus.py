@@ -373,6 +373,13 @@ class Service:
 
     # -- lifecycle -------------------------------------------------------------------
 
+    async def prepare(self) -> None:
+        """Slow local start-up before NATS is connected, e.g. loading an engine (override).
+
+        A connection whose event loop is blocked for minutes is dropped by the server as
+        stale; doing such work before connecting avoids that.
+        """
+
     async def setup(self) -> None:
         """Register endpoints and subscriptions (override)."""
 
@@ -380,7 +387,8 @@ class Service:
         """Release resources after endpoints stopped and in-flight work drained (override)."""
 
     async def start(self) -> None:
-        """Connect, register endpoints, and announce the service."""
+        """Prepare, connect, register endpoints, and announce the service."""
+        await self.prepare()
         self.bus = await Bus.open(self.settings, f"cpd-{self.name}-{self.node_id}",
                                   url=self.nats_url)
         self._micro = await nats.micro.add_service(
@@ -427,7 +435,15 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A start that failed part-way may hold engines, files or a connection.
+            with contextlib.suppress(Exception):
+                await self.on_stop()
+            if hasattr(self, "bus"):
+                await self.bus.close()
+            raise
         try:
             await self._stopping.wait()
         finally:

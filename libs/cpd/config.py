@@ -199,11 +199,10 @@ class DataPlaneSettings(_Section):
     ucx_shm_error_handling: bool = True
     # ucxx defaults rendezvous staging buffers to CUDA memory; the arena is host memory.
     ucx_rndv_frag_mem_type: Literal["host", "cuda"] = "host"
-    # "blocking": UCX progresses on the event loop (cpd.transfer re-arms it correctly);
-    # fastest and the only mode whose peer-failure tests are stable here, but ucxx waits
-    # on requests by yielding in a loop, so a server with open connections keeps its event
-    # loop busy. "thread": UCX in its own thread, idle at zero CPU, but reconnects after a
-    # peer died mid-transfer can stall (docs/benchmarks.md, data plane section).
+    # "blocking": UCX progresses on the event loop (cpd.transfer re-arms it correctly and
+    # lets idle connections sleep); fastest and the only mode whose peer-failure tests are
+    # stable here. "thread": UCX in its own thread, but reconnects after a peer died
+    # mid-transfer can stall (docs/benchmarks.md, data plane section).
     ucx_progress_mode: Literal["blocking", "thread", "thread-polling", "polling"] = "blocking"
     # Measured-bandwidth estimate (EWMA); transfers smaller than the minimum measure latency.
     bandwidth_ewma_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2

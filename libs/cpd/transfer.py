@@ -193,11 +193,27 @@ class _ProgressDriver:
         self.loop = loop
         self._busy = 0
         self._pump: asyncio.Task[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
         loop.add_reader(fd, self.on_event)  # replaces ucxx's reader on the same fd
         self.on_event()
 
+    async def next_activity(self, timeout: float) -> None:
+        """Sleep until the worker was progressed again (or ``timeout`` passes)."""
+        fut = self.loop.create_future()
+        self._waiters.append(fut)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await fut
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
     def on_event(self) -> None:
         self.worker.progress()
+        self._wake()
         if not self._busy and not self.worker.arm():
             # Events arrived meanwhile: progress again on the next loop turn, never in a
             # tight loop here (a failing endpoint can keep the worker busy, and timers,
@@ -218,6 +234,7 @@ class _ProgressDriver:
     async def _run_pump(self) -> None:
         while self._busy:
             self.worker.progress()
+            self._wake()
             await asyncio.sleep(0)
         self.on_event()  # re-arm before going idle
 
@@ -230,6 +247,47 @@ async def _progress_while_busy() -> AsyncIterator[None]:
         return
     async with driver.busy():
         yield
+
+
+async def _recv_idle(ep: Any, buf: bytearray, tag: int) -> None:
+    """``ep.recv`` for a message that may be long in coming (a connection's next request).
+
+    ucxx awaits a request by yielding to the event loop until it completes, so every idle
+    connection of a server kept a core busy. Here the wait sleeps until the progress
+    driver next progresses the worker (an fd event, a busy transfer's polling, or a short
+    timer for what no event announces). Falls back to ``ep.recv`` where the driver or
+    ucxx's request API is not available (thread progress modes, another ucxx layout).
+    """
+    driver = _drivers.get(asyncio.get_running_loop())
+    api = _request_api()
+    if driver is None or api is None:
+        await ep.recv(buf, tag=tag)
+        return
+    array, tag_type, mask, hash64 = api
+    ep._ep.raise_on_error()
+    req = ep._ep.tag_recv(array(buf), tag_type(hash64(ep._tags["msg_recv"], hash(tag))), mask)
+    # A message that arrived before the receive was posted matches on the next progress.
+    driver.worker.progress()
+    while not req.completed:
+        await driver.next_activity(_IDLE_RECHECK_S)
+        if not req.completed:
+            driver.worker.progress()
+    req.check_error()
+
+
+# How often an idle receive re-checks without an fd event: UCX does not announce a
+# message that arrived before its receive was posted (cheap: one progress() per period).
+_IDLE_RECHECK_S = 0.02
+
+
+def _request_api() -> tuple[Any, Any, Any, Any] | None:
+    try:
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async.utils import hash64bits
+        from ucxx.types import Tag, TagMaskFull
+    except ImportError:
+        return None
+    return Array, Tag, TagMaskFull, hash64bits
 
 
 def active_transports() -> set[str]:
@@ -408,7 +466,7 @@ class TransferServer:
         mine: set[asyncio.Task[Any]] = set()
         try:
             while True:
-                await ep.recv(buf, tag=CTRL_TAG)
+                await _recv_idle(ep, buf, CTRL_TAG)
                 try:
                     msg = _unframe(buf, wire.Message)
                 except CpdError as e:

@@ -216,7 +216,8 @@ class CpdConnector(KVConnectorBase_V1):
         dst = self._arena[slot]
         lb = self._layer_bytes
         for li, t in enumerate(self._layers):
-            src = self._block_view(t, block).contiguous()
+            # .cpu() is free for vLLM-CPU's tensors and the device-to-host copy on a GPU.
+            src = self._block_view(t, block).contiguous().cpu()
             dst[li * lb:(li + 1) * lb] = src.view(-1).view(torch.uint8).numpy()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

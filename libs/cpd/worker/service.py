@@ -26,6 +26,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -76,6 +77,7 @@ class WorkerService(Service):
         self.in_flight = 0
         self.ms_per_token = settings.worker.initial_ms_per_token
         self._arena_path: Path | None = None
+        self._bridge: Any = None
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._instruments()
 
@@ -99,40 +101,51 @@ class WorkerService(Service):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def setup(self) -> None:
+    async def prepare(self) -> None:
+        """The model, the block arena and the engine, before NATS: an engine takes from
+        seconds to minutes to start and blocks the event loop meanwhile, which a live
+        NATS connection would not survive (the server drops it as stale)."""
         s = self.settings
-        model = ServedModel.load(s)
-        folder, self.namespace = model.folder, model.namespace
+        model = await asyncio.to_thread(ServedModel.load, s)
+        self.namespace = model.namespace
         nbytes = slot_bytes(s)
         num_slots = max(1, s.dataplane.arena_bytes // nbytes)
         arena_dir = Path(s.worker.arena_dir)
         _remove_stale_files(arena_dir, self.node_id)
         self._arena_path = arena_dir / _shm_name("arena", self.node_id, self.epoch)
-        arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
-                          shape=(num_slots, nbytes))
+        self._arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
+                                shape=(num_slots, nbytes))
+        self._kv_events_endpoint = ""
+        if self.engine is None:
+            from cpd.engine.vllm_engine import VllmEngine
+
+            self._kv_events_endpoint = (
+                f"ipc://{arena_dir / _shm_name('kvevents', self.node_id, self.epoch)}")
+            self.engine = VllmEngine(model.folder, block_size=self.block_size,
+                                     arena=ArenaSpec(str(self._arena_path), num_slots, nbytes),
+                                     dtype=s.model.dtype,
+                                     kv_cache_gib=s.worker.engine_kv_cache_gib,
+                                     kv_events_endpoint=self._kv_events_endpoint)
+        await self.engine.start()
+
+    async def setup(self) -> None:
+        s = self.settings
+        arena = self._arena
         js = self.bus.nc.jetstream()
         await kvevents.ensure_stream(js)
-        self.kv = KvStore(BlockStore(nbytes, num_slots, node=self.node_id, arena=arena),
+        self.kv = KvStore(BlockStore(arena.shape[1], arena.shape[0], node=self.node_id,
+                                     arena=arena),
                           kvevents.KvEventPublisher(js, self.node_id, epoch=self.epoch))
         await self.kv.start(self.bus.nc, sweep_interval_s=s.dataplane.lease_sweep_interval_s)
         init_ucx(s.dataplane)
         self.server = await TransferServer(self.kv, s.dataplane).start()
         self.client = TransferClient(s.dataplane)
-        self._bridge = None
-        if self.engine is None:
+        if self._kv_events_endpoint:
             from cpd.engine.gpu_events import GpuEventBridge
-            from cpd.engine.vllm_engine import VllmEngine
 
-            endpoint = f"ipc://{arena_dir / _shm_name('kvevents', self.node_id, self.epoch)}"
-            self.engine = VllmEngine(folder, block_size=self.block_size,
-                                     arena=ArenaSpec(str(self._arena_path), num_slots, nbytes),
-                                     dtype=s.model.dtype,
-                                     kv_cache_gib=s.worker.engine_kv_cache_gib,
-                                     kv_events_endpoint=endpoint)
             assert self.kv.publisher is not None
-            self._bridge = GpuEventBridge(endpoint, self.kv.publisher, self.namespace.id)
-        await self.engine.start()
-        if self._bridge is not None:
+            self._bridge = GpuEventBridge(self._kv_events_endpoint, self.kv.publisher,
+                                          self.namespace.id)
             await self._bridge.start()
         await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         if self.role in PREFILL_ROLES:
@@ -149,18 +162,17 @@ class WorkerService(Service):
         self.spawn(self._load_reports(), "load-reports")
 
     async def on_stop(self) -> None:
+        # Also runs after a start that failed part-way: release whatever exists.
         for handle in self._leases.values():
             handle.cancel()
         if self._bridge is not None:
             await self._bridge.close()
         if self.engine is not None:
             await self.engine.stop()
-        with contextlib.suppress(Exception):
-            await self.client.close()
-        with contextlib.suppress(Exception):
-            await self.server.close()
-        with contextlib.suppress(Exception):
-            await self.kv.close()
+        for part in ("client", "server", "kv"):
+            if hasattr(self, part):
+                with contextlib.suppress(Exception):
+                    await getattr(self, part).close()
         if self._arena_path is not None:
             self._arena_path.unlink(missing_ok=True)
             (self._arena_path.parent / _shm_name("kvevents", self.node_id, self.epoch)).unlink(
