@@ -41,6 +41,7 @@ import numpy as np
 
 from cpd import subjects, wire
 from cpd.bus import Bus
+from cpd.cluster import kill_tree, stop_tree
 from cpd.config import Settings, load_settings
 from cpd.errors import CpdError, ErrorCode
 from cpd.hashing import Namespace, block_hashes
@@ -224,7 +225,8 @@ class _Cluster:
                 self.procs[node] = subprocess.Popen(
                     [sys.executable, "-m", f"services.{role}"],
                     env={**env, "CPD_NODE__NODE_ID": node}, stdout=log,
-                    stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+                    stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                    start_new_session=True)  # kill_tree takes its engine processes too
             deadline = time.monotonic() + WORKER_START_TIMEOUT_S
             while node not in seen:
                 dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -254,13 +256,8 @@ class _Cluster:
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        loop = asyncio.get_running_loop()
         for p in self.procs.values():
-            try:
-                await loop.run_in_executor(None, p.wait, WORKER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            await asyncio.to_thread(stop_tree, p, WORKER_STOP_TIMEOUT_S)
         if self.bus is not None:
             await self.bus.close()
             self.bus = None
@@ -272,9 +269,7 @@ class _Cluster:
     def kill(self) -> None:
         """Last resort after an interrupted event loop: nothing may outlive the bench."""
         for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            kill_tree(p)
         self._stop_server()
 
     def _stop_server(self) -> None:

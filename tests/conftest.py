@@ -18,6 +18,7 @@ import pytest
 
 from cpd import subjects, wire
 from cpd.bus import Bus
+from cpd.cluster import kill_tree, stop_tree
 from cpd.config import Settings, load_settings
 from cpd.hashing import Namespace
 from cpd.natsserver import NatsServer
@@ -131,10 +132,11 @@ class VllmCluster:
     def start_worker(self, node: str, role: str) -> None:
         self.roles[node] = role
         with open(self.tmp / f"{node}.log", "ab") as log:
+            # Its own session: killing it kills its engine processes too (kill_tree).
             self.procs[node] = subprocess.Popen(
                 [PYTHON, "-m", f"services.{role}"],
                 env={**self.env, "CPD_NODE__NODE_ID": node},
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, node: str, n: int = 4000) -> str:
         return (self.tmp / f"{node}.log").read_text(errors="replace")[-n:]
@@ -163,9 +165,12 @@ class VllmCluster:
         return seen
 
     def kill(self, node: str) -> None:
-        proc = self.procs[node]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+        """``kill -9`` of a worker (and of its engine processes, as a machine failure)."""
+        kill_tree(self.procs[node])
+
+    async def stop_worker(self, node: str) -> None:
+        """A graceful stop of one worker; the test goes on without it."""
+        await asyncio.to_thread(stop_tree, self.procs.pop(node), 60)
 
     async def restart(self, node: str) -> None:
         """Start ``node`` again after a kill and wait for its heartbeat."""
@@ -178,10 +183,7 @@ class VllmCluster:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in self.procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_tree(p, 60)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -57,15 +58,27 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
     def terminate(self, timeout: float) -> None:
-        if not self.alive():
-            return
-        assert self.popen is not None
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+        if self.popen is not None:
+            stop_tree(self.popen, timeout)
+
+
+def kill_tree(popen: subprocess.Popen[Any]) -> None:
+    """SIGKILL a service process started in its own session (``start_new_session``) and
+    everything it started: vLLM's engine processes outlive a killed parent otherwise,
+    each holding its KV cache memory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    popen.wait()
+
+
+def stop_tree(popen: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGTERM (a graceful stop), wait up to ``timeout``, then :func:`kill_tree`, which
+    also sweeps children a crashed or slow process left behind."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout)
+    kill_tree(popen)
 
 
 def available_services() -> list[str]:
@@ -176,6 +189,8 @@ def _restart(proc: Proc) -> None:
         if len(proc.restarts) < 8:
             return  # back off: try again once the window slides
     log.warning("service.restart", node=proc.node_id, exit_code=code)
+    if proc.popen is not None:
+        kill_tree(proc.popen)  # what the dead process started (engines) dies with it
     proc.start()
 
 
