@@ -266,8 +266,11 @@ async def _recv_idle(ep: Any, buf: bytearray, tag: int) -> None:
     array, tag_type, mask, hash64 = api
     ep._ep.raise_on_error()
     req = ep._ep.tag_recv(array(buf), tag_type(hash64(ep._tags["msg_recv"], hash(tag))), mask)
-    # A message that arrived before the receive was posted matches on the next progress.
-    driver.worker.progress()
+    # Right after traffic, the next request tends to follow at once: wait as ucxx does
+    # (yielding every loop turn) for a short while, then sleep between re-checks.
+    linger_end = time.monotonic() + _IDLE_LINGER_S
+    while not req.completed and time.monotonic() < linger_end:
+        await asyncio.sleep(0)
     while not req.completed:
         await driver.next_activity(_IDLE_RECHECK_S)
         if not req.completed:
@@ -275,9 +278,11 @@ async def _recv_idle(ep: Any, buf: bytearray, tag: int) -> None:
     req.check_error()
 
 
-# How often an idle receive re-checks without an fd event: UCX does not announce a
-# message that arrived before its receive was posted (cheap: one progress() per period).
-_IDLE_RECHECK_S = 0.02
+# How long an idle receive keeps the event loop turning after traffic, and how often it
+# re-checks after that without an fd event (UCX does not announce every arrival, e.g. a
+# message that came before its receive was posted): one progress() per period is cheap.
+_IDLE_LINGER_S = 0.05
+_IDLE_RECHECK_S = 0.001
 
 
 def _request_api() -> tuple[Any, Any, Any, Any] | None:
