@@ -63,6 +63,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "router":
         from bench.router import run as run_router
         result = run_router(_settings(args), quick=args.quick, blocks=args.blocks)
+    elif args.what == "sweep":
+        from bench.sweep import config_for
+        from bench.sweep import run as run_sweep
+
+        s = _settings(args)
+        cfg = config_for(s, quick=args.quick, workload=args.workload, trace=args.trace,
+                         preset_name=args.preset, time_scale=args.time_scale, qps=args.qps,
+                         steady_s=args.steady_s, ramp_s=args.ramp_s,
+                         topologies=args.topologies)
+        out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
+        result = run_sweep(s, cfg, out)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     _write_json(result, args.json)
@@ -192,7 +203,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     for item in args.count or []:
         name, _, n = item.partition("=")
         counts[name] = int(n)
-    return run_cluster(_settings(args), port=args.port, only=args.only, counts=counts)
+    # Settings were validated here; the services get the same overrides and file.
+    return run_cluster(_settings(args), port=args.port, only=args.only, counts=counts,
+                       overrides=args.set or [], config_file=args.config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,16 +229,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_model_check)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
-    bench.add_argument("what", choices=["hashing", "kvindex", "model", "router", "transfer",
-                                          "ttft"])
+    bench.add_argument("what", choices=["hashing", "kvindex", "model", "router", "sweep",
+                                          "transfer", "ttft"])
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.add_argument("--tokens", type=int, default=None,
                        help="prompt tokens (hashing: 100000; model: 8192)")
     bench.add_argument("--block-size", type=int, default=256)
     bench.add_argument("--repeat", type=int, default=200)
-    bench.add_argument("--preset")
+    bench.add_argument("--preset", help="model: model preset; sweep: sim cost preset")
     bench.add_argument("--quick", action="store_true", help="a short run (tests, CI)")
     bench.add_argument("--blocks", type=int, help="kvindex, router: index size (default 1M)")
+    bench.add_argument("--workload", choices=["coding-agent", "mooncake"],
+                       default="coding-agent", help="sweep: the request mix")
+    bench.add_argument("--trace", help="sweep: Mooncake JSONL trace (--workload mooncake)")
+    bench.add_argument("--time-scale", type=float,
+                       help="sweep: simulated seconds per wall second (default: sim.time_scale)")
+    bench.add_argument("--qps", help="sweep: offered QPS/GPU, comma-separated "
+                                     "(default 0.4,0.6,...,1.6)")
+    bench.add_argument("--ramp-s", type=float, help="sweep: ramp phase, simulated s (30)")
+    bench.add_argument("--steady-s", type=float, help="sweep: steady phase, simulated s (600)")
+    bench.add_argument("--topologies", help="sweep: comma-separated, e.g. '2P1D pd-rr,CPD-1D'")
+    bench.add_argument("--out", help="sweep: folder for the table and plots "
+                                     "(default: the --json file's folder)")
     bench.set_defaults(func=cmd_bench)
 
     n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")

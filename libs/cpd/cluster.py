@@ -24,7 +24,7 @@ from typing import Any
 import nats
 
 from . import telemetry
-from .config import Settings
+from .config import ENV_PREFIX, Settings
 from .errors import CpdError
 from .natsserver import NatsServer
 
@@ -81,6 +81,17 @@ def stop_tree(popen: subprocess.Popen[Any], timeout: float) -> None:
     kill_tree(popen)
 
 
+def override_env(overrides: list[str]) -> dict[str, str]:
+    """``section.field=value`` overrides as the ``CPD_<SECTION>__<FIELD>`` variables a
+    child process reads (later ones win, as on the command line)."""
+    env = {}
+    for item in overrides:
+        name, _, value = item.partition("=")
+        section, _, field = name.strip().partition(".")
+        env[f"{ENV_PREFIX}{section.upper()}__{field.upper()}"] = value.strip()
+    return env
+
+
 def available_services() -> list[str]:
     """Services this build can run (those with a ``__main__`` module), in start order."""
     return [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__")]
@@ -114,8 +125,10 @@ async def wait_ready(url: str, service: str, node_id: str, timeout: float) -> No
 
 def run_cluster(settings: Settings, port: int | None = None, *,
                 counts: dict[str, int] | None = None, log_dir: str | None = None,
-                only: list[str] | None = None, ready_timeout: float = 300.0) -> int:
-    """Run until interrupted; returns the exit code."""
+                only: list[str] | None = None, ready_timeout: float = 300.0,
+                overrides: list[str] | None = None, config_file: str | None = None) -> int:
+    """Run until interrupted; returns the exit code. ``overrides`` (``section.field=value``)
+    and ``config_file`` reach every service, as the environment they start with."""
     telemetry.setup("cluster", settings.telemetry)
     logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
     logs.mkdir(parents=True, exist_ok=True)
@@ -124,7 +137,9 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                         log_file=str(logs / "nats.log"))
     server.start()
     wanted = [x for x in available_services() if not only or x in only]
-    if any(x != "kvindex" for x in wanted) and not settings.model.path:
+    # The sim engine (worker.engine = "sim") has no model files to build.
+    if (any(x != "kvindex" for x in wanted) and not settings.model.path
+            and settings.worker.engine != "sim"):
         from .modelbuild import build
 
         build(settings.model.preset, settings.model_cache_dir)  # once, before the workers
@@ -135,7 +150,10 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        base_env = {**os.environ, "CPD_NATS__URL": server.url}
+        base_env = {**os.environ, **override_env(overrides or []),
+                    "CPD_NATS__URL": server.url}
+        if config_file:
+            base_env["CPD_CONFIG"] = str(Path(config_file).resolve())
         # kvindex first (it replays the stream); then every worker at once: their
         # engines take the longest to start and do not depend on each other.
         stages = [[x for x in wanted if x == "kvindex"], [x for x in wanted if x != "kvindex"]]

@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .errors import ConfigError
+from .sim.analysis import PAPER_TTFT_SLO_S
+from .sim.costmodel import DEFAULT_PRESET, PRESETS
 
 ENV_PREFIX = "CPD_"
 _NODE_ID = r"^[A-Za-z0-9_-]{1,64}$"
@@ -227,6 +229,39 @@ class WorkerSettings(_Section):
     max_queued_requests: PositiveInt = 64
     # Prefill cost seed until measured (ms per prompt token); the EWMA takes over.
     initial_ms_per_token: Positive = 0.25
+    # vllm: the real engine on the model of [model]; sim: the simulated engine of [sim]
+    # (DESIGN.md §9), same worker, same data plane, no model files.
+    engine: Literal["vllm", "sim"] = "vllm"
+
+
+class SimSettings(_Section):
+    """The simulated engine (``worker.engine = "sim"``; docs/sim.md). The router reads
+    it too: namespace, length limit and prefill cost seeds follow the preset."""
+
+    # Cost preset (cpd.sim.costmodel.PRESETS) of prefill-side workers; decode workers use
+    # decode_preset when set (the paper's decode node is data parallel).
+    preset: str = DEFAULT_PRESET
+    decode_preset: str = ""
+    # Simulated seconds per wall second (2.0: a step of 10 ms takes 5 ms of wall time).
+    time_scale: Positive = 1.0
+    # Arena slots hold the modelled KV bytes of a block divided by this (32 MiB -> 4 KiB
+    # for the 8B preset): real bytes over the real data plane, at a size this host moves.
+    kv_scale_down: PositiveInt = 8192
+    max_model_len: PositiveInt = 262_144
+    vocab_size: PositiveInt = 32_000
+    # The engine's own prefix cache in blocks; 0 derives it from the preset's GPU memory.
+    gpu_cache_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_num_batched_tokens: PositiveInt = 8192
+    max_num_seqs: PositiveInt = 256
+    # Sustainable load needs TTFT p90 within this (client queue included). The paper does
+    # not publish its SLO; 3 s puts the default preset's 2P1D saturation inside the
+    # paper's 0.75-0.8 QPS/GPU (docs/sim.md, cpd.sim.analysis.PAPER_TTFT_SLO_S).
+    ttft_slo_s: Positive = PAPER_TTFT_SLO_S
+
+    def __post_init__(self) -> None:
+        for name in (self.preset, self.decode_preset or self.preset):
+            if name not in PRESETS:
+                raise ValueError(f"sim preset {name!r} is unknown; known: {sorted(PRESETS)}")
 
 
 class Settings(_Section):
@@ -244,6 +279,7 @@ class Settings(_Section):
     router: RouterSettings = msgspec.field(default_factory=RouterSettings)
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    sim: SimSettings = msgspec.field(default_factory=SimSettings)
 
     def __post_init__(self) -> None:
         if not self.node.node_id:

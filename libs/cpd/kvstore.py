@@ -60,9 +60,14 @@ def kv_block_bytes(*, layers: int, kv_heads: int, head_dim: int, block_tokens: i
 
 
 def slot_bytes(settings: Settings) -> int:
-    """Slot size of this deployment: ``dataplane.block_bytes``, else derived from the model."""
+    """Slot size of this deployment: ``dataplane.block_bytes``, else derived from the model
+    (for the sim engine: its preset's block, scaled down by ``sim.kv_scale_down``)."""
     if settings.dataplane.block_bytes:
         return settings.dataplane.block_bytes
+    if settings.worker.engine == "sim":
+        from .sim.serving import slot_bytes as sim_slot_bytes
+
+        return sim_slot_bytes(settings)
     from .modelbuild import PRESETS
 
     p = PRESETS[settings.model.preset]

@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from .config import Settings
+from .errors import InvalidRequest
 from .hashing import Namespace
 from .modelbuild import RECIPE_VERSION, build, tokenizer_hash
 
@@ -38,6 +39,28 @@ class ServedModel:
     eos_token_id: int | None
     chat_template: str | None
     special_tokens: dict[str, str]
+    # False for the sim engine: token ids in, token ids out, no text.
+    has_tokenizer: bool = True
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> ServedModel:
+        """The model the workers of ``settings`` serve: the sim engine's
+        (:meth:`for_sim`) or the model folder's (:meth:`load`)."""
+        if settings.worker.engine == "sim":
+            return cls.for_sim(settings)
+        return cls.load(settings)
+
+    @classmethod
+    def for_sim(cls, settings: Settings) -> ServedModel:
+        """The simulated model of ``settings.sim``: namespace and limits from the preset,
+        no files and no tokenizer (requests carry token ids)."""
+        from .sim import serving
+
+        return cls(folder=Path(), name=serving.model_name(settings),
+                   namespace=serving.namespace(settings),
+                   max_model_len=settings.sim.max_model_len,
+                   vocab_size=settings.sim.vocab_size, eos_token_id=None, chat_template=None,
+                   special_tokens={}, has_tokenizer=False)
 
     @classmethod
     def load(cls, settings: Settings, *, build_missing: bool = True) -> ServedModel:
@@ -80,6 +103,8 @@ class ServedModel:
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
+        if not self.has_tokenizer:
+            raise InvalidRequest(f"{self.name} has no tokenizer: send token ids, not text")
         return Tokenizer.from_file(str(self.folder / "tokenizer.json"))
 
     def encode(self, text: str) -> list[int]:
@@ -91,8 +116,9 @@ class ServedModel:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def detokenizer(self) -> Detokenizer:
-        """A fresh incremental detokenizer for one generated stream."""
-        return Detokenizer(self.tokenizer)
+        """A fresh incremental detokenizer for one generated stream (text stays empty
+        without a tokenizer)."""
+        return Detokenizer(self.tokenizer if self.has_tokenizer else None)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The prompt text of a chat: the model's own template when it has one."""
@@ -110,7 +136,7 @@ class Detokenizer:
     with the new ones and emit only the text that is complete and new.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
@@ -126,6 +152,8 @@ class Detokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
+        if self._tok is None:
+            return ""
         before = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
         now = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=True)
         if len(now) <= len(before) or (now.endswith("\ufffd") and not final):

@@ -81,7 +81,8 @@ class RouterService(Service):
     # ------------------------------------------------------------------ lifecycle
 
     async def setup(self) -> None:
-        self.model = self._model or await asyncio.to_thread(ServedModel.load, self.settings)
+        self.model = self._model or await asyncio.to_thread(ServedModel.for_settings,
+                                                            self.settings)
         self.block_size = self.settings.cache.block_size
         self.nodes.namespace = self.model.namespace.id
         c = self.cfg
@@ -93,8 +94,7 @@ class RouterService(Service):
                          host_bandwidth_gbps=c.host_bandwidth_gbps,
                          single_flight=c.single_flight,
                          max_single_flight_wait_ms=c.max_single_flight_wait_ms),
-            PrefillCost(fixed_ms=c.prefill_fixed_ms, per_token_ms=c.prefill_per_token_ms,
-                        per_token_ctx_ms=c.prefill_per_token_ctx_ms),
+            _prefill_cost(self.settings),
             LoadCost(kv_bytes_per_token=max(1, slot_bytes(self.settings) // self.block_size)))
         nc = self.bus.nc
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
@@ -418,6 +418,19 @@ class RouterService(Service):
                       decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
                       cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),
                       failovers=failovers)
+
+
+def _prefill_cost(settings: Settings) -> PrefillCost:
+    """The prefill cost seeds: the sim preset's coefficients (in wall ms) when the
+    workers run the sim engine, else the configured ones."""
+    if settings.worker.engine == "sim":
+        from cpd.sim.serving import prefill_cost_ms
+
+        fixed, per_token, per_ctx = prefill_cost_ms(settings)
+        return PrefillCost(fixed_ms=fixed, per_token_ms=per_token, per_token_ctx_ms=per_ctx)
+    c = settings.router
+    return PrefillCost(fixed_ms=c.prefill_fixed_ms, per_token_ms=c.prefill_per_token_ms,
+                       per_token_ctx_ms=c.prefill_per_token_ctx_ms)
 
 
 class _Relay:

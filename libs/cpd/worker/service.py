@@ -106,7 +106,7 @@ class WorkerService(Service):
         seconds to minutes to start and blocks the event loop meanwhile, which a live
         NATS connection would not survive (the server drops it as stale)."""
         s = self.settings
-        model = await asyncio.to_thread(ServedModel.load, s)
+        model = await asyncio.to_thread(ServedModel.for_settings, s)
         self.namespace = model.namespace
         nbytes = slot_bytes(s)
         num_slots = max(1, s.dataplane.arena_bytes // nbytes)
@@ -116,13 +116,18 @@ class WorkerService(Service):
         self._arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
                                 shape=(num_slots, nbytes))
         self._kv_events_endpoint = ""
+        arena_spec = ArenaSpec(str(self._arena_path), num_slots, nbytes)
+        if self.engine is None and s.worker.engine == "sim":
+            from cpd.sim.serving import build_engine
+
+            self.engine = build_engine(s, self.role, arena_spec)
         if self.engine is None:
             from cpd.engine.vllm_engine import VllmEngine
 
             self._kv_events_endpoint = (
                 f"ipc://{arena_dir / _shm_name('kvevents', self.node_id, self.epoch)}")
             self.engine = VllmEngine(model.folder, block_size=self.block_size,
-                                     arena=ArenaSpec(str(self._arena_path), num_slots, nbytes),
+                                     arena=arena_spec,
                                      dtype=s.model.dtype,
                                      kv_cache_gib=s.worker.engine_kv_cache_gib,
                                      kv_events_endpoint=self._kv_events_endpoint)
@@ -217,9 +222,20 @@ class WorkerService(Service):
     async def _load_reports(self) -> None:
         while not self.stopping:
             await asyncio.sleep(self.settings.worker.load_report_interval_s)
-            with contextlib.suppress(CpdError):
-                await self.bus.publish(subjects.load(self.role, self.node_id),
-                                       self.load_report())
+            await self._publish_load()
+
+    async def _publish_load(self) -> None:
+        self._load_queued = False
+        with contextlib.suppress(CpdError):
+            await self.bus.publish(subjects.load(self.role, self.node_id), self.load_report())
+
+    def _load_changed(self) -> None:
+        """Report the load now, not at the next tick: a router reading a report from the
+        middle of a prefill that just ended would steer work away from an idle node.
+        Changes within one event-loop turn share one report."""
+        if not getattr(self, "_load_queued", False) and hasattr(self, "kv"):
+            self._load_queued = True
+            self.spawn(self._publish_load(), "load-report")
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         with contextlib.suppress(CpdError):
@@ -279,15 +295,20 @@ class WorkerService(Service):
         self._admit(len(tokens), req.sampling.max_tokens, req.deadline_unix_ms)
         if len(hashes) != len(tokens) // self.block_size:
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
+        # New tokens as the router planned them (cached ones cost next to nothing); the
+        # EWMA below is per computed token too, so the queue estimate stays consistent.
+        pending = req.route.tokens_computed or len(tokens)
         self.waiting += 1
-        self.queued_tokens += len(tokens)
+        self.queued_tokens += pending
+        self._load_changed()
         try:
             loaded, remote = await self._gather_prefix(req, hashes)
             t_load = time.perf_counter()
             step, saved = await self._run_prefill(req, tokens, hashes, loaded)
         finally:
             self.waiting -= 1
-            self.queued_tokens -= len(tokens)
+            self.queued_tokens -= pending
+            self._load_changed()
         t_done = time.perf_counter()
         attrs = {"role": self.role}
         self._m_phase.record((t_load - t0) * 1e3, {**attrs, "phase": "load"})
@@ -302,6 +323,9 @@ class WorkerService(Service):
         first = step.token_ids[0]
         await out.tokens([first])
         bs = self.block_size
+        # Pulled blocks the engine already held in its own cache were not loaded: the
+        # remote share is at most what was loaded (never a negative DRAM count).
+        remote = min(remote, step.loaded_blocks)
         route = wire.Route(**{**_route_fields(req.route), "prefill_node": self.node_id,
                               "tokens_gpu": step.gpu_blocks * bs,
                               "tokens_dram": (step.loaded_blocks - remote) * bs,
@@ -489,6 +513,7 @@ class WorkerService(Service):
                                  load_checksums=[e.checksum for e in have],
                                  cache_salt=self._salt(req.namespace))
             self.in_flight += 1
+            self._load_changed()  # decode is chosen by load: the next router must see it
             generated = 1
             last = EngineStep()
             try:
@@ -499,6 +524,7 @@ class WorkerService(Service):
                     last = step
             finally:
                 self.in_flight -= 1
+                self._load_changed()
                 if have:
                     self.kv.unpin(lease)
             if last.failed_blocks:

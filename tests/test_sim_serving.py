@@ -1,0 +1,160 @@
+"""The sim engine inside the real workers (``worker.engine = "sim"``): settings, the
+namespace and limits the router and workers share, and an end-to-end run through real
+NATS, kvindex, router and sim worker processes; plus the quick sweep's JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.sweep import (
+    BY_LABEL,
+    TOPOLOGIES,
+    SimCluster,
+    SweepConfig,
+    config_for,
+    headline,
+    make_workload,
+)
+from cpd import subjects, wire
+from cpd.config import load_settings
+from cpd.errors import ConfigError, CpdError, InvalidRequest
+from cpd.kvstore import slot_bytes
+from cpd.servedmodel import ServedModel
+from cpd.sim import serving
+from cpd.sim.costmodel import preset
+from cpd.sim.workloads import block_token_ids
+from services.router.service import _prefill_cost
+
+SIM = ["worker.engine=sim"]
+MOONCAKE_HEAD = (Path(__file__).parent / "data" / "mooncake"
+                 / "conversation_trace_head200.jsonl")
+
+
+def test_sim_settings_give_one_namespace_slot_size_and_cost_seeds() -> None:
+    s = load_settings(environ={}, overrides=[*SIM, "sim.time_scale=4"])
+    model = ServedModel.for_settings(s)
+    assert model.namespace == serving.namespace(s)
+    assert model.max_model_len == s.sim.max_model_len and model.vocab_size == 32_000
+    # 8B preset: 128 KiB of KV per token, 256-token blocks, scaled down 8192 times.
+    assert slot_bytes(s) == 128 * 1024 * 256 // 8192
+    fixed, per_token, per_ctx = preset(s.sim.preset).prefill_coefficients_ms()
+    cost = _prefill_cost(s)
+    assert cost.per_token_ms == pytest.approx(per_token / 4)
+    assert cost.fixed_ms == pytest.approx(fixed / 4)
+    assert cost.per_token_ctx_ms == pytest.approx(per_ctx / 4)
+    other = load_settings(environ={}, overrides=[*SIM, "sim.preset=h200-tp4-llama-3.1-8b"])
+    assert serving.namespace(other).id != model.namespace.id
+    with pytest.raises(InvalidRequest):
+        model.encode("text needs a tokenizer")
+    assert model.detokenizer().push([1, 2, 3]) == ""
+
+
+def test_unknown_sim_preset_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="sim preset"):
+        load_settings(environ={}, overrides=["sim.preset=b300-imaginary"])
+
+
+def test_decode_workers_may_use_their_own_preset() -> None:
+    s = load_settings(environ={}, overrides=[*SIM, "sim.decode_preset=b200-dp4-llama-3.1-8b"])
+    assert serving.cost_model(s, "decode").name == "b200-dp4-llama-3.1-8b"
+    assert serving.cost_model(s, "prefill").name == s.sim.preset
+
+
+@pytest.mark.timeout(90)
+async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: Path) -> None:
+    """CPD-1D on sim workers: a new prompt goes cold to the pre-prefill node, the same
+    prompt again goes warm to the prefill node pulling the prefix from pre-prefill's
+    DRAM, and once more from the prefill node's own DRAM after its GPU cache is reset;
+    the deterministic sim tokens are the same on every path."""
+    cluster = SimCluster(BY_LABEL["CPD-1D"], SweepConfig(time_scale=1.0, progress=False),
+                         tmp_path)
+    try:
+        await cluster.start()
+        client = cluster.client
+        assert client is not None
+        prompt = [*block_token_ids(list(range(1, 41)), 256).tolist(), 7, 8, 9]  # 10,243
+        cold = await client.generate(prompt, max_tokens=8, ignore_eos=True)
+        assert cold.route.path == "cold" and cold.route.prefill_node == "pp0"
+        assert cold.route.tokens_computed == len(prompt) and cold.route.decode_node == "d0"
+        assert len(cold.token_ids) == 8
+        warm = await client.generate(prompt, max_tokens=8, ignore_eos=True)
+        assert warm.route.path == "warm" and warm.route.prefill_node == "p0"
+        assert warm.route.tokens_remote == 10_240 and warm.route.tokens_computed == 3
+        assert warm.token_ids == cold.token_ids
+        await cluster.client.bus.request(subjects.admin("prefill", "p0"),
+                                         wire.ResetCache(reason="test"), expect=wire.Accepted)
+        local = await client.generate(prompt, max_tokens=8, ignore_eos=True)
+        assert local.route.prefill_node == "p0" and local.route.tokens_dram == 10_240
+        assert local.token_ids == cold.token_ids
+        # Workers heart-beat and report load like vLLM workers do.
+        status = await client.status()
+        assert {n.node for n in status.nodes} == {"pp0", "p0", "d0"}
+        assert all(n.alive and n.dram_total_bytes for n in status.nodes)
+        assert status.namespace == serving.namespace(
+            load_settings(environ={}, overrides=SIM)).id
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_quick_sweep_writes_the_documented_keys(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, "-m", "cpd.cli", "bench", "sweep", "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for key in ("cpd_over_pd_rr", "cpd_over_pd_kv", "low_load_p50_ratio", "bound_fraction",
+                "analytic_bound_qps_per_gpu", "topologies", "config"):
+        assert key in result
+    assert set(result["topologies"]) == {"2P1D pd-rr", "CPD-1D"}
+    for t in result["topologies"].values():
+        assert len(t["points"]) == 2 and "sustainable_qps_per_gpu" in t
+        assert all(p["requests"] > 0 for p in t["points"])
+    assert Path(result["table"]).exists()
+
+
+def test_topologies_compare_at_equal_gpu_count() -> None:
+    gpus = {t.label: t.gpus(4) for t in TOPOLOGIES}
+    assert gpus["2P1D pd-rr"] == gpus["2P1D pd-kv"] == gpus["CPD-1D"] == 12
+    assert gpus["2P2D pd-rr"] == gpus["2P2D pd-kv"] == gpus["CPD-2D"] == 16
+    assert BY_LABEL["CPD-1D"].nodes() == {"pp0": "preprefill", "p0": "prefill",
+                                          "d0": "decode"}
+
+
+def test_sweep_workloads_and_options() -> None:
+    s = load_settings(environ={}, overrides=SIM)
+    with pytest.raises(CpdError, match="--trace"):
+        config_for(s, workload="mooncake")
+    with pytest.raises(CpdError, match="unknown topology"):
+        config_for(s, topologies="3P0D")
+    cfg = config_for(s, workload="mooncake", trace=str(MOONCAKE_HEAD), qps="0.5",
+                     steady_s=10, ramp_s=0)
+    reqs = make_workload(cfg, 6.0, 256)
+    assert reqs and all(r.block_tokens == 512 for r in reqs)
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    quick = config_for(s, quick=True)
+    assert quick.time_scale == 2.0 and len(quick.topologies) == 2
+    agent = make_workload(quick, 4.8, 256)
+    assert max(r.prompt_len for r in agent) < 200_000
+
+
+def test_headline_keys_from_topology_results() -> None:
+    def top(sustained: float, p50_low: float) -> dict:
+        return {"sustainable_qps_per_gpu": sustained,
+                "points": [{"target_qps_per_gpu": 0.4, "ttft_p50_s": p50_low}]}
+
+    result = {"topologies": {"2P1D pd-rr": top(0.8, 0.5), "2P1D pd-kv": top(1.0, 0.4),
+                             "CPD-1D": top(1.1, 0.5)},
+              "analytic_bound_qps_per_gpu": {"1D": 1.32}}
+    keys = headline(result, SweepConfig(qps_per_gpu=(0.4, 0.8)))
+    assert keys["cpd_over_pd_rr"] == pytest.approx(1.375)
+    assert keys["cpd_over_pd_kv"] == pytest.approx(1.1)
+    assert keys["low_load_p50_ratio"] == pytest.approx(1.0)
+    assert keys["bound_fraction"] == pytest.approx(1.1 / 1.32, abs=1e-3)
+    assert keys["cpd_over_pd_rr_2d"] is None
