@@ -887,7 +887,10 @@ class TransferClient:
         t0 = time.perf_counter()
 
         async def body(buf: bytearray, connect: Callable[[], Awaitable[_Conn]]) -> Any:
+            nonlocal t0
             conn = await connect()
+            # The bandwidth estimate times the bytes, not the connection set-up before.
+            t0 = time.perf_counter()
             x = next(conn.ids)
             header: asyncio.Future[wire.BlockReply] = asyncio.get_running_loop().create_future()
 
@@ -937,8 +940,9 @@ class TransferClient:
         sent = 0
 
         async def body(buf: bytearray, connect: Callable[[], Awaitable[_Conn]]) -> int:
-            nonlocal sent
+            nonlocal sent, t0
             conn = await connect()
+            t0 = time.perf_counter()  # bytes, not connection set-up (as for a get)
             x = next(conn.ids)
             seals = [e.seal for e in entries]
             req = wire.BlockPut(xfer_id=x, namespace=namespace, blocks=[e.ref for e in entries],
