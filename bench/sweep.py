@@ -28,7 +28,6 @@ topology (:func:`cpd.sim.analysis.sustainable_qps_per_gpu`); the analytic bound
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import sys
@@ -39,13 +38,9 @@ from pathlib import Path
 from typing import Literal
 
 from bench.loaddriver import DEFAULT_MAX_INFLIGHT, Phases, drive, fresh_content, report
-from cpd import subjects, wire
-from cpd.bus import Bus
-from cpd.client import Client
-from cpd.cluster import Proc, wait_ready
-from cpd.config import Settings, load_settings
+from bench.simcluster import SimCluster as BaseSimCluster
+from cpd.config import Settings
 from cpd.errors import CpdError
-from cpd.natsserver import NatsServer
 from cpd.sim.analysis import (
     PAPER_TTFT_SLO_S,
     RunSummary,
@@ -78,10 +73,10 @@ MOONCAKE_BLOCK_TOKENS = 512
 # Per worker: 256 MiB of 4 KiB slots is 16.7 M tokens, about the host DRAM (2 TB) of a
 # 4×B200 node at 128 KiB of KV per token for the 8B preset.
 ARENA_BYTES = 256 << 20
-READY_TIMEOUT_S = 120.0
-NODES_SEEN_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 WORKLOAD_SEED = 7
+# Decode streams 16 tokens per message: what the sweep measures is TTFT and throughput,
+# and per-token messages on three hops were most of the decode node's and router's CPU.
+STREAM_INTERVAL = 16
 
 
 @dataclass(frozen=True)
@@ -184,109 +179,18 @@ def make_workload(cfg: SweepConfig, total_qps: float, block_size: int) -> list[W
 # ------------------------------------------------------------------------ the cluster
 
 
-class SimCluster:
-    """NATS, kvindex, router and sim workers of one topology, as processes."""
+class SimCluster(BaseSimCluster):
+    """NATS, kvindex, router and sim workers of one topology, as processes
+    (:class:`bench.simcluster.SimCluster` with the sweep's settings)."""
 
     def __init__(self, topology: Topology, cfg: SweepConfig, tmp: Path) -> None:
+        super().__init__(topology.nodes(), tmp, label=topology.label, env={
+            "CPD_SIM__PRESET": cfg.preset, "CPD_SIM__TIME_SCALE": str(cfg.time_scale),
+            "CPD_ROUTER__POLICY": topology.policy,
+            "CPD_DATAPLANE__ARENA_BYTES": str(ARENA_BYTES),
+            "CPD_WORKER__STREAM_INTERVAL": str(STREAM_INTERVAL), **cfg.extra_env})
         self.topology = topology
         self.cfg = cfg
-        self.tmp = tmp
-        self.server: NatsServer | None = None
-        self.procs: list[Proc] = []
-        self.client: Client | None = None
-
-    async def start(self) -> None:
-        self.server = NatsServer(store_dir=self.tmp / "nats").start()
-        url = self.server.url
-        env = {**os.environ, "CPD_NATS__URL": url, "CPD_WORKER__ENGINE": "sim",
-               "CPD_SIM__PRESET": self.cfg.preset,
-               "CPD_SIM__TIME_SCALE": str(self.cfg.time_scale),
-               "CPD_ROUTER__POLICY": self.topology.policy,
-               "CPD_DATAPLANE__ARENA_BYTES": str(ARENA_BYTES),
-               "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "snap"),
-               "CPD_TELEMETRY__LOG_LEVEL": "warning", "CPD_TELEMETRY__LOG_JSON": "false",
-               "PYTHONUNBUFFERED": "1", **self.cfg.extra_env}
-        env.pop("CPD_CONFIG", None)
-        # kvindex before the workers (their events go to it), the router last.
-        stages = [{"kvi": "kvindex"}, self.topology.nodes(), {"router": "router"}]
-        for stage in stages:
-            started = []
-            for node, service in stage.items():
-                proc = Proc(service, node, self.tmp / f"{node}.log",
-                            {**env, "CPD_NODE__NODE_ID": node})
-                proc.start()
-                self.procs.append(proc)
-                started.append(proc)
-            await self._wait_started(url, started)
-        settings = load_settings(environ={}, overrides=[f"nats.url={url}"])
-        self.client = await Client.connect(settings=settings, name="cpd-sweep")
-        await self._until_router_sees(set(self.topology.nodes()))
-
-    async def _wait_started(self, url: str, procs: list[Proc]) -> None:
-        """Until every one of ``procs`` answers a PING; a process that exits fails fast
-        with its log."""
-        ready = asyncio.gather(*(wait_ready(url, p.service, p.node_id, READY_TIMEOUT_S)
-                                 for p in procs))
-        try:
-            while not ready.done():
-                dead = [p for p in procs if not p.alive()]
-                if dead:
-                    raise CpdError(f"{self.topology.label}: {dead[0].node_id} exited during "
-                                   f"start-up:\n{self.log_tail(dead[0].node_id)}")
-                await asyncio.wait([ready], timeout=0.25)
-            ready.result()
-        finally:
-            ready.cancel()
-            with contextlib.suppress(BaseException):
-                await ready
-
-    async def _until_router_sees(self, nodes: set[str]) -> None:
-        assert self.client is not None
-        deadline = time.monotonic() + NODES_SEEN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            with contextlib.suppress(CpdError):
-                status = await self.client.status()
-                if nodes <= {n.node for n in status.nodes if n.alive}:
-                    return
-            await asyncio.sleep(0.2)
-        raise CpdError(f"the router did not see {sorted(nodes)} within "
-                       f"{NODES_SEEN_TIMEOUT_S:.0f}s")
-
-    async def reset_caches(self) -> None:
-        """Drop every engine's own prefix cache (the GPU tier) between offered loads."""
-        assert self.client is not None
-        bus: Bus = self.client.bus
-        for node, role in self.topology.nodes().items():
-            await bus.request(subjects.admin(role, node), wire.ResetCache(reason="sweep"),
-                              expect=wire.Accepted, timeout=5.0)
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) each process has used so far: the evidence that this
-        host, not the simulated cluster, was or was not the bottleneck."""
-        out = {}
-        tick = os.sysconf("SC_CLK_TCK")
-        for p in self.procs:
-            if p.popen is None:
-                continue
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = Path(f"/proc/{p.popen.pid}/stat").read_text()
-                fields = stat[stat.rindex(")") + 2:].split()
-                out[p.node_id] = round((int(fields[11]) + int(fields[12])) / tick, 2)
-        return out
-
-    def log_tail(self, node: str, chars: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return (self.tmp / f"{node}.log").read_text(errors="replace")[-chars:]
-        return ""
-
-    async def stop(self) -> None:
-        if self.client is not None:
-            with contextlib.suppress(Exception):
-                await self.client.close()
-        for proc in reversed(self.procs):
-            await asyncio.to_thread(proc.terminate, STOP_TIMEOUT_S)
-        if self.server is not None:
-            self.server.cleanup()
 
 
 # ------------------------------------------------------------------------- the sweep

@@ -85,8 +85,10 @@ def _refs(size: int, count: int) -> list[wire.BlockRef]:
 
 async def _peer(block_bytes: int, blocks: int, nats_url: str) -> None:
     """Serve ``blocks`` random blocks three ways (CPD, raw ucxx, NATS) until stdin closes."""
-    import nats
     import ucxx
+
+    from cpd.bus import connect
+    from cpd.config import NatsSettings
 
     telemetry.setup("bench-peer")
     settings = _settings(max(blocks, 1024))
@@ -110,7 +112,7 @@ async def _peer(block_bytes: int, blocks: int, nats_url: str) -> None:
             return
 
     raw_listener = ucxx.create_listener(raw, port=0)
-    nc = await nats.connect(nats_url)
+    nc = await connect(NatsSettings(url=nats_url), "bench-transfer-peer")
     flat = arena.reshape(-1)
 
     async def on_nats(msg: Any) -> None:
@@ -241,8 +243,10 @@ async def _case(peer: _PeerProc, client: TransferClient, nc: Any, size: int, cou
 
 
 async def _run(quick: bool) -> dict[str, Any]:
-    import nats
     import ucxx
+
+    from cpd.bus import connect
+    from cpd.config import NatsSettings
 
     telemetry.setup("bench", None)
     sizes = SIZES_QUICK if quick else SIZES_FULL
@@ -254,7 +258,8 @@ async def _run(quick: bool) -> dict[str, Any]:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cpd-bench-transfer-") as tmp, \
             NatsServer(store_dir=Path(tmp) / "nats", jetstream=False) as server:
-        nc = await nats.connect(server.url, pending_size=256 * MIB)
+        nc = await connect(NatsSettings(url=server.url), "bench-transfer",
+                           pending_size=256 * MIB)
         client = TransferClient(settings)
         try:
             for size in sizes:

@@ -1,15 +1,18 @@
 """docker-compose.yml is checked here, since no Docker engine runs on CI machines: every
 service of the system is there, runs a module this build ships, is health-checked by a
-command the CLI has, and is configured only through settings the code reads."""
+command the CLI has, is configured only through settings the code reads, and connects to
+NATS as its own identity whose secrets and permissions ``cpd secure init`` generates."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import yaml
 
-from cpd.cli import build_parser
+from cpd import security, subjects
+from cpd.cli import build_parser, main
 from cpd.cluster import SERVICE_ORDER
 from cpd.config import env_var_names, load_settings
 
@@ -27,7 +30,7 @@ def _env(svc: dict) -> dict[str, str]:
 
 def test_every_service_of_the_system_is_in_the_compose_file() -> None:
     services = _compose()["services"]
-    assert "nats" in services and "-js" in services["nats"]["command"]
+    assert "nats" in services and services["nats"]["command"][0] == "-c"
     modules = {next(c for c in s["command"] if c.startswith("services."))
                for s in services.values() if "services." in " ".join(s.get("command", []))}
     assert modules == {f"services.{name}" for name in SERVICE_ORDER}
@@ -65,3 +68,73 @@ def test_workers_get_shared_memory_and_a_reachable_data_plane_address() -> None:
         svc = services[role]
         assert svc["shm_size"] and "SYS_PTRACE" in svc["cap_add"]
         assert _env(svc)["CPD_DATAPLANE__ADVERTISE_HOST"] == role  # its compose DNS name
+
+
+def _mounts(svc: dict) -> dict[str, tuple[str, bool]]:
+    """``container path -> (host path, read-only)`` of a service's volumes."""
+    out = {}
+    for v in svc.get("volumes", []):
+        host, target, *mode = v.split(":")
+        out[target] = (host, mode == ["ro"])
+    return out
+
+
+def test_every_service_connects_as_its_own_identity_with_the_generated_secrets(
+        tmp_path: Path) -> None:
+    """The compose file and ``cpd secure init``'s defaults line up: the NATS container
+    mounts the generated server folder where the config expects it and stores JetStream
+    on its volume; every CPD service mounts only its own identity folder, read-only, and
+    its environment is exactly that identity's (nkey, CA, inbox prefix), whose kind has
+    permissions in the generated config."""
+    compose = _compose()
+    services = compose["services"]
+    defaults = build_parser().parse_args(["secure", "init", str(tmp_path / "s")])
+    assert main(["secure", "init", str(tmp_path / "s")]) == 0
+    secrets = tmp_path / "s"
+    manifest = {x["name"]: x for x in json.loads((secrets / security.MANIFEST).read_text())[
+        "identities"]}
+    config = (secrets / security.SERVER_DIR / security.CONFIG_FILE).read_text()
+
+    nats = services["nats"]
+    conf_path = nats["command"][1]
+    mounts = _mounts(nats)
+    assert mounts[defaults.server_mount] == (f"./secrets/{security.SERVER_DIR}", True)
+    assert conf_path == f"{defaults.server_mount}/{security.CONFIG_FILE}"
+    assert mounts[defaults.store_dir][0] == "nats-data"  # JetStream survives restarts
+    assert f'store_dir: "{defaults.store_dir}"' in config
+    assert f'cert_file: "{defaults.server_mount}/{security.SERVER_CERT}"' in config
+    port = defaults.listen.rsplit(":", 1)[1]
+    assert f"{port}:{port}" in nats["ports"]
+    http_port = defaults.http.rsplit(":", 1)[1]
+    assert f":{http_port}/healthz" in " ".join(nats["healthcheck"]["test"])
+    assert all(f":{http_port}" not in p for p in nats["ports"])  # monitoring stays inside
+
+    seen = set()
+    for name, svc in services.items():
+        if "services." not in " ".join(svc.get("command", [])):
+            continue
+        env = _env(svc)
+        node = env["CPD_NODE__NODE_ID"]
+        ident = security.Identity(node, name, node)
+        assert manifest[node]["kind"] == name, f"{name}: no {node} identity of kind {name}"
+        assert manifest[node]["nkey"] in config and manifest[node]["password_hash"] in config
+        # One mount, read-only, of its own folder only (not the whole secrets dir).
+        own = [(t, h) for t, (h, ro) in _mounts(svc).items() if h.startswith("./secrets")]
+        assert len(own) == 1 and own[0][1] == f"./secrets/{node}", (name, own)
+        target = own[0][0]
+        assert _mounts(svc)[target][1], f"{name}: secrets must be mounted read-only"
+        expected = security.identity_env(ident, target, mtls=False)
+        nats_env = {k: v for k, v in env.items() if k.startswith("CPD_NATS__")
+                    and k != "CPD_NATS__URL"}
+        assert nats_env == expected, name
+        for var in ("CPD_NATS__NKEY_SEED_FILE", "CPD_NATS__TLS_CA_FILE"):
+            generated = secrets / node / Path(env[var]).relative_to(target)
+            assert generated.exists(), f"{name}: {env[var]} is not generated"
+        # TLS: the URL's host is a name in the server certificate.
+        assert env["CPD_NATS__URL"].split("//")[1].split(":")[0] in security.DEFAULT_HOSTS
+        seen.add(name)
+    assert seen == set(SERVICE_ORDER)
+    # Every identity has permissions; a worker cannot publish client requests.
+    assert config.count("permissions: {") == 2 * len(manifest)
+    assert not security.allows(security.grants("prefill", "prefill-0").publish,
+                               subjects.GENERATE)

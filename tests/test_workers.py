@@ -78,6 +78,22 @@ async def _visible_on(c: dict, prompt: list[int], node: str,
     return 0
 
 
+async def _source(c: dict, prompt: list[int], node: str, num_blocks: int) -> wire.LoadSource:
+    """What the router would plan: ``node``'s DRAM run with the read capability kvindex
+    returns with the location (the node's data plane serves nothing without it)."""
+    ns: Namespace = c["ns"]
+    for _ in range(100):
+        r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+            namespace=ns.id, block_hashes=block_hashes(ns, prompt)), expect=wire.LookupReply)
+        match = next((m for m in r.matches if (m.node, m.tier) == (node, wire.Tier.DRAM)
+                      and m.num_blocks >= num_blocks and m.capability), None)
+        if match is not None:
+            return wire.LoadSource(node=node, tier=wire.Tier.DRAM, first_block=0,
+                                   num_blocks=num_blocks, capability=match.capability)
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"kvindex never showed {num_blocks} blocks with a capability on {node}")
+
+
 async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
                                                                  reference: dict) -> None:
     a, b = PROMPTS["a"], PROMPTS["b"]
@@ -93,7 +109,7 @@ async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
     assert await _visible_on(cluster, b, "pp0") == 4
     # vLLM's own KV events reached kvindex too: pp0's GPU prefix cache holds the prefix.
     assert await _visible_on(cluster, b, "pp0", wire.Tier.GPU) == 4
-    src = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0, num_blocks=4)
+    src = await _source(cluster, b, "pp0", 4)
     tokens, final = await _ask(cluster, "p0", b, [src])
     assert tokens == reference["b"]
     assert (final.route.tokens_remote, final.route.tokens_computed) == (4 * BS, len(b) - 4 * BS)
@@ -139,8 +155,7 @@ async def test_crown_every_path_is_token_identical_to_monolithic_vllm(cluster: d
         assert tokens == want, f"cold, {n} tokens"
         assert (r.prefill_node, r.tokens_computed, r.tokens_gpu) == ("pp0", n, 0)
         assert r.decode_tokens_pulled == n // BS * BS
-        src = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0,
-                              num_blocks=blocks)
+        src = await _source(cluster, prompt, "pp0", blocks)
         tokens, final = await _ask(cluster, "p0", prompt, [src])  # warm, peer's DRAM
         r = final.route
         assert tokens == want, f"warm-remote, {n} tokens"

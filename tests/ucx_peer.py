@@ -25,6 +25,7 @@ import numpy as np
 import xxhash
 
 from cpd import telemetry, wire
+from cpd.capability import Keyring
 from cpd.config import DataPlaneSettings
 from cpd.kvstore import BlockStore, KvStore
 from cpd.transfer import TransferServer, shutdown_ucx
@@ -81,6 +82,9 @@ async def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=0, help="default: one per block")
     p.add_argument("--corrupt", default="", help="indices of blocks to corrupt after sealing")
     p.add_argument("--stall-after", type=int, default=-1)
+    p.add_argument("--secret", default="",
+                   help="hex: enforce capabilities (cpd.capability) of a keyring with this "
+                        "secret, node 'peer', epoch 1")
     args = p.parse_args(argv)
     telemetry.setup("ucx-peer")  # logs to stderr; stdout carries only our JSON lines
 
@@ -95,10 +99,12 @@ async def main(argv: list[str] | None = None) -> None:
         store.data(refs[int(i)].hash)[0] ^= 0xFF
 
     settings = DataPlaneSettings(max_blocks_per_transfer=max(1024, len(sizes)))
+    keyring = Keyring("peer", 1, bytes.fromhex(args.secret)) if args.secret else None
     if args.stall_after >= 0:
-        server: TransferServer = StallingServer(kv, settings, stall_after=args.stall_after)
+        server: TransferServer = StallingServer(kv, settings, stall_after=args.stall_after,
+                                                keyring=keyring)
     else:
-        server = TransferServer(kv, settings)
+        server = TransferServer(kv, settings, keyring=keyring)
     await server.start()
     print(json.dumps({"address": server.address.decode(), "pid": os.getpid()}), flush=True)
     # Run until the parent closes our stdin (or kills us).

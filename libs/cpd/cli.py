@@ -74,6 +74,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          topologies=args.topologies)
         out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
         result = run_sweep(s, cfg, out)
+    elif args.what == "faults":
+        from bench.faults import config_for as faults_config
+        from bench.faults import markdown as faults_markdown
+        from bench.faults import run as run_faults
+
+        result = run_faults(faults_config(args.quick, scenarios=args.scenarios,
+                                          concurrency=args.concurrency,
+                                          duration_s=args.duration_s))
+        print(faults_markdown(result), file=sys.stderr)
+    elif args.what == "fuzz":
+        from bench.fuzz import run as run_fuzz
+
+        result = run_fuzz(args.cases if args.cases is not None else 10_000, args.seed)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     _write_json(result, args.json)
@@ -187,8 +200,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     s = _settings(args)
     node = args.node or s.node.node_id
     try:
-        asyncio.run(asyncio.wait_for(wait_ready(s.nats.url, args.service, node, args.timeout),
-                                     args.timeout + 2))
+        asyncio.run(asyncio.wait_for(wait_ready(s.nats.url, args.service, node, args.timeout,
+                                                s.nats), args.timeout + 2))
     except (CpdError, OSError, TimeoutError) as e:
         print(f"cpd: {args.service} ({node}) is not healthy: {e!r}", file=sys.stderr)
         return 1
@@ -205,7 +218,30 @@ def cmd_up(args: argparse.Namespace) -> int:
         counts[name] = int(n)
     # Settings were validated here; the services get the same overrides and file.
     return run_cluster(_settings(args), port=args.port, only=args.only, counts=counts,
-                       overrides=args.set or [], config_file=args.config)
+                       overrides=args.set or [], config_file=args.config,
+                       secure=args.secure, secrets_dir=args.secrets_dir)
+
+
+def cmd_secure_init(args: argparse.Namespace) -> int:
+    """Write the NATS server config, CA, certificates and one credentials folder per
+    identity (docker-compose.yml mounts them); existing secrets are reused."""
+    from . import security
+
+    nodes = {f"{k}-0": k for k in security.SERVICE_KINDS}  # what docker-compose.yml runs
+    for item in args.node or []:
+        node, _, kind = item.partition("=")
+        nodes[node.strip()] = kind.strip()
+    secrets = security.SecretsDir.ensure(
+        args.dir, security.identities_for(nodes),
+        hosts=[*security.DEFAULT_HOSTS, *(args.host or [])], mtls=args.mtls,
+        server_root=args.server_mount, store_dir=args.store_dir, listen=args.listen,
+        http=args.http)
+    print(f"NATS server config: {secrets.config_file}")
+    for name, ident in secrets.identities.items():
+        print(f"  {name:<14} {ident.kind:<10} {secrets.folder(name)}")
+    print("Every process reads its own folder (nats.nkey_seed_file, nats.tls_ca_file, "
+          "nats.inbox_prefix); see README, 'Secure NATS'.")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     bench.add_argument("what", choices=["hashing", "kvindex", "model", "router", "sweep",
-                                          "transfer", "ttft"])
+                                          "transfer", "ttft", "faults", "fuzz"])
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.add_argument("--tokens", type=int, default=None,
                        help="prompt tokens (hashing: 100000; model: 8192)")
@@ -251,6 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--topologies", help="sweep: comma-separated, e.g. '2P1D pd-rr,CPD-1D'")
     bench.add_argument("--out", help="sweep: folder for the table and plots "
                                      "(default: the --json file's folder)")
+    bench.add_argument("--scenarios", help="faults: comma-separated scenario names "
+                                           "(default: all; --quick: five)")
+    bench.add_argument("--concurrency", type=int,
+                       help="faults: requests kept in flight (200; --quick 60)")
+    bench.add_argument("--duration-s", type=float,
+                       help="faults: load per scenario, wall seconds (24; --quick 14)")
+    bench.add_argument("--cases", type=int,
+                       help="fuzz: hostile messages per subject (default 10000)")
+    bench.add_argument("--seed", type=int, default=0, help="fuzz: corpus seed")
     bench.set_defaults(func=cmd_bench)
 
     n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")
@@ -286,7 +331,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start only these services (repeatable); default: all")
     up.add_argument("--count", action="append", metavar="SERVICE=N",
                     help="instances of a service, e.g. prefill=2 (repeatable)")
+    up.add_argument("--secure", action="store_true",
+                    help="least-privilege NATS: TLS, one identity per service, generated "
+                         "permissions (secrets in nats.secrets_dir, reused)")
+    up.add_argument("--secrets-dir", help="with --secure (default: nats.secrets_dir)")
     up.set_defaults(func=cmd_up)
+
+    sec = sub.add_parser("secure", help="least-privilege NATS secrets").add_subparsers(
+        dest="action", required=True)
+    si = sec.add_parser("init", help="write the NATS config, CA, certificates and "
+                                     "per-service credentials into DIR (for docker compose)")
+    si.add_argument("dir", metavar="DIR")
+    si.add_argument("--node", action="append", metavar="NODE=KIND",
+                    help="one more node identity, e.g. prefill-1=prefill (repeatable); "
+                         "<kind>-0 of every service, client and admin are always there")
+    si.add_argument("--host", action="append", help="extra name/IP in the server certificate")
+    si.add_argument("--mtls", action="store_true", help="clients show certificates too")
+    si.add_argument("--server-mount", default="/etc/nats",
+                    help="where the NATS container mounts DIR/server (default /etc/nats)")
+    si.add_argument("--store-dir", default="/data", help="JetStream store in the container")
+    si.add_argument("--listen", default="0.0.0.0:4222")
+    si.add_argument("--http", default="127.0.0.1:8222",
+                    help="monitoring endpoint (the container's health check)")
+    si.set_defaults(func=cmd_secure_init)
     return p
 
 

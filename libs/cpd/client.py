@@ -8,11 +8,14 @@ the reply streams back (DESIGN.md §3-4).
         print(done.token_ids, done.route.path, done.timings.ttft_ms)
 
 Failures are typed :mod:`cpd.errors` exceptions with a ``retryable`` flag (for example
-:class:`~cpd.errors.Overloaded` when admission control refuses the request).
+:class:`~cpd.errors.Overloaded` when admission control refuses the request, or
+:class:`~cpd.errors.RouterGone` when the router serving a stream stopped sending even its
+keep-alives).
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
@@ -21,7 +24,7 @@ import msgspec
 
 from . import subjects, wire
 from .bus import Bus
-from .config import Settings, load_settings
+from .config import RouterSettings, Settings, load_settings
 from .errors import InvalidRequest
 
 # Past the request's own deadline, how long the client waits for the router's typed
@@ -45,10 +48,14 @@ class Client:
     """A CPD client over one NATS connection (share it; requests run concurrently)."""
 
     def __init__(self, bus: Bus, *, default_timeout_s: float = 300.0,
-                 owns_bus: bool = False) -> None:
+                 owns_bus: bool = False, keepalive_interval_s: float | None = None,
+                 keepalive_misses: int | None = None) -> None:
         self.bus = bus
         self.default_timeout_s = default_timeout_s
         self._owns_bus = owns_bus
+        defaults = RouterSettings()
+        self.keepalive_interval_s = keepalive_interval_s or defaults.keepalive_interval_s
+        self.keepalive_misses = keepalive_misses or defaults.keepalive_misses
 
     @classmethod
     async def connect(cls, url: str | None = None, *, settings: Settings | None = None,
@@ -57,7 +64,8 @@ class Client:
         settings = settings or load_settings()
         bus = await Bus.open(settings, name, url=url)
         return cls(bus, default_timeout_s=settings.admission.default_deadline_s,
-                   owns_bus=True)
+                   owns_bus=True, keepalive_interval_s=settings.router.keepalive_interval_s,
+                   keepalive_misses=settings.router.keepalive_misses)
 
     async def close(self) -> None:
         if self._owns_bus:
@@ -111,14 +119,29 @@ class Client:
 
     async def stream_request(self, req: wire.GenerateRequest
                              ) -> AsyncGenerator[wire.TokenChunk | wire.Final, None]:
-        """Stream a prepared :class:`~cpd.wire.GenerateRequest`."""
+        """Stream a prepared :class:`~cpd.wire.GenerateRequest`.
+
+        Raises :class:`~cpd.errors.RouterGone` (retryable) when nothing at all comes
+        from the router, its keep-alives included, for ``keepalive_misses`` keep-alive
+        intervals: it died mid-request (or before it began handling the request) or is
+        cut off; and :class:`~cpd.errors.StreamGap` (retryable) when a message of the
+        stream was lost (the keep-alives after it prove it) and does not come within that
+        limit. The interval is this client's ``router.keepalive_interval_s`` until the
+        router announces its own (every keep-alive does), so a router must send
+        keep-alives: every router since they were added does, once a request is valid."""
         timeout = req.timeout_ms / 1000 + _GRACE_S
         # The router bounds every request by its deadline and watches the nodes, so the
-        # client need not guess an idle limit: a long prefill is silent but not dead.
-        async for msg in self.bus.stream(subjects.GENERATE, req, timeout=timeout,
-                                         idle_timeout=timeout):
-            if isinstance(msg, wire.TokenChunk | wire.Final):
-                yield msg
+        # client need not guess an idle limit for the work: a long prefill is silent but
+        # not dead. The router itself is watched through its keep-alives.
+        async with contextlib.aclosing(self.bus.stream(
+                subjects.GENERATE, req, timeout=timeout, idle_timeout=timeout,
+                silence_limit=self.keepalive_interval_s * self.keepalive_misses,
+                keepalive_misses=self.keepalive_misses)) as stream:
+            async for msg in stream:
+                if isinstance(msg, wire.TokenChunk) and msg.keepalive_ms:
+                    continue  # consumed by the reader; never passed on
+                if isinstance(msg, wire.TokenChunk | wire.Final):
+                    yield msg
 
     async def generate(self, prompt: str | Sequence[int], **options: object) -> Completion:
         """Run a request to the end and return the whole :class:`Completion`."""

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
+import nats.errors
 
-from . import telemetry
-from .config import ENV_PREFIX, Settings
+from . import subjects, telemetry
+from .bus import EXIT_REFUSED, connect
+from .config import ENV_PREFIX, NatsSettings, Settings
 from .errors import CpdError
 from .natsserver import NatsServer
 
@@ -97,18 +98,21 @@ def available_services() -> list[str]:
     return [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__")]
 
 
-async def wait_ready(url: str, service: str, node_id: str, timeout: float) -> None:
-    """Wait until ``node_id`` of ``service`` answers a NATS micro PING."""
-    async def quiet(_: Exception) -> None:
-        """Connection refusals are expected while NATS starts; the deadline reports."""
-
-    nc = await nats.connect(url, max_reconnect_attempts=-1, error_cb=quiet)
+async def wait_ready(url: str, service: str, node_id: str, timeout: float,
+                     nats_settings: NatsSettings | None = None) -> None:
+    """Wait until ``node_id`` of ``service`` answers a NATS micro PING; connects as the
+    identity ``nats_settings`` names (secure set-ups), anonymously by default."""
+    nc = await connect(nats_settings or NatsSettings(), f"cpd-ready-{node_id}", url=url)
     try:
         deadline = time.monotonic() + timeout
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
+        # A fresh reply subject per ping: with least-privilege NATS a service may answer
+        # each reply subject once (allow_responses), so a reused one would be refused.
+        base = nc.new_inbox()
+        sub = await nc.subscribe(f"{base}.*")
+        n = 0
         while time.monotonic() < deadline:
-            await nc.publish(f"$SRV.PING.cpd-{service}", b"", reply=inbox)
+            n += 1
+            await nc.publish(subjects.micro_ping(service), b"", reply=f"{base}.{n}")
             end = time.monotonic() + 0.5
             while (left := end - time.monotonic()) > 0:
                 try:
@@ -123,20 +127,42 @@ async def wait_ready(url: str, service: str, node_id: str, timeout: float) -> No
         await nc.close()
 
 
+def plan_nodes(wanted: list[str], counts: dict[str, int] | None) -> dict[str, str]:
+    """``node id -> service`` of every process ``cpd up`` starts, in start order."""
+    return {f"{service}-{i}": service for service in wanted
+            for i in range((counts or {}).get(service, 1))}
+
+
 def run_cluster(settings: Settings, port: int | None = None, *,
                 counts: dict[str, int] | None = None, log_dir: str | None = None,
                 only: list[str] | None = None, ready_timeout: float = 300.0,
-                overrides: list[str] | None = None, config_file: str | None = None) -> int:
+                overrides: list[str] | None = None, config_file: str | None = None,
+                secure: bool = False, secrets_dir: str | None = None) -> int:
     """Run until interrupted; returns the exit code. ``overrides`` (``section.field=value``)
-    and ``config_file`` reach every service, as the environment they start with."""
+    and ``config_file`` reach every service, as the environment they start with.
+
+    ``secure``: least-privilege NATS (cpd.security) - credentials, CA and certificates
+    generated into (or reused from) ``secrets_dir`` (default ``nats.secrets_dir``), NATS
+    started with the generated config (auth, TLS, per-identity permissions), and every
+    service given its own identity through its environment."""
     telemetry.setup("cluster", settings.telemetry)
     logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
     logs.mkdir(parents=True, exist_ok=True)
+    wanted = [x for x in available_services() if not only or x in only]
+    nodes = plan_nodes(wanted, counts)
+    secrets = None
+    admin_nats: NatsSettings | None = None
+    if secure:
+        from . import security
+
+        secrets = security.SecretsDir.ensure(secrets_dir or settings.nats.secrets_dir,
+                                             security.identities_for(nodes))
+        admin_nats = security.nats_settings_for(secrets, security.ADMIN, settings.nats)
     server = NatsServer(port=settings.nats.embedded_port if port is None else port,
                         store_dir=settings.nats.embedded_store_dir,
-                        log_file=str(logs / "nats.log"))
+                        log_file=str(logs / "nats.log"),
+                        config_file=str(secrets.config_file) if secrets else None)
     server.start()
-    wanted = [x for x in available_services() if not only or x in only]
     # The sim engine (worker.engine = "sim") has no model files to build.
     if (any(x != "kvindex" for x in wanted) and not settings.model.path
             and settings.worker.engine != "sim"):
@@ -152,6 +178,10 @@ def run_cluster(settings: Settings, port: int | None = None, *,
             loop.add_signal_handler(sig, stop.set)
         base_env = {**os.environ, **override_env(overrides or []),
                     "CPD_NATS__URL": server.url}
+        if secrets is not None:
+            # Each process gets only its own identity, never one inherited from here.
+            base_env = {k: v for k, v in base_env.items()
+                        if not k.startswith(f"{ENV_PREFIX}NATS__") or k == "CPD_NATS__URL"}
         if config_file:
             base_env["CPD_CONFIG"] = str(Path(config_file).resolve())
         # kvindex first (it replays the stream); then every worker at once: their
@@ -163,9 +193,9 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         for stage in stages:
             started = []
             for service in stage:
-                for i in range((counts or {}).get(service, 1)):
-                    node_id = f"{service}-{i}"
-                    env = {**base_env, "CPD_NODE__NODE_ID": node_id}
+                for node_id in (n for n, svc in nodes.items() if svc == service):
+                    env = {**base_env, "CPD_NODE__NODE_ID": node_id,
+                           **(secrets.env(node_id) if secrets else {})}
                     if metrics_port:
                         env["CPD_TELEMETRY__PROMETHEUS_PORT"] = str(
                             metrics_port + len(procs))
@@ -173,11 +203,12 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                     proc.start()
                     procs.append(proc)
                     started.append(proc)
-            await asyncio.gather(*(wait_ready(server.url, p.service, p.node_id, ready_timeout)
-                                   for p in started))
+            await _ready_or_refused(started, asyncio.gather(
+                *(wait_ready(server.url, p.service, p.node_id, ready_timeout, admin_nats)
+                  for p in started)))
             for p in started:
                 log.info("service.ready", service=p.service, node=p.node_id)
-        _banner(server.url, procs, logs, settings)
+        _banner(server.url, procs, logs, settings, secrets)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
@@ -198,10 +229,34 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     return 0
 
 
+async def _ready_or_refused(procs: list[Proc], ready: asyncio.Future[Any]) -> None:
+    """Await ``ready``, failing fast when a process exits because NATS refused it
+    (wrong credentials or permissions: waiting or restarting cannot fix that)."""
+    try:
+        while not ready.done():
+            refused = [p for p in procs if p.popen is not None
+                       and p.popen.poll() == EXIT_REFUSED]
+            if refused:
+                p = refused[0]
+                raise CpdError(f"NATS refused {p.node_id}; see {p.log_path}:\n"
+                               + p.log_path.read_text(errors="replace")[-2000:])
+            await asyncio.wait([ready], timeout=0.25)
+        ready.result()
+    finally:
+        ready.cancel()
+        with contextlib.suppress(BaseException):
+            await ready
+
+
 def _restart(proc: Proc) -> None:
     now = time.monotonic()
-    proc.restarts = [t for t in proc.restarts if now - t < 60] + [now]
     code = proc.popen.returncode if proc.popen else None
+    if code == EXIT_REFUSED:
+        if not proc.restarts or proc.restarts[-1] != -1.0:
+            log.error("service.refused_by_nats", node=proc.node_id, log=str(proc.log_path))
+            proc.restarts.append(-1.0)  # logged once; its credentials need fixing first
+        return
+    proc.restarts = [t for t in proc.restarts if now - t < 60] + [now]
     if len(proc.restarts) > 5:
         log.error("service.crash_loop", node=proc.node_id, exit_code=code)
         if len(proc.restarts) < 8:
@@ -212,11 +267,21 @@ def _restart(proc: Proc) -> None:
     proc.start()
 
 
-def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings) -> None:
+def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
+            secrets: Any = None) -> None:
     names = ", ".join(p.node_id for p in procs) or "none yet"
     running = {p.service for p in procs}
     lines = ["", "CPD is up.", f"  NATS (JetStream): {url}", f"  services:         {names}",
              f"  logs:             {logs}"]
+    client_env = f"CPD_NATS__URL={url}"
+    if secrets is not None:
+        from .security import CLIENT
+
+        env = {"CPD_NATS__URL": url, **secrets.env(CLIENT)}
+        lines += [f"  secure NATS:      TLS + per-service identities; secrets in {secrets.root}",
+                  "  clients connect as the client identity (generate and status only):",
+                  *(f"    export {k}={v}" for k, v in env.items())]
+        client_env = "(after the exports above)"
     tries = []
     if "gateway" in running:
         g = settings.gateway
@@ -226,8 +291,8 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings) -> None
         tries += [f"  curl {base}/completions -H 'Content-Type: application/json' \\",
                   f"""    -d '{{"model": "{model}", "prompt": "def fib(n):", "max_tokens": 16}}'"""]
     if "router" in running:
-        tries += [f'  CPD_NATS__URL={url} cpd generate "def fib(n):" --max-tokens 16',
-                  f"  CPD_NATS__URL={url} cpd status"]
+        tries += [f'  {client_env} cpd generate "def fib(n):" --max-tokens 16',
+                  f"  {client_env} cpd status"]
     if settings.telemetry.prometheus_port:
         first = settings.telemetry.prometheus_port
         lines.append(f"  metrics:          http://127.0.0.1:{first}..{first + len(procs) - 1}"

@@ -11,7 +11,9 @@ naming the setting and where it came from.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -25,7 +27,7 @@ from .sim.analysis import PAPER_TTFT_SLO_S
 from .sim.costmodel import DEFAULT_PRESET, PRESETS
 
 ENV_PREFIX = "CPD_"
-_NODE_ID = r"^[A-Za-z0-9_-]{1,64}$"
+_NODE_ID = r"^[A-Za-z0-9_-]{1,64}\Z"
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -51,6 +53,21 @@ class NatsSettings(_Section):
     # Embedded server (cpd up / tests): data dir for JetStream, port 0 = pick a free one.
     embedded_port: Port = 4222
     embedded_store_dir: str = "~/.cache/cpd/nats"
+    # Least privilege (``cpd up --secure``, ``cpd secure init``; cpd.security): this
+    # process's identity. ``password_file`` is read instead of ``password`` when set;
+    # ``nkey_seed_file`` holds an nkey user seed (``SU...``) and replaces user/password.
+    password_file: str = ""
+    nkey_seed_file: str = ""
+    # TLS: the CA that signed the server's certificate (turns TLS on), and this client's
+    # own certificate and key when the server verifies clients (mutual TLS).
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # Request/reply inbox prefix; each identity is only allowed to read under its own.
+    # Empty: NATS's default ``_INBOX``.
+    inbox_prefix: str = ""
+    # Where `cpd up --secure` keeps the generated credentials, CA and certificates.
+    secrets_dir: str = "~/.cache/cpd/secrets"
 
 
 class BusSettings(_Section):
@@ -139,6 +156,48 @@ class RouterSettings(_Section):
     dispatch_timeout_s: Positive = 5.0
     # How often a streaming request checks that its prefill and decode nodes are alive.
     liveness_check_interval_s: Positive = 0.25
+    # A client stream silent this long gets a keep-alive (an empty TokenChunk), so a
+    # client notices a dead router long before its deadline (docs/reliability.md).
+    keepalive_interval_s: Positive = 1.0
+    # A client fails a stream with a typed, retryable RouterGone after this many
+    # keep-alive intervals without any message from its router.
+    keepalive_misses: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+
+
+class TenantSettings(_Section):
+    """One tenant of the gateway (``[gateway.tenants.<name>]``): its API keys and limits.
+
+    The tenant's name goes into every request (``GenerateRequest.tenant``), so its KV
+    blocks live in a namespace of its own (DESIGN.md §5). A limit of 0 means "none".
+    """
+
+    # SHA-256 hex digests of the tenant's API keys (``cpd.config.api_key_digest``), never
+    # the keys themselves: a leaked config file leaks no key.
+    api_key_sha256: list[str] = msgspec.field(default_factory=list)
+    # Prompt tokens of one request (on top of the model's own limit).
+    max_prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Bytes of one HTTP request body.
+    max_request_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Cap of max_tokens: a larger explicit value is refused, a default is clamped.
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Token bucket: sustained requests per second and how many may come at once.
+    rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    burst: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        for digest in self.api_key_sha256:
+            if not _SHA256_HEX.match(digest):
+                raise ValueError(f"api_key_sha256 entry {digest[:8]!r}... is not a "
+                                 "64-digit lowercase SHA-256 hex digest")
+
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}\Z")
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+
+
+def api_key_digest(key: str) -> str:
+    """The SHA-256 hex digest of an API key, as ``api_key_sha256`` stores it."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class GatewaySettings(_Section):
@@ -150,6 +209,22 @@ class GatewaySettings(_Section):
     served_model_name: str = ""
     # Deadline of one HTTP request when the body sets none.
     request_timeout_s: Positive = 300.0
+    # API keys and per-tenant limits. Empty: no authentication, every request is the
+    # "default" tenant's (a local cluster); set, every request needs a tenant's key
+    # (``Authorization: Bearer <key>``).
+    tenants: dict[str, TenantSettings] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owner: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            if not _TENANT_NAME.match(name):
+                raise ValueError(f"gateway.tenants: bad tenant name {name!r} "
+                                 "(letters, digits, _ . -; at most 64)")
+            for digest in tenant.api_key_sha256:
+                if digest in owner:
+                    raise ValueError(f"gateway.tenants: one API key belongs to both "
+                                     f"{owner[digest]!r} and {name!r}")
+                owner[digest] = name
 
 
 class KvIndexSettings(_Section):
@@ -164,6 +239,11 @@ class KvIndexSettings(_Section):
     stream_max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 8 << 30
     # Longest chain one lookup may ask about (~2M tokens at 256 tokens per block).
     max_lookup_blocks: PositiveInt = 8192
+    # Idle heartbeat of the CPD_KV consumer. nats-py recreates an ordered consumer (from
+    # the last applied event) after two missed heartbeats; a NATS restart loses the
+    # consumer, so this bounds how long kvindex goes without events (nats-py's default
+    # of 5 s meant 10-20 s of a stale index after a restart; docs/reliability.md).
+    consumer_heartbeat_s: Annotated[float, msgspec.Meta(ge=0.1, le=30.0)] = 1.0
 
 
 class DataPlaneSettings(_Section):
@@ -209,6 +289,9 @@ class DataPlaneSettings(_Section):
     # Measured-bandwidth estimate (EWMA); transfers smaller than the minimum measure latency.
     bandwidth_ewma_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
     bandwidth_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+    # Port peers are told to connect to (in the heartbeat) when it differs from the
+    # listener's, e.g. behind a forwarder; 0: the listener's own port.
+    advertise_port: Port = 0
 
     def __post_init__(self) -> None:
         if "tcp" not in [t.strip() for t in self.ucx_tls.split(",")]:
@@ -232,6 +315,13 @@ class WorkerSettings(_Section):
     # vllm: the real engine on the model of [model]; sim: the simulated engine of [sim]
     # (DESIGN.md §9), same worker, same data plane, no model files.
     engine: Literal["vllm", "sim"] = "vllm"
+    # Folder of the block audit trail (cpd.audit: every block served, pulled, loaded, one
+    # JSONL file per node), the fault harness's evidence; empty: off.
+    audit_dir: str = ""
+    # Decode streams generated tokens in messages of this many (vLLM's stream_interval;
+    # the last message may be shorter). 1 sends every token at once; larger values cut
+    # the per-token message cost on every hop (decode -> router -> client).
+    stream_interval: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
 
 
 class SimSettings(_Section):

@@ -31,6 +31,8 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "cancelled"
     INTERNAL = "internal"
     CONFIG = "config"
+    NATS_REFUSED = "nats_refused"
+    CAPABILITY_DENIED = "capability_denied"
 
 
 class CpdError(Exception):
@@ -201,13 +203,45 @@ class ArenaFull(CpdError):
     retryable = True
 
 
+class CapabilityDenied(CpdError):
+    """A data-plane request without a valid capability for the blocks' namespace at that
+    node (a guessed hash, a capability of another node, namespace or incarnation). No
+    bytes were sent; the puller recomputes as for any other load error."""
+
+    code = ErrorCode.CAPABILITY_DENIED
+
+
+class NatsRefused(CpdError):
+    """NATS refused this process (cpd.security): retrying with the same settings cannot
+    help, so services exit instead of restarting in a loop."""
+
+    code = ErrorCode.NATS_REFUSED
+
+
+class NatsAuthFailed(NatsRefused):
+    """The server refused this process's credentials or TLS set-up; the message names
+    the ``nats.*`` setting to fix."""
+
+
+class PermissionDenied(NatsRefused):
+    """The server refused a publish or subscribe: this process holds the credentials of
+    an identity whose permissions do not cover its job."""
+
+
+class RouterGone(Unavailable):
+    """The router serving a stream stopped sending anything, keep-alives included, for
+    several keep-alive intervals: it died or is cut off. Nothing more will come on this
+    stream; retrying goes to a live router replica."""
+
+
 # Built last so every class above can be in it; one class per code (the most general).
 _BY_CODE: dict[ErrorCode, type[CpdError]] = {
     cls.code: cls
     for cls in (MalformedMessage, SchemaVersionError, UnknownKind, PayloadTooLarge,
                 NoResponders, RequestTimeout, Overloaded, StreamGap, ConfigError,
                 PromptTooLong, UnknownNamespace, InvalidRequest, PeerGone, BlockEvicted,
-                ChecksumMismatch, Unavailable, DeadlineExceeded, Cancelled)
+                ChecksumMismatch, Unavailable, DeadlineExceeded, Cancelled,
+                CapabilityDenied)
 }
 
 

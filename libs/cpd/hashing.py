@@ -37,8 +37,12 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
     tenant_salt: str = ""
 
     def with_salt(self, tenant: str, cache_salt: str = "") -> Namespace:
-        """The namespace of one tenant (and optional per-request cache salt)."""
-        salt = f"{tenant}\x1f{cache_salt}" if cache_salt else tenant
+        """The namespace of one tenant (and optional per-request cache salt).
+
+        The salt is length-prefixed, so it is never empty (no tenant, not even ``""``,
+        shares the unsalted base namespace) and no two (tenant, cache_salt) pairs share
+        one (a separator character inside a tenant name cannot forge another pair)."""
+        salt = f"{len(tenant)}:{tenant}{cache_salt}"
         return msgspec.structs.replace(self, tenant_salt=salt)
 
     def to_spec(self) -> bytes:

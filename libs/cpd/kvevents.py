@@ -13,6 +13,7 @@ The contract between writers (workers' block stores, vLLM KV events) and kvindex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,8 +30,16 @@ MAX_BLOCKS_PER_EVENT = 4096
 
 
 async def ensure_stream(js: JetStreamContext, *, max_age_s: float = 24 * 3600,
-                        max_bytes: int = 8 << 30, replicas: int = 1) -> api.StreamInfo:
-    """Create (or update to) the ``CPD_KV`` stream; safe to call from every process."""
+                        max_bytes: int = 8 << 30, replicas: int = 1,
+                        update: bool = True) -> api.StreamInfo:
+    """Create (or update to) the ``CPD_KV`` stream; safe to call from every process.
+
+    ``update=False`` (writers): an existing stream is left as its owner, kvindex,
+    configured it - a writer neither resets its limits to these defaults nor needs the
+    right to (with least-privilege NATS it only may read the stream's info)."""
+    if not update:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            return await js.stream_info(subjects.KV_STREAM)
     config = api.StreamConfig(
         name=subjects.KV_STREAM,
         subjects=[subjects.KV_EVENTS_ALL],

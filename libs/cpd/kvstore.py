@@ -149,9 +149,14 @@ class BlockStore:
 
     def __init__(self, slot_bytes: int, num_slots: int, *, node: str = "",
                  tier: wire.Tier = wire.Tier.DRAM, arena: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 capability: Callable[[str], bytes] | None = None) -> None:
+        """``capability``: namespace → this node's read capability (a
+        :meth:`cpd.capability.Keyring.issue`), attached to every ``BlocksSealed`` event so
+        kvindex can hand it to readers; ``None`` attaches none (open data plane)."""
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError("slot_bytes and num_slots must be positive")
+        self.capability = capability
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.node = node
@@ -328,7 +333,7 @@ class BlockStore:
             seals[entry.namespace].append(entry.seal)
             out.append(entry.seal)
         for ns, ss in seals.items():
-            self._emit(wire.BlocksSealed, ns, "seals", ss)
+            self._emit(wire.BlocksSealed, ns, "seals", ss, **self._sealed_extra(ns))
         if bad:
             self.fail(bad, "checksum")
             raise ChecksumMismatch(f"{len(bad)} block(s) failed their checksum: "
@@ -471,10 +476,16 @@ class BlockStore:
             writing = [e.hash for e in mine if e.state is BlockState.WRITING]
             events += _chunked(wire.BlocksWriting, self.node, self.tier, ns, "hashes", writing)
             sealed = [e.seal for e in mine if e.state is BlockState.SEALED]
-            events += _chunked(wire.BlocksSealed, self.node, self.tier, ns, "seals", sealed)
+            events += _chunked(wire.BlocksSealed, self.node, self.tier, ns, "seals", sealed,
+                               **self._sealed_extra(ns))
         return events
 
     # ------------------------------------------------------------------------ internals
+
+    def _sealed_extra(self, namespace: str) -> dict[str, Any]:
+        # The capability rides with every sealed event, re-announces included, so any
+        # kvindex (replica, replay, restart) learns it from the stream alone.
+        return {"capability": self.capability(namespace)} if self.capability else {}
 
     def _next_tick(self) -> int:
         self._tick += 1
@@ -704,9 +715,12 @@ class KvStore:
             await self._publish(events)
         return len(events)
 
-    async def start(self, nc: Any = None, *, sweep_interval_s: float = 1.0) -> None:
+    async def start(self, nc: Any = None, *, sweep_interval_s: float = 1.0,
+                    on_reject: Callable[[str, CpdError], None] | None = None) -> None:
         """Sweep expired leases every ``sweep_interval_s`` and, given a NATS connection,
-        answer ``Reannounce`` requests on :func:`cpd.subjects.kv_reannounce`."""
+        answer ``Reannounce`` requests on :func:`cpd.subjects.kv_reannounce`
+        (``on_reject(subject, error)`` counts a malformed one)."""
+        self._on_reject = on_reject
         self._tasks.append(asyncio.create_task(self._sweep(sweep_interval_s),
                                                name=f"kvstore-sweep-{self.node}"))
         if nc is not None:
@@ -719,6 +733,8 @@ class KvStore:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
+        for task in list(getattr(self, "_reannouncing", ())):
+            task.cancel()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -739,13 +755,35 @@ class KvStore:
         try:
             req = wire.decode(msg.data, wire.Reannounce)
         except CpdError as e:
-            log.warning("bad reannounce request", error=str(e))
+            if getattr(self, "_on_reject", None) is not None:
+                self._on_reject(msg.subject, e)
+            else:
+                log.warning("bad reannounce request", error=str(e))
             return
-        try:
-            n = await self.reannounce()
-        except CpdError as e:
-            log.error("reannounce failed", error=str(e))
+        # A re-announce publishes every held block: requests that arrive while one waits
+        # to run share it (a flood must not queue thousands of full re-announces), and
+        # it runs off the subscription's callback, which keeps draining meanwhile.
+        if getattr(self, "_reannounce_queued", False):
+            if msg.reply:
+                await msg.respond(b"")
             return
+        self._reannounce_queued = True
+        if not hasattr(self, "_reannounce_lock"):
+            self._reannounce_lock = asyncio.Lock()
+            self._reannouncing: set[asyncio.Task[None]] = set()
+        task = asyncio.create_task(self._run_reannounce(msg, req))
+        self._reannouncing.add(task)
+        task.add_done_callback(self._reannouncing.discard)
+
+    async def _run_reannounce(self, msg: Any, req: wire.Reannounce) -> None:
+        async with self._reannounce_lock:
+            self._reannounce_queued = False
+            try:
+                n = await self.reannounce()
+            except CpdError as e:
+                log.error("reannounce failed", error=str(e))
+                return
         log.info("reannounced", node=self.node, events=n, reason=req.reason)
         if msg.reply:
-            await msg.respond(b"")
+            with contextlib.suppress(Exception):
+                await msg.respond(b"")

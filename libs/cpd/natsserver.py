@@ -2,7 +2,10 @@
 started with JetStream on a free (or given) loopback port.
 
 Used by ``cpd up`` and by the test fixtures; a restart keeps the port and the JetStream
-store, so clients reconnect to the same URL and durable state survives.
+store, so clients reconnect to the same URL and durable state survives. With
+``config_file`` (``cpd up --secure``: the config :mod:`cpd.security` generates) the server
+also requires TLS and authenticates every client as an identity with its own subject
+permissions; host, port and JetStream store still come from here.
 """
 
 from __future__ import annotations
@@ -47,6 +50,17 @@ class NatsServer:
         self.log_file = log_file
         self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def secure(cls, secrets_dir: str | os.PathLike[str], **kwargs: object) -> NatsServer:
+        """A server run with the generated config of a :class:`cpd.security.SecretsDir`
+        (auth, TLS, per-identity permissions, JetStream)."""
+        from .security import CONFIG_FILE, SERVER_DIR
+
+        config = Path(secrets_dir).expanduser() / SERVER_DIR / CONFIG_FILE
+        if not config.exists():
+            raise CpdError(f"{config} does not exist: run `cpd secure init {secrets_dir}`")
+        return cls(config_file=str(config), **kwargs)  # type: ignore[arg-type]
 
     @property
     def url(self) -> str:

@@ -18,11 +18,18 @@ of different connections never meet):
   verified as soon as it lands;
 * a put adds the final status on tag ``(xfer, 1)`` once the server verified and sealed.
 
+A worker's server enforces capabilities (:mod:`cpd.capability`): a get must carry the
+read capability of its namespace at this node (a put, the write capability), checked in
+constant time before any block is looked at, so a client that only knows or guesses
+block hashes gets :class:`~cpd.errors.CapabilityDenied` and not a byte. A server built
+without a keyring (tools, benchmarks, the transfer tests' peers) serves any get.
+
 Every exchange has a deadline. UCX never notices a paused peer by itself, so on a missed
 deadline (or any endpoint error) the endpoint is aborted, which also cancels the receives
 still aimed at our buffers before those buffers are reused. Errors are typed:
 :class:`~cpd.errors.PeerGone`, :class:`~cpd.errors.BlockEvicted`,
-:class:`~cpd.errors.ChecksumMismatch`, :class:`~cpd.errors.TransferTimeout`.
+:class:`~cpd.errors.ChecksumMismatch`, :class:`~cpd.errors.TransferTimeout`,
+:class:`~cpd.errors.CapabilityDenied`.
 """
 
 from __future__ import annotations
@@ -43,15 +50,18 @@ from typing import Any
 import numpy as np
 
 from . import telemetry, wire
+from .capability import Keyring
 from .config import DataPlaneSettings
 from .errors import (
     BlockEvicted,
+    CapabilityDenied,
     ChecksumMismatch,
     CpdError,
     InvalidRequest,
     MalformedMessage,
     PeerGone,
     TransferTimeout,
+    WrongKind,
     error_from_wire,
 )
 from .kvstore import BlockStore, KvStore, checksum
@@ -86,7 +96,10 @@ def encode_address(host: str, port: int) -> bytes:
 
 def decode_address(address: bytes | str) -> tuple[str, int]:
     """``b"host:port"`` → ``(host, port)``; :class:`~cpd.errors.MalformedMessage` if bad."""
-    text = address.decode() if isinstance(address, bytes | bytearray) else address
+    try:
+        text = address.decode() if isinstance(address, bytes | bytearray) else address
+    except UnicodeDecodeError:  # a peer's heartbeat carried garbage
+        raise MalformedMessage(f"bad UCX address {address[:80]!r}; not text") from None
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise MalformedMessage(f"bad UCX address {text!r}; expected host:port")
@@ -271,18 +284,26 @@ async def _recv_idle(ep: Any, buf: bytearray, tag: int) -> None:
     linger_end = time.monotonic() + _IDLE_LINGER_S
     while not req.completed and time.monotonic() < linger_end:
         await asyncio.sleep(0)
+    recheck = _IDLE_RECHECK_S
     while not req.completed:
-        await driver.next_activity(_IDLE_RECHECK_S)
+        await driver.next_activity(recheck)
         if not req.completed:
             driver.worker.progress()
+        # Arrivals are nearly always announced by an fd event; the timer is the fallback,
+        # so a long-idle connection re-checks less often (every server keeps one open
+        # connection per peer, and 1 kHz wake-ups each were a quarter of a busy worker's CPU).
+        recheck = min(recheck * 2, _IDLE_RECHECK_MAX_S)
     req.check_error()
 
 
 # How long an idle receive keeps the event loop turning after traffic, and how often it
 # re-checks after that without an fd event (UCX does not announce every arrival, e.g. a
 # message that came before its receive was posted): one progress() per period is cheap.
-_IDLE_LINGER_S = 0.05
+# The linger covers back-to-back requests; at 50 ms it kept a loaded worker's loop
+# spinning after every request on every connection (a third of its CPU in a sim sweep).
+_IDLE_LINGER_S = 0.005
 _IDLE_RECHECK_S = 0.001
+_IDLE_RECHECK_MAX_S = 0.008
 
 
 def _request_api() -> tuple[Any, Any, Any, Any] | None:
@@ -398,6 +419,9 @@ class _Metrics:
                                           description="KV transfers by operation and outcome")
         self.seconds = m.create_histogram("cpd.kv.transfer.duration", unit="s",
                                           description="Duration of one KV transfer")
+        self.denied = m.create_counter(
+            "cpd.kv.capability.denied",
+            description="data-plane requests refused for a missing or wrong capability")
 
     def done(self, op: str, outcome: str, nbytes: int, seconds: float) -> None:
         attrs = {"op": op, "outcome": outcome}
@@ -411,11 +435,20 @@ class _Metrics:
 
 
 class TransferServer:
-    """The UCX listener of one worker: serves gets from and puts into its store."""
+    """The UCX listener of one worker: serves gets from and puts into its store.
 
-    def __init__(self, store: KvStore, settings: DataPlaneSettings) -> None:
+    With a ``keyring`` (every worker has one) each get and put must present the
+    capability of its namespace; without, the server is open (tools and tests).
+    """
+
+    # A cpd.audit.AuditLog when worker.audit_dir is set: every get served is recorded.
+    audit: Any = None
+
+    def __init__(self, store: KvStore, settings: DataPlaneSettings, *,
+                 keyring: Keyring | None = None) -> None:
         self.kv = store
         self.settings = settings
+        self.keyring = keyring
         self.port = 0
         self._listener: Any = None
         self._eps: set[Any] = set()
@@ -435,7 +468,10 @@ class TransferServer:
         """What peers connect to (``Heartbeat.ucx_address``)."""
         if not self.port:
             raise CpdError("transfer server not started")
-        return encode_address(self.settings.advertise_host, self.port)
+        # advertise_port: peers reach this listener through a forwarder (a NAT rule, the
+        # fault harness's proxy) on another port.
+        return encode_address(self.settings.advertise_host,
+                              self.settings.advertise_port or self.port)
 
     async def start(self) -> TransferServer:
         """Initialise UCX and start listening; returns ``self``."""
@@ -474,6 +510,11 @@ class TransferServer:
                 await _recv_idle(ep, buf, CTRL_TAG)
                 try:
                     msg = _unframe(buf, wire.Message)
+                    if not isinstance(msg, wire.BlockGet | wire.BlockPut):
+                        # No transfer id to answer on: closing is the only typed refusal
+                        # (an ignored header left the client waiting for its timeout).
+                        raise WrongKind(f"{msg.__struct_config__.tag!r} is not a "
+                                        "data-plane request")
                 except CpdError as e:
                     log.warning("bad transfer header; closing connection", error=str(e))
                     return
@@ -503,7 +544,7 @@ class TransferServer:
                     nbytes = await self._handle_get(ep, conn_id, msg)
             elif isinstance(msg, wire.BlockPut):
                 async with _progress_while_busy():
-                    nbytes = await self._handle_put(ep, msg)
+                    nbytes = await self._handle_put(ep, conn_id, msg)
             else:
                 log.warning("unexpected message on the data plane", kind=op)
                 outcome = "invalid"
@@ -528,8 +569,25 @@ class TransferServer:
         await self._reply(ep, xfer_id, index, wire.BlockReply(
             xfer_id=xfer_id, ok=False, code=err.code.value, message=str(err), **extra))
 
+    async def _authorize(self, ep: Any, conn_id: int, op: str, xfer_id: int, namespace: str,
+                         capability: bytes) -> None:
+        """Refuse (typed, before anything else) a request without a valid capability."""
+        if self.keyring is None or self.keyring.verify(
+                namespace, capability, "put" if op == "put" else "get"):
+            return
+        err = CapabilityDenied(f"{op} of namespace {namespace!r} at {self.kv.node}: "
+                               f"{'wrong' if capability else 'no'} capability")
+        self._metrics.denied.add(1, {"op": op})
+        # Who asked is only known by connection; hashes are not logged (they are the
+        # probe's payload, and tell an operator nothing).
+        log.warning("transfer.capability_denied", op=op, conn=conn_id, namespace=namespace,
+                    presented=bool(capability))
+        await self._reply_error(ep, xfer_id, 0, err)
+        raise err
+
     async def _handle_get(self, ep: Any, conn_id: int, req: wire.BlockGet) -> int:
         x = req.xfer_id
+        await self._authorize(ep, conn_id, "get", x, req.namespace, req.capability)
         try:
             hashes = wire.split_hashes(req.hashes)
         except CpdError as e:
@@ -557,6 +615,8 @@ class TransferServer:
                     err = InvalidRequest("one get carries blocks of one namespace")
                     await self._reply_error(ep, x, 0, err)
                     raise err
+                if self.audit is not None:
+                    self._audit_get(next(iter(namespaces)), entries)
                 await self._reply(ep, x, 0, wire.BlockReply(
                     xfer_id=x, namespace=namespaces.pop(),
                     blocks=[e.ref for e in entries], seals=[e.seal for e in entries]))
@@ -567,6 +627,15 @@ class TransferServer:
             finally:
                 self.store.unpin(lease)
         return sum(e.nbytes for e in entries)
+
+    def _audit_get(self, namespace: str, entries: list[Any]) -> None:
+        """Record what is about to leave: unsealed or corrupt blocks must never do."""
+        from .kvstore import BlockState
+
+        sealed = [e for e in entries if e.state is BlockState.SEALED]
+        corrupt = sum(not self.store.intact(e.hash) for e in sealed)
+        self.audit.served(namespace, [e.hash for e in entries],
+                          unsealed=len(entries) - len(sealed), corrupt=corrupt)
 
     def _servable(self, block_hash: bytes, namespace: str) -> bool:
         from .kvstore import BlockState
@@ -579,8 +648,9 @@ class TransferServer:
         """Send one block's bytes (a view into the arena)."""
         await ep.send(view, tag=tag)
 
-    async def _handle_put(self, ep: Any, req: wire.BlockPut) -> int:
+    async def _handle_put(self, ep: Any, conn_id: int, req: wire.BlockPut) -> int:
         x = req.xfer_id
+        await self._authorize(ep, conn_id, "put", x, req.namespace, req.capability)
         n = len(req.blocks)
         if n != len(req.seals) or not 0 < n <= self.settings.max_blocks_per_transfer or any(
                 s.hash != b.hash or s.nbytes > self.store.slot_bytes
@@ -684,9 +754,13 @@ class TransferClient:
     # ---------------------------------------------------------------------- public API
 
     async def get_into(self, address: bytes, hashes: Sequence[bytes], dests: Sequence[Any], *,
-                       namespace: str = "", timeout_s: float | None = None) -> list[Fetched]:
+                       namespace: str = "", timeout_s: float | None = None,
+                       capability: bytes = b"") -> list[Fetched]:
         """Fetch sealed blocks from the peer at ``address`` into ``dests`` (one writable
-        buffer per block, at least the block's length), verifying every checksum."""
+        buffer per block, at least the block's length), verifying every checksum.
+        ``capability``: the peer's read capability of ``namespace`` (see
+        :mod:`cpd.capability`); a peer that enforces them raises
+        :class:`~cpd.errors.CapabilityDenied` without it."""
         if len(dests) != len(hashes):
             raise ValueError("one destination buffer per block")
         views = [_byte_view(d) for d in dests]
@@ -694,7 +768,8 @@ class TransferClient:
         async def accept(reply: wire.BlockReply) -> None:
             return None
 
-        reply, digests = await self._get(address, hashes, namespace, timeout_s, views, accept)
+        reply, digests = await self._get(address, hashes, namespace, timeout_s, views, accept,
+                                         capability)
         bad = [s.hash for s, d in zip(reply.seals, digests, strict=True) if s.checksum != d]
         if bad:
             raise ChecksumMismatch(f"{len(bad)} of {len(hashes)} blocks from "
@@ -703,7 +778,8 @@ class TransferClient:
                                                                 strict=True)]
 
     async def pull(self, address: bytes, hashes: Sequence[bytes], store: KvStore, *,
-                   namespace: str = "", timeout_s: float | None = None) -> list[wire.BlockSeal]:
+                   namespace: str = "", timeout_s: float | None = None,
+                   capability: bytes = b"") -> list[wire.BlockSeal]:
         """Copy sealed blocks from the peer at ``address`` into the local ``store``.
 
         Blocks already held locally are not fetched. The new ones go through the local
@@ -730,7 +806,8 @@ class TransferClient:
 
         try:
             reply, digests = await self._get(address, wanted, namespace, timeout_s,
-                                             [store.store.slot_view(i) for i in slots], accept)
+                                             [store.store.slot_view(i) for i in slots], accept,
+                                             capability)
         except BaseException:
             if allocated:
                 await store.fail(allocated, "transfer failed")
@@ -743,7 +820,7 @@ class TransferClient:
         return await store.seal(items)
 
     async def put(self, address: bytes, hashes: Sequence[bytes], store: KvStore, *,
-                  timeout_s: float | None = None) -> int:
+                  timeout_s: float | None = None, capability: bytes = b"") -> int:
         """Push sealed blocks of the local ``store`` into the peer's store.
 
         The blocks stay pinned locally while their bytes leave. The peer skips blocks it
@@ -759,7 +836,8 @@ class TransferClient:
             namespaces = {e.namespace for e in entries if e is not None}
             if len(namespaces) != 1:
                 raise InvalidRequest("one put carries blocks of one namespace")
-            return await self._put(address, store.store, entries, namespaces.pop(), timeout)
+            return await self._put(address, store.store, entries, namespaces.pop(), timeout,
+                                   capability)
         finally:
             store.unpin(lease)
 
@@ -874,8 +952,8 @@ class TransferClient:
 
     async def _get(self, address: bytes, hashes: Sequence[bytes], namespace: str,
                    timeout_s: float | None, landing: Sequence[np.ndarray],
-                   accept: Callable[[wire.BlockReply], Awaitable[None]]
-                   ) -> tuple[wire.BlockReply, list[int]]:
+                   accept: Callable[[wire.BlockReply], Awaitable[None]],
+                   capability: bytes = b"") -> tuple[wire.BlockReply, list[int]]:
         """One get exchange. The receives are posted into ``landing`` (one view per block,
         a block's bytes fill its prefix) *before* the request goes out, so the blocks
         flow as soon as the peer sends them; ``accept`` vets the reply before any result
@@ -901,7 +979,8 @@ class TransferClient:
 
             async def exchange() -> None:
                 req = wire.BlockGet(xfer_id=x, hashes=wire.join_hashes(list(hashes)),
-                                    namespace=namespace, timeout_ms=int(timeout * 1000))
+                                    namespace=namespace, timeout_ms=int(timeout * 1000),
+                                    capability=capability)
                 reply = await self._exchange_header(conn, buf, req, x)
                 if not reply.ok:
                     raise _reply_error(reply)  # nothing follows: keep the connection
@@ -935,7 +1014,7 @@ class TransferClient:
         return reply, digests
 
     async def _put(self, address: bytes, store: BlockStore, entries: Sequence[Any],
-                   namespace: str, timeout: float) -> int:
+                   namespace: str, timeout: float, capability: bytes = b"") -> int:
         t0 = time.perf_counter()
         sent = 0
 
@@ -946,7 +1025,8 @@ class TransferClient:
             x = next(conn.ids)
             seals = [e.seal for e in entries]
             req = wire.BlockPut(xfer_id=x, namespace=namespace, blocks=[e.ref for e in entries],
-                                seals=seals, timeout_ms=int(timeout * 1000))
+                                seals=seals, timeout_ms=int(timeout * 1000),
+                                capability=capability)
             ready = await self._exchange_header(conn, buf, req, x)
             if not ready.ok:
                 raise _reply_error(ready)

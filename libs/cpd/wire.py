@@ -76,7 +76,9 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     tenant: str = "default"
     cache_salt: str = ""
     priority: int = 0
-    timeout_ms: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0 = the router's default deadline
+    # 0 = the router's default deadline; bounded (~35 years) so deadlines derived from it
+    # stay within the uint64 milliseconds of the messages the router sends on.
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
 
 
 class TokenChunk(Message, tag="token", kw_only=True):
@@ -86,6 +88,11 @@ class TokenChunk(Message, tag="token", kw_only=True):
     seq: NonNegInt
     token_ids: list[int]
     text: str = ""
+    # > 0: not tokens but the router's keep-alive on a silent stream (no ids, no text):
+    # "I am alive; expect a message at least every ``keepalive_ms``". Clients skip it,
+    # and fail the stream typed when that many intervals pass without any message
+    # (router.keepalive_misses; DESIGN.md §10). Older clients see an empty chunk.
+    keepalive_ms: NonNegInt = 0
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -164,6 +171,9 @@ class TierMatch(msgspec.Struct, array_like=True):
     node: str
     tier: Tier
     num_blocks: NonNegInt
+    # Read capability of this node's blocks of the looked-up namespace (cpd.capability);
+    # empty for tiers the data plane does not serve (GPU).
+    capability: bytes = b""
 
 
 class PendingMatch(msgspec.Struct, array_like=True):
@@ -224,6 +234,9 @@ class BlocksWriting(KvEvent, tag="kv_writing", kw_only=True):
 
 class BlocksSealed(KvEvent, tag="kv_sealed", kw_only=True):
     seals: list[BlockSeal]
+    # The node's read capability for ``namespace`` (cpd.capability): kvindex hands it to
+    # routers with the location; a peer must present it to pull these blocks.
+    capability: bytes = b""
 
 
 class BlocksEvicted(KvEvent, tag="kv_evicted", kw_only=True):
@@ -330,6 +343,7 @@ class LoadSource(msgspec.Struct, kw_only=True):
     tier: Tier
     first_block: NonNegInt
     num_blocks: NonNegInt
+    capability: bytes = b""  # from kvindex's TierMatch; presented in BlockGet
 
 
 class PrefillRequest(Message, tag="prefill", kw_only=True):
@@ -365,6 +379,7 @@ class DecodeRequest(Message, tag="decode", kw_only=True):
     route: Route = msgspec.field(default_factory=Route)
     timings: Timings = msgspec.field(default_factory=Timings)
     trace: str = ""
+    capability: bytes = b""  # source_node's read capability for ``namespace``
 
 
 class Accepted(Message, tag="accepted", kw_only=True):
@@ -454,6 +469,9 @@ class BlockGet(Message, tag="blk_get", kw_only=True):
     hashes: bytes
     namespace: str = ""  # when set, blocks of another namespace count as missing
     timeout_ms: NonNegInt = 0
+    # Read capability of ``namespace`` at the serving node (cpd.capability); a server
+    # that enforces capabilities refuses the get without one.
+    capability: bytes = b""
 
 
 class BlockPut(Message, tag="blk_put", kw_only=True):
@@ -464,6 +482,7 @@ class BlockPut(Message, tag="blk_put", kw_only=True):
     blocks: list[BlockRef]
     seals: list[BlockSeal]
     timeout_ms: NonNegInt = 0
+    capability: bytes = b""  # write capability of ``namespace`` at the serving node
 
 
 class BlockReply(Message, tag="blk_reply", kw_only=True):
@@ -527,7 +546,7 @@ def decode(data: bytes | memoryview, expect: type[T] | None = None) -> T:
     """
     try:
         msg = _decoder.decode(data)
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, RecursionError) as e:  # deep nesting: hostile input
         raise _classify(data, e) from None
     if msg.v != SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -543,7 +562,7 @@ def decode(data: bytes | memoryview, expect: type[T] | None = None) -> T:
 def _classify(data: bytes | memoryview, err: Exception) -> Exception:
     try:
         head = _header_decoder.decode(data)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         return MalformedMessage(f"undecodable message: {err}")
     if head.v not in (-1, SCHEMA_VERSION):
         return SchemaVersionError(

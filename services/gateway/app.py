@@ -7,6 +7,11 @@
 * ``GET /v1/models``, ``GET /health`` (NATS connected and a router answering),
   ``GET /metrics`` (Prometheus text of this process).
 
+Tenants (:mod:`services.gateway.tenants`): with ``gateway.tenants`` configured, a request
+first needs a tenant's API key (401), then passes the tenant's rate limit (429 with
+``Retry-After``), body size (413), prompt length and ``max_tokens`` cap (400); it goes to
+the router as that tenant's, so its KV blocks stay in the tenant's own namespace.
+
 A request is parsed and checked here, then sent to the router with the gateway's
 deadline. Errors before the first generated token keep their HTTP status (a streaming
 request's reply starts only once its first message arrived); an error after that ends
@@ -41,6 +46,8 @@ from cpd.servedmodel import ServedModel
 from . import protocol
 from .errors import ApiError, http_exception_handler
 from .metrics import GatewayMetrics, Progress
+from .ratelimit import RateLimiter, retry_after_header
+from .tenants import AuthError, Tenant, TenantTable
 
 __all__ = ["create_app"]
 
@@ -96,6 +103,8 @@ class _Gateway:
         self.timeout_s = settings.gateway.request_timeout_s
         self.metrics = GatewayMetrics()
         self.started = int(time.time())
+        self.tenants = TenantTable.from_settings(settings.gateway)
+        self.limiter = RateLimiter(self.tenants.limits, time.monotonic)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -146,11 +155,16 @@ class _Gateway:
             # rides to the router and on to the workers.
             with trace.use_span(call.span, end_on_exit=False), \
                     telemetry.bound_request(request_id):
-                body = protocol.decode_body(await request.body(), kind)
+                tenant = self._admit(request)
+                raw = await request.body()
+                if tenant.max_request_bytes and len(raw) > tenant.max_request_bytes:
+                    raise self._too_large(tenant, len(raw))
+                body = protocol.decode_body(raw, kind)
                 call.stream = bool(body.stream)
                 call.include_usage = bool(body.stream_options and
                                           body.stream_options.include_usage)
-                messages = self.client.stream_request(await self._wire_request(body, request_id))
+                messages = self.client.stream_request(
+                    await self._wire_request(body, request_id, tenant))
                 first = await _next(messages)
         except ApiError as e:
             return self._fail(call, e)
@@ -231,8 +245,67 @@ class _Gateway:
 
     # ---------------------------------------------------------------- requests
 
+    def _admit(self, request: Request) -> Tenant:
+        """The request's tenant, once its key, rate and declared size pass."""
+        try:
+            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        except AuthError:
+            self.metrics.tenant_rejected("unknown", "unauthorized")
+            raise
+        wait_s = self.limiter.check(tenant.name)
+        if wait_s > 0:
+            self.metrics.tenant_rejected(tenant.name, "rate_limited")
+            raise ApiError(HTTPStatus.TOO_MANY_REQUESTS,
+                           f"tenant {tenant.name!r} is over its request rate; retry in "
+                           f"{wait_s:.2f} s", code="rate_limit_exceeded",
+                           headers={"Retry-After": retry_after_header(wait_s)})
+        declared = request.headers.get("content-length", "")
+        if (tenant.max_request_bytes and declared.isdigit()
+                and int(declared) > tenant.max_request_bytes):
+            raise self._too_large(tenant, int(declared))  # refused before reading it
+        return tenant
+
+    def _too_large(self, tenant: Tenant, nbytes: int) -> ApiError:
+        self.metrics.tenant_rejected(tenant.name, "request_too_large")
+        return ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        f"the request body has {nbytes} bytes; tenant {tenant.name!r} may "
+                        f"send at most {tenant.max_request_bytes}",
+                        code=ErrorCode.PAYLOAD_TOO_LARGE.value)
+
+    def _tenant_limit(self, tenant: Tenant, reason: str, message: str,
+                      param: str) -> ApiError:
+        self.metrics.tenant_rejected(tenant.name, reason)
+        return ApiError.invalid(message, param=param,
+                                code=(ErrorCode.PROMPT_TOO_LONG.value
+                                      if reason == "prompt_too_long"
+                                      else ErrorCode.INVALID_REQUEST.value))
+
+    async def _check_tenant_prompt(self, tenant: Tenant, prompt: str | list[int],
+                                   param: str) -> None:
+        limit = tenant.max_prompt_tokens
+        if not limit:
+            return
+        n = len(prompt) if isinstance(prompt, list) else len(
+            await asyncio.to_thread(self.model.encode, prompt))
+        if n > limit:
+            raise self._tenant_limit(
+                tenant, "prompt_too_long",
+                f"the prompt has {n} tokens; tenant {tenant.name!r} may send at most "
+                f"{limit}", param)
+
+    def _cap_max_tokens(self, tenant: Tenant, max_tokens: int, explicit: bool) -> int:
+        cap = tenant.max_tokens
+        if not cap or max_tokens <= cap:
+            return max_tokens
+        if explicit:
+            raise self._tenant_limit(
+                tenant, "max_tokens",
+                f"max_tokens {max_tokens} exceeds tenant {tenant.name!r}'s cap of {cap}",
+                "max_tokens")
+        return cap  # a default (not asked for) is clamped, never refused
+
     async def _wire_request(self, body: protocol.CompletionRequest | protocol.ChatRequest,
-                      request_id: str) -> wire.GenerateRequest:
+                            request_id: str, tenant: Tenant) -> wire.GenerateRequest:
         """Check a parsed body and turn it into the router's request."""
         if body.model and body.model != self.served_name:
             raise ApiError(HTTPStatus.NOT_FOUND,
@@ -242,23 +315,28 @@ class _Gateway:
         prompt: str | list[int]
         if isinstance(body, protocol.ChatRequest):
             prompt = protocol.chat_prompt(body, self.model)
+            await self._check_tenant_prompt(tenant, prompt, "messages")
             max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                           else body.max_tokens)
+            explicit = max_tokens is not None
             if max_tokens is None:
                 max_tokens = await self._room_after(prompt)
         else:
             prompt = protocol.completion_prompt(body, self.model)
+            await self._check_tenant_prompt(tenant, prompt, "prompt")
+            explicit = body.max_tokens is not None
             max_tokens = (protocol.DEFAULT_MAX_TOKENS if body.max_tokens is None
                           else body.max_tokens)
             if isinstance(prompt, list):
                 self._check_length(len(prompt))
+        max_tokens = self._cap_max_tokens(tenant, max_tokens, explicit)
         given = {"top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                  "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos}
         temperature = (protocol.DEFAULT_TEMPERATURE if body.temperature is None
                        else body.temperature)
         return self.client.request(
             prompt, max_tokens=max_tokens, temperature=temperature, model=self.model.name,
-            timeout_s=self.timeout_s, request_id=request_id,
+            timeout_s=self.timeout_s, request_id=request_id, tenant=tenant.name,
             **{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
 
     async def _room_after(self, prompt: str) -> int:

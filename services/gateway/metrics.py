@@ -89,6 +89,11 @@ class GatewayMetrics:
         self._completion_tokens = m.create_counter(
             "cpd_gateway_completion_tokens", unit="{token}",
             description="generated tokens of finished requests")
+        self._tenant_rejected = m.create_counter(
+            "cpd_gateway_tenant_rejections",
+            description="requests refused by the tenant checks, by tenant and reason "
+                        "(unauthorized, rate_limited, request_too_large, prompt_too_long, "
+                        "max_tokens); tenant 'unknown' when no valid key was given")
 
     def finished(self, endpoint: str, final: wire.Final, progress: Progress,
                  now: float) -> None:
@@ -113,6 +118,10 @@ class GatewayMetrics:
         """A request answered with an error (before or during its stream)."""
         self._requests.add(1, {"endpoint": endpoint, "status": str(status)})
         self._rejected.add(1, {"endpoint": endpoint, "code": code})
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        """A request refused by its tenant's key or limits."""
+        self._tenant_rejected.add(1, {"tenant": tenant, "reason": reason})
 
     def abandoned(self, endpoint: str) -> None:
         """A stream whose client disconnected before its end."""

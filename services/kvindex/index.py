@@ -10,6 +10,9 @@
 * Eviction, failure, a node clearing its tier, a new node epoch or a lease-expiry event
   remove locations, always with their descendants at that location (prefix-closed).
 * Lookups binary-search the longest visible prefix per location (DESIGN.md §5).
+* Each node's read capability per namespace (:mod:`cpd.capability`, from its sealed
+  events) is kept for its current epoch and returned with its DRAM locations; a lookup in
+  one namespace only ever sees that namespace's blocks and capabilities.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from cpd.lifecycle import PENDING, State, can_transition
 Tier = wire.Tier
 LocKey = str
 """``"<node>/<tier>"``: node ids are subject tokens, so they never contain a slash."""
-_NS_ID = re.compile(r"^[0-9a-f]{32}$")
+_NS_ID = re.compile(r"^[0-9a-f]{32}\Z")
 SNAPSHOT_VERSION = 1
 
 
@@ -90,6 +93,8 @@ class NodeInfo:
     expired_epoch: int = -1     # newest epoch whose lease expiry was applied
     needs_reannounce: bool = False
     engine: dict[Any, _EngineBlock] = field(default_factory=dict)
+    # namespace id → the node's data-plane read capability in ``epoch`` (persisted).
+    caps: dict[str, bytes] = field(default_factory=dict)
 
     def alive(self, now: float) -> bool:
         return self.lease_until >= now
@@ -180,7 +185,9 @@ class Index:
                     seen_nodes.setdefault(node, 0)
                 continue
             lo = _prefix(table, hashes, n, lambda b, k=key: _visible_at(b, k))
-            matches.append(wire.TierMatch(node, tier, lo))
+            # Only DRAM is served over the data plane; the capability is per namespace.
+            cap = info.caps.get(ns, b"") if tier is Tier.DRAM else b""
+            matches.append(wire.TierMatch(node, tier, lo, cap))
             best = max(best, lo)
             if tier is Tier.DRAM:
                 seen_nodes[node] = max(seen_nodes.get(node, 0), lo)
@@ -253,6 +260,8 @@ class Index:
             info.expired_epoch = max(info.expired_epoch, ev.epoch)
             self._drop_node(ev.node, ch, lambda loc: loc.epoch <= ev.epoch,
                             reason_tier=None)
+            if ev.epoch >= info.epoch:
+                info.caps.clear()  # a re-announce brings them back with the blocks
             return ch
         info = self.nodes.setdefault(ev.node, NodeInfo())
         if ev.epoch < info.epoch:
@@ -262,6 +271,7 @@ class Index:
             # A new incarnation starts with empty caches: forget the old one's blocks.
             self._drop_node(ev.node, ch, lambda loc: loc.epoch < ev.epoch, reason_tier=None)
             info.engine.clear()
+            info.caps.clear()  # the new incarnation has a new secret
             info.epoch, info.last_seq = ev.epoch, 0
         if ev.seq <= info.last_seq:
             ch.duplicates += 1
@@ -277,6 +287,8 @@ class Index:
             self._drop_node(ev.node, ch, lambda loc: True, reason_tier=ev.tier)
             if ev.tier is Tier.GPU:
                 info.engine.clear()
+            else:
+                info.caps.clear()
             info.needs_reannounce = False
             ch.reannounce.discard(ev.node)
             return ch
@@ -294,6 +306,8 @@ class Index:
             for h in ev.hashes:
                 self._step(ns, h, key, State.WRITING, ch)
         elif isinstance(ev, wire.BlocksSealed):
+            if ev.capability and ev.tier is Tier.DRAM:
+                info.caps[ns] = ev.capability
             for seal in ev.seals:
                 loc = self._step(ns, seal.hash, key, State.SEALED, ch)
                 if loc is not None:
@@ -468,7 +482,7 @@ class Index:
             by_node={n: list(keys) for n, keys in self._by_node.items()},
             nodes=[_SnapNode(n, i.epoch, i.last_seq, i.expired_epoch, i.needs_reannounce,
                              [(k, e.ns, e.cpd_parent, e.tokens, e.cpd_hash)
-                              for k, e in i.engine.items()])
+                              for k, e in i.engine.items()], dict(i.caps))
                    for n, i in self.nodes.items()],
             namespaces=[ns.to_spec() for ns in self.namespaces.values()]))
 
@@ -489,7 +503,8 @@ class Index:
         for n in snap.nodes:
             info = idx.nodes[n.node] = NodeInfo(epoch=n.epoch, last_seq=n.last_seq,
                                                 expired_epoch=n.expired_epoch,
-                                                needs_reannounce=n.needs_reannounce)
+                                                needs_reannounce=n.needs_reannounce,
+                                                caps=dict(n.caps))
             for k, ns, cpd_parent, tokens, cpd_hash in n.engine:
                 info.engine[_ehash(k)] = _EngineBlock(ns, cpd_parent, tokens, cpd_hash)
         return idx, snap.stream_seq
@@ -501,7 +516,8 @@ class Index:
              sorted((k, int(loc.state), loc.nbytes, loc.checksum or 0, loc.epoch)
                     for k, loc in b.locs.items()))
             for ns, table in self.blocks.items() for h, b in table.items())
-        nodes = sorted((n, i.epoch, i.last_seq) for n, i in self.nodes.items()
+        nodes = sorted((n, i.epoch, i.last_seq, sorted(i.caps.items()))
+                       for n, i in self.nodes.items()
                        if i.epoch or i.last_seq)  # heartbeat-only records are not durable
         return msgspec.msgpack.encode([blocks, nodes])
 
@@ -513,6 +529,8 @@ class _SnapNode(msgspec.Struct, array_like=True):
     expired_epoch: int
     needs_reannounce: bool
     engine: list[tuple[int | bytes, str, bytes, bytes, bytes]]
+    # Appended (snapshots without it restore with no capabilities; re-announce refills).
+    caps: dict[str, bytes] = msgspec.field(default_factory=dict)
 
 
 class _SnapshotHead(msgspec.Struct):

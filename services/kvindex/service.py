@@ -105,6 +105,7 @@ class KvIndexService(Service):
         self.recovering = self.applied_seq < self.target_seq
         self._sub = await self.js.subscribe(
             subjects.KV_EVENTS_ALL, cb=self._on_event, ordered_consumer=True,
+            idle_heartbeat=self.cfg.consumer_heartbeat_s,
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
             config=api.ConsumerConfig(opt_start_seq=self.applied_seq + 1),
         )
@@ -206,6 +207,7 @@ class KvIndexService(Service):
             ev = wire.decode(msg.data, wire.KvEvent)
         except CpdError as e:
             self.dead_letters += 1
+            self.reject(msg.subject, e)
             self.log.error("kvindex.dead_letter", stream_seq=seq, subject=msg.subject,
                            error=e.code.value, detail=e.message)
             with contextlib.suppress(Exception):
@@ -224,10 +226,8 @@ class KvIndexService(Service):
         await self._publish(ch)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            hb = wire.decode(msg.data, wire.Heartbeat)
-        except CpdError as e:
-            self.log.warning("kvindex.bad_heartbeat", subject=msg.subject, error=e.code.value)
+        hb = self.decode_or_reject(msg, wire.Heartbeat)
+        if hb is None:
             return
         ch = self.index.heartbeat(hb, time.monotonic())
         if self._reannounce_all and hb.node not in self._asked:

@@ -69,9 +69,18 @@ class NodeTable:
         if n is not None:
             n.dispatched_ms += est_ms
 
-    def alive(self, node: str, now: float) -> bool:
+    def alive(self, node: str, now: float, epoch: int = 0) -> bool:
+        """Whether ``node`` holds its lease; with ``epoch``, the incarnation started
+        then (a restart under the same name is a different node to its old requests)."""
         n = self._nodes.get(node)
-        return n is not None and now - n.last_seen <= n.lease_ttl_s
+        return (n is not None and now - n.last_seen <= n.lease_ttl_s
+                and (not epoch or n.started_unix_ms == epoch))
+
+    def epoch(self, node: str) -> int:
+        """The start time (``Heartbeat.started_unix_ms``) of the node's current
+        incarnation; 0 if unknown."""
+        n = self._nodes.get(node)
+        return n.started_unix_ms if n is not None else 0
 
     def live(self, now: float, exclude: frozenset[str] = frozenset()) -> list[NodeLoad]:
         """Every live worker as the policy sees it."""

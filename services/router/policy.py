@@ -61,6 +61,9 @@ class Hits:
     gpu: Mapping[str, int] = field(default_factory=dict)
     dram: Mapping[str, int] = field(default_factory=dict)
     pending: Mapping[str, int] = field(default_factory=dict)
+    # node → its read capability of the request's namespace (DRAM locations): copied
+    # into the LoadSource, without it the node's data plane refuses the pull.
+    caps: Mapping[str, bytes] = field(default_factory=dict)
 
     @classmethod
     def from_reply(cls, reply: wire.LookupReply | None) -> Hits:
@@ -69,7 +72,10 @@ class Hits:
             return cls(ok=False)
         gpu = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.GPU}
         dram = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DRAM}
-        return cls(gpu=gpu, dram=dram, pending={p.node: p.num_blocks for p in reply.pending})
+        caps = {m.node: m.capability for m in reply.matches
+                if m.tier is wire.Tier.DRAM and m.capability}
+        return cls(gpu=gpu, dram=dram, pending={p.node: p.num_blocks for p in reply.pending},
+                   caps=caps)
 
 
 @dataclass(frozen=True)
@@ -189,7 +195,8 @@ class Router:
             if t < self.prefill.ms(local_dram - base, base):
                 sources.append(wire.LoadSource(node=node.node, tier=wire.Tier.DRAM,
                                                first_block=base // block_size,
-                                               num_blocks=(local_dram - base) // block_size))
+                                               num_blocks=(local_dram - base) // block_size,
+                                               capability=hits.caps.get(node.node, b"")))
                 dram, load_ms, base = local_dram - base, load_ms + t, local_dram
         remote_tokens, remote_node = 0, ""
         if remote:
@@ -201,7 +208,8 @@ class Router:
                 if t < self.prefill.ms(best[0] - base, base):
                     sources.append(wire.LoadSource(node=best[1], tier=wire.Tier.DRAM,
                                                    first_block=base // block_size,
-                                                   num_blocks=(best[0] - base) // block_size))
+                                                   num_blocks=(best[0] - base) // block_size,
+                                                   capability=hits.caps.get(best[1], b"")))
                     remote_tokens, remote_node = best[0] - base, best[1]
                     load_ms += t
                     base = best[0]

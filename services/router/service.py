@@ -15,7 +15,6 @@ client); admission slots are held exactly as long as requests run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import replace
 
@@ -24,7 +23,7 @@ import numpy as np
 from nats.aio.msg import Msg
 
 from cpd import subjects, telemetry, wire
-from cpd.bus import ReplyStream, Request, Service, StreamReader
+from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader
 from cpd.config import Settings
 from cpd.errors import (
     CpdError,
@@ -76,6 +75,8 @@ class RouterService(Service):
                                       max_inflight=settings.admission.max_inflight)
         self.kvindex_state: str = "ok"
         self._model = model
+        # Client streams still open: the keep-alive ticker's work list.
+        self._open_streams: set[ReplyStream] = set()
         self._instruments()
 
     # ------------------------------------------------------------------ lifecycle
@@ -104,6 +105,7 @@ class RouterService(Service):
         await self.add_endpoint("status", subjects.ROUTER_STATUS, self._on_status,
                                 expect=wire.StatusRequest, queue=subjects.QUEUE_ROUTER)
         self.spawn(self._forget_dead_nodes(), "node-gc")
+        self.spawn(self._keepalives(), "keepalives")
         self.log.info("router.ready", policy=c.policy, model=self.model.name,
                       namespace=self.model.namespace.id)
 
@@ -134,16 +136,42 @@ class RouterService(Service):
                         "cold pre-prefill)")
         self._m_in_flight = m.create_up_down_counter(
             "cpd_router_in_flight", description="requests holding an admission slot")
+        self._m_keepalives = m.create_counter(
+            "cpd_router_keepalives_total",
+            description="keep-alives sent on silent client streams")
 
     # --------------------------------------------------------------- node table
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        with contextlib.suppress(CpdError):
-            self.nodes.heartbeat(wire.decode(msg.data, wire.Heartbeat), time.monotonic())
+        hb = self.decode_or_reject(msg, wire.Heartbeat)
+        if hb is not None:
+            self.nodes.heartbeat(hb, time.monotonic())
 
     async def _on_load(self, msg: Msg) -> None:
-        with contextlib.suppress(CpdError):
-            self.nodes.load_report(wire.decode(msg.data, wire.LoadReport), time.monotonic())
+        report = self.decode_or_reject(msg, wire.LoadReport)
+        if report is not None:
+            self.nodes.load_report(report, time.monotonic())
+
+    async def _keepalives(self) -> None:
+        """Keep every client stream from being silent longer than a keep-alive interval,
+        so a client whose router died fails fast and typed (cpd.client) instead of at
+        its deadline. One ticker for all streams: a task per stream would double the
+        tasks of a busy router."""
+        interval = self.cfg.keepalive_interval_s
+        ms = int(interval * 1000)
+        while not self.stopping:
+            # Every half interval, to streams silent for half an interval or more: the
+            # gap a client sees stays within one interval, so its limit of
+            # keepalive_misses intervals leaves slack for a briefly stalled event loop.
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for out in list(self._open_streams):
+                if not out.closed and now - out.last_sent >= interval / 2:
+                    try:
+                        await out.keepalive(ms)
+                    except CpdError:  # the connection is gone: nothing to tell anyone
+                        continue
+                    self._m_keepalives.add(1)
 
     async def _forget_dead_nodes(self) -> None:
         ttl = self.settings.node.lease_ttl_s
@@ -165,6 +193,7 @@ class RouterService(Service):
         if not r.reply_to:
             raise InvalidRequest("a generate request needs a reply inbox")
         out = r.stream(req.request_id)
+        self._open_streams.add(out)
         try:
             await self._generate(req, out)
         except BaseException as e:
@@ -177,11 +206,15 @@ class RouterService(Service):
             else:
                 self.stats.failed += 1
                 self._m_requests.add(1, {"policy": self.cfg.policy, "outcome": "error"})
+            if isinstance(e, CpdError) and e.code in BAD_INPUT:  # e.g. a torn token array
+                self.reject(r.subject, e)
             self.log.info("router.request_failed", error=getattr(e, "code", repr(e)),
                           detail=str(e))
             await out.error(e)
             if not isinstance(e, Exception):
                 raise
+        finally:
+            self._open_streams.discard(out)
 
     async def _generate(self, req: wire.GenerateRequest, out: ReplyStream) -> None:
         t0 = time.monotonic()
@@ -191,6 +224,10 @@ class RouterService(Service):
         deadline_unix_ms = int((time.time() + timeout_s) * 1000)
         tokens = await self._prompt_tokens(req)
         ns = self._namespace(req)
+        # The first keep-alive as soon as the request is valid (a bad one is answered
+        # with its error first, as before): it arms the client's watchdog, so a router
+        # that dies at any point after this is noticed within keepalive_misses.
+        await out.keepalive(int(self.cfg.keepalive_interval_s * 1000))
         async with self.admission.slot(deadline, req.priority) as waited:
             self.stats.admitted += 1
             self._m_in_flight.add(1)
@@ -356,17 +393,21 @@ class RouterService(Service):
             relay.restart()
             idle_s = self.settings.bus.stream_idle_timeout_s
             last = time.monotonic()
+            # The incarnation of each node this try depends on: a node that crashed and
+            # came back under its name within one lease lost the request all the same.
+            epochs = {plan.node: self.nodes.epoch(plan.node)}
             while True:
                 # The node that owns the stream now: prefill until the first token,
                 # then decode.
                 owner = plan.node if relay.seen == 0 else decision.decode_node
+                epochs.setdefault(owner, self.nodes.epoch(owner))
                 try:
                     msg = await reader.next(self.cfg.liveness_check_interval_s)
                 except CpdError as e:
                     raise _AttemptFailed(e, {owner}) from None
                 now = time.monotonic()
                 if msg is None:
-                    if not self.nodes.alive(owner, now):
+                    if not self.nodes.alive(owner, now, epochs[owner]):
                         raise _AttemptFailed(Unavailable(
                             f"{owner} stopped heart-beating while serving the request"),
                             {owner})

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from cpd import wire
 
 
@@ -24,7 +26,9 @@ class EngineRequest:
     """One generation: prompt tokens, sampling, and which arena slots to load and save."""
 
     request_id: str
-    tokens: Sequence[int]
+    # Workers pass the wire's uint32 array as is: a list of 100K+ Python ints costs
+    # milliseconds per request to build and convert back.
+    tokens: Sequence[int] | np.ndarray
     sampling: wire.SamplingParams
     # Slots holding the prompt's first blocks, in order, with their checksums.
     load_slots: Sequence[int] = ()

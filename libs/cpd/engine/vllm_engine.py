@@ -7,9 +7,11 @@ path, and ``kv_transfer_params`` on each request.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from cpd import wire
 from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
@@ -88,7 +90,7 @@ class VllmEngine:
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
             output_kind=RequestOutputKind.DELTA, extra_args=extra)
-        prompt: dict[str, Any] = {"prompt_token_ids": list(request.tokens)}
+        prompt: dict[str, Any] = {"prompt_token_ids": _token_list(request.tokens)}
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
         async for out in self._llm.generate(prompt, params, request.request_id):
@@ -122,3 +124,8 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _token_list(tokens: Sequence[int] | np.ndarray) -> list[int]:
+    # vLLM wants Python ints; list() of a numpy array would give numpy scalars.
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)

@@ -34,7 +34,9 @@ from nats.aio.msg import Msg
 from opentelemetry.metrics import Observation
 
 from cpd import kvevents, subjects, telemetry, wire
-from cpd.bus import ReplyStream, Request, Service
+from cpd.audit import AuditLog
+from cpd.bus import BAD_INPUT, ReplyStream, Request, Service
+from cpd.capability import Keyring
 from cpd.config import Settings
 from cpd.engine import ArenaSpec, Engine, EngineRequest, EngineStep
 from cpd.errors import (
@@ -46,7 +48,7 @@ from cpd.errors import (
 )
 from cpd.kvstore import BlockEntry, BlockState, BlockStore, KvStore, slot_bytes
 from cpd.servedmodel import ServedModel
-from cpd.transfer import TransferClient, TransferServer, init_ucx
+from cpd.transfer import TransferClient, TransferServer, decode_address, init_ucx
 
 PREFILL_ROLES = ("preprefill", "prefill")
 
@@ -70,6 +72,10 @@ class WorkerService(Service):
         self.role = role
         self.engine = engine
         self.epoch = int(time.time() * 1000)
+        # This incarnation's data-plane secret: peers read our blocks only with a
+        # capability issued from it (sealed events → kvindex → router, or our hand-off);
+        # a restart draws a new one, which voids every capability of the old epoch.
+        self.keyring = Keyring(self.node_id, self.epoch)
         self.block_size = settings.cache.block_size
         self.peers: dict[str, bytes] = {}
         self.waiting = 0
@@ -79,6 +85,9 @@ class WorkerService(Service):
         self._arena_path: Path | None = None
         self._bridge: Any = None
         self._leases: dict[str, asyncio.TimerHandle] = {}
+        # Request ids running here: engines refuse a duplicate id with an untyped error.
+        self._running: set[str] = set()
+        self.audit: AuditLog | None = None  # worker.audit_dir: the block audit trail
         self._instruments()
 
     def _instruments(self) -> None:
@@ -108,6 +117,7 @@ class WorkerService(Service):
         s = self.settings
         model = await asyncio.to_thread(ServedModel.for_settings, s)
         self.namespace = model.namespace
+        self.vocab_size = model.vocab_size  # token ids past it are refused, not run
         nbytes = slot_bytes(s)
         num_slots = max(1, s.dataplane.arena_bytes // nbytes)
         arena_dir = Path(s.worker.arena_dir)
@@ -137,13 +147,16 @@ class WorkerService(Service):
         s = self.settings
         arena = self._arena
         js = self.bus.nc.jetstream()
-        await kvevents.ensure_stream(js)
+        await kvevents.ensure_stream(js, update=False)  # kvindex owns its limits
         self.kv = KvStore(BlockStore(arena.shape[1], arena.shape[0], node=self.node_id,
-                                     arena=arena),
+                                     arena=arena, capability=self.keyring.issue),
                           kvevents.KvEventPublisher(js, self.node_id, epoch=self.epoch))
-        await self.kv.start(self.bus.nc, sweep_interval_s=s.dataplane.lease_sweep_interval_s)
+        await self.kv.start(self.bus.nc, sweep_interval_s=s.dataplane.lease_sweep_interval_s,
+                            on_reject=self.reject)
         init_ucx(s.dataplane)
-        self.server = await TransferServer(self.kv, s.dataplane).start()
+        self.server = await TransferServer(self.kv, s.dataplane, keyring=self.keyring).start()
+        if s.worker.audit_dir:  # the fault harness's evidence (cpd.audit)
+            self.audit = self.server.audit = AuditLog(s.worker.audit_dir, self.node_id)
         self.client = TransferClient(s.dataplane)
         if self._kv_events_endpoint:
             from cpd.engine.gpu_events import GpuEventBridge
@@ -238,10 +251,15 @@ class WorkerService(Service):
             self.spawn(self._publish_load(), "load-report")
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        with contextlib.suppress(CpdError):
-            hb = wire.decode(msg.data, wire.Heartbeat)
-            if hb.ucx_address:
-                self.peers[hb.node] = hb.ucx_address
+        hb = self.decode_or_reject(msg, wire.Heartbeat)
+        if hb is None or not hb.ucx_address:
+            return
+        try:  # an address no pull could use must not replace a peer's good one
+            decode_address(hb.ucx_address)
+        except CpdError as e:
+            self.reject(msg.subject, e)
+            return
+        self.peers[hb.node] = hb.ucx_address
 
     def _salt(self, namespace: str) -> str:
         """vLLM cache salt of a request: tenants' namespaces never share engine blocks."""
@@ -254,14 +272,17 @@ class WorkerService(Service):
         """A dispatcher that names a stream inbox (the router) gets ``Accepted`` at once,
         or a typed refusal it can route around; the stream follows on that inbox. A
         direct caller without one gets the stream on its own request's inbox."""
+        _check_ids(reply_to=req.reply_to or r.reply_to, decode_node=req.decode_node)
         if not req.reply_to:
             if not r.reply_to:
                 raise InvalidRequest("prefill request without a reply inbox")
             req.reply_to = r.reply_to
+            self._claim(req.request_id)
             await self._prefill_stream(req)
             return None
         self._admit(len(req.tokens) // wire.TOKEN_DTYPE.itemsize, req.sampling.max_tokens,
                     req.deadline_unix_ms)
+        self._claim(req.request_id)
         self.spawn(self._prefill_stream(req), f"prefill-{req.request_id}", background=False)
         return wire.Accepted(request_id=req.request_id, node=self.node_id)
 
@@ -270,9 +291,31 @@ class WorkerService(Service):
         try:
             await self._prefill(req, out)
         except BaseException as e:
+            self._count_stream_rejection(e)
             await out.error(e)
             if not isinstance(e, Exception):
                 raise
+        finally:
+            self._running.discard(req.request_id)
+
+    def _claim(self, request_id: str) -> None:
+        """Mark ``request_id`` running here, refusing one that already is."""
+        if request_id in self._running:
+            raise InvalidRequest(f"request {request_id[:80]!r} is already running here")
+        self._running.add(request_id)
+
+    def _count_stream_rejection(self, e: BaseException) -> None:
+        """Bad input found after the request was accepted (its error goes on the stream)
+        is a rejection all the same."""
+        if isinstance(e, CpdError) and e.code in BAD_INPUT:
+            self.reject(subjects.run(self.role, self.node_id), e)
+
+    def _check_vocab(self, tokens: np.ndarray) -> None:
+        """Token ids an engine would index its embedding with: past the vocabulary they
+        crash a real engine, so they are refused here."""
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise InvalidRequest(f"token id {int(tokens.max())} is outside the vocabulary "
+                                 f"of {self.vocab_size}")
 
     def _admit(self, prompt_tokens: int, max_tokens: int, deadline_ms: int) -> None:
         """Refuse, with a typed error, what this worker cannot or should not take."""
@@ -290,7 +333,8 @@ class WorkerService(Service):
 
     async def _prefill(self, req: wire.PrefillRequest, out: ReplyStream) -> None:
         t0 = time.perf_counter()
-        tokens = wire.unpack_tokens(req.tokens).tolist()
+        tokens = wire.unpack_tokens(req.tokens)  # a numpy view: no per-token objects
+        self._check_vocab(tokens)
         hashes = wire.split_hashes(req.block_hashes)
         self._admit(len(tokens), req.sampling.max_tokens, req.deadline_unix_ms)
         if len(hashes) != len(tokens) // self.block_size:
@@ -346,6 +390,7 @@ class WorkerService(Service):
         """The sealed local blocks the engine will load, in chain order from block 0,
         after pulling the planned remote runs; and how many of them came from peers."""
         remote = 0
+        t_recv = time.time()
         for src in sorted(req.sources, key=lambda x: x.first_block):
             want = hashes[src.first_block:src.first_block + src.num_blocks]
             if src.node == self.node_id or not want:
@@ -354,15 +399,30 @@ class WorkerService(Service):
             if address is None:
                 self.log.warning("prefill.peer_unknown", peer=src.node)
                 break
+            error = ""
             try:
                 remote += len(await self.client.pull(address, want, self.kv,
-                                                     namespace=req.namespace))
+                                                     namespace=req.namespace,
+                                                     capability=src.capability))
             except CpdError as e:  # peer gone, evicted, corrupt: recompute from here
+                error = e.code.value
                 self.log.warning("prefill.pull_failed", peer=src.node, error=e.code.value,
                                  detail=e.message)
                 break
+            finally:
+                if self.audit is not None:
+                    self.audit.pulled("prefix", src.node, req.namespace, want, t_recv, error)
         have = [e.hash for e in self._sealed_prefix(hashes)]
         return have, min(remote, len(have))
+
+    def _audit_load(self, namespace: str, entries: list[BlockEntry]) -> None:
+        """Record blocks handed to the engine: they must be sealed and intact."""
+        assert self.audit is not None
+        store = self.kv.store
+        sealed = [e for e in entries if e.state is BlockState.SEALED]
+        self.audit.loaded(namespace, [e.hash for e in entries],
+                          unsealed=len(entries) - len(sealed),
+                          corrupt=sum(not store.intact(e.hash) for e in sealed))
 
     def _sealed_prefix(self, hashes: list[bytes]) -> list[BlockEntry]:
         """The longest run of ``hashes`` from the first that this store holds sealed."""
@@ -374,7 +434,7 @@ class WorkerService(Service):
             out.append(entry)
         return out
 
-    async def _run_prefill(self, req: wire.PrefillRequest, tokens: list[int],
+    async def _run_prefill(self, req: wire.PrefillRequest, tokens: np.ndarray,
                            hashes: list[bytes], loaded: list[bytes]
                            ) -> tuple[EngineStep, list[bytes]]:
         assert self.engine is not None
@@ -391,6 +451,8 @@ class WorkerService(Service):
         slot_of = {e.hash: e.slot for e in fresh}
         save = [slot_of.get(h, -1) for h in hashes]
         entries_loaded = [store.get(h) for h in loaded]
+        if self.audit is not None and loaded:
+            self._audit_load(req.namespace, [e for e in entries_loaded if e is not None])
         ereq = EngineRequest(
             request_id=req.request_id, tokens=tokens,
             sampling=_with_max_tokens(req.sampling, 1),
@@ -437,7 +499,8 @@ class WorkerService(Service):
             first_token=first, sampling=req.sampling, namespace=req.namespace,
             block_hashes=b"".join(held), source_node=self.node_id, lease_id=lease,
             deadline_unix_ms=req.deadline_unix_ms, seq_start=out.seq,
-            route=route, timings=timings, trace=req.trace)
+            route=route, timings=timings, trace=req.trace,
+            capability=self.keyring.issue(req.namespace))
         try:
             await self.bus.request(subjects.run("decode", req.decode_node), dreq,
                                    expect=wire.Accepted,
@@ -465,44 +528,59 @@ class WorkerService(Service):
         self.kv.unpin(lease)
 
     async def _on_pull_ack(self, msg: Msg) -> None:
-        with contextlib.suppress(CpdError):
-            ack = wire.decode(msg.data, wire.PullAck)
+        ack = self.decode_or_reject(msg, wire.PullAck)
+        if ack is not None:
             self._release(ack.lease_id)
 
     # ------------------------------------------------------------------ decode
 
     async def _on_decode(self, req: wire.DecodeRequest, _: Request) -> wire.Accepted:
-        tokens = wire.unpack_tokens(req.tokens).tolist()
+        _check_ids(reply_to=req.reply_to, source_node=req.source_node)
+        tokens = wire.unpack_tokens(req.tokens)
+        self._check_vocab(tokens)
+        if not 0 <= req.first_token < self.vocab_size:
+            raise InvalidRequest(f"first token {req.first_token} is outside the vocabulary "
+                                 f"of {self.vocab_size}")
         hashes = wire.split_hashes(req.block_hashes)
         remaining = req.sampling.max_tokens - 1
         if remaining < 1:
             raise InvalidRequest("a hand-off needs at least one more token to generate")
         self._admit(len(tokens) + 1, remaining, req.deadline_unix_ms)
+        self._claim(req.request_id)
         self.spawn(self._decode(req, tokens, hashes, remaining), f"decode-{req.request_id}",
                    background=False)
         return wire.Accepted(request_id=req.request_id, node=self.node_id)
 
-    async def _decode(self, req: wire.DecodeRequest, tokens: list[int], hashes: list[bytes],
+    async def _decode(self, req: wire.DecodeRequest, tokens: np.ndarray, hashes: list[bytes],
                       remaining: int) -> None:
         out = ReplyStream(self.bus, req.reply_to, req.request_id, seq_start=req.seq_start)
         t0 = time.perf_counter()
+        t_recv = time.time()
         try:
             pulled_ok = True
             address = self.peers.get(req.source_node)
             if hashes and address is not None:
+                error = ""
                 try:
-                    await self.client.pull(address, hashes, self.kv, namespace=req.namespace)
+                    await self.client.pull(address, hashes, self.kv, namespace=req.namespace,
+                                           capability=req.capability)
                 except CpdError as e:  # recompute what could not be pulled
                     pulled_ok = False
+                    error = e.code.value
                     self.log.warning("decode.pull_failed", peer=req.source_node,
                                      error=e.code.value, detail=e.message)
+                if self.audit is not None:
+                    self.audit.pulled("handoff", req.source_node, req.namespace, hashes,
+                                      t_recv, error)
             with contextlib.suppress(CpdError):
                 await self.bus.publish(subjects.pull_ack(req.source_node), wire.PullAck(
                     request_id=req.request_id, lease_id=req.lease_id, ok=pulled_ok))
             t_pull = time.perf_counter()
-            full = [*tokens, req.first_token]
+            full = np.append(tokens, np.asarray(req.first_token, dtype=wire.TOKEN_DTYPE))
             usable = (len(full) - 1) // self.block_size
             have = self._sealed_prefix(hashes[:usable])
+            if self.audit is not None and have:
+                self._audit_load(req.namespace, have)
             lease = f"decode-{req.request_id}-{uuid.uuid4().hex[:6]}"
             if have:
                 self.kv.pin(lease, [e.hash for e in have], self.settings.dataplane.pin_ttl_s)
@@ -516,12 +594,19 @@ class WorkerService(Service):
             self._load_changed()  # decode is chosen by load: the next router must see it
             generated = 1
             last = EngineStep()
+            interval = self.settings.worker.stream_interval
+            pending: list[int] = []
             try:
                 async for step in self.engine.generate(ereq):
                     if step.token_ids:
                         generated += len(step.token_ids)
-                        await out.tokens(step.token_ids)
+                        pending += step.token_ids
+                        if len(pending) >= interval:
+                            await out.tokens(pending)
+                            pending = []
                     last = step
+                if pending:
+                    await out.tokens(pending)
             finally:
                 self.in_flight -= 1
                 self._load_changed()
@@ -548,7 +633,22 @@ class WorkerService(Service):
                             timings=timings, route=route)
         except Exception as e:
             self.log.warning("decode.failed", error=repr(e))
+            self._count_stream_rejection(e)
             await out.error(e)
+        finally:
+            self._running.discard(req.request_id)
+
+
+def _check_ids(*, reply_to: str = "", **nodes: str) -> None:
+    """Refuse a request whose stream inbox or peer node ids could not be published to
+    (checked before acceptance: later they would fail as internal errors)."""
+    try:
+        if reply_to:
+            subjects.check_reply_subject(reply_to)
+        for what, node in nodes.items():
+            subjects.check_token(node, what)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def _shm_name(kind: str, node: str, epoch: int) -> str:

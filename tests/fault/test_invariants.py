@@ -1,0 +1,117 @@
+"""Pure logic of the fault harness: the sim reference, the visibility rule, the block
+checks, the audit trail's format, and the router's incarnation-aware liveness."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from bench.faults import (
+    LOOKUP_RACE_S,
+    Prompts,
+    Timeline,
+    check_blocks,
+    config_for,
+    reference_tokens,
+)
+from cpd import wire
+from cpd.audit import AuditLog, read_audit
+from cpd.engine import EngineRequest
+from cpd.sim.engine import SimEngine
+from services.kvindex.index import Changes
+from services.router import NodeTable
+
+pytestmark = pytest.mark.timeout(60)
+NS = "0" * 32
+
+
+def _hb(node: str, epoch: int) -> wire.Heartbeat:
+    return wire.Heartbeat(node=node, role="prefill", started_unix_ms=epoch,
+                          lease_ttl_ms=5000, ucx_address=b"127.0.0.1:1", namespace="ns")
+
+
+def test_reference_matches_the_sim_engine_prefill_then_decode() -> None:
+    """The reference is what a prefill engine then a decode engine produce."""
+    async def run() -> list[int]:
+        engine = SimEngine(time_scale=1000.0)
+        await engine.start()
+        prompt = list(range(1, 600))
+        sampling = wire.SamplingParams(max_tokens=1, ignore_eos=True)
+        first = [t for s in [s async for s in engine.generate(EngineRequest(
+            request_id="a", tokens=prompt, sampling=sampling))] for t in s.token_ids]
+        rest = [t for s in [s async for s in engine.generate(EngineRequest(
+            request_id="b", tokens=[*prompt, first[0]],
+            sampling=wire.SamplingParams(max_tokens=4, ignore_eos=True)))]
+            for t in s.token_ids]
+        await engine.stop()
+        return first + rest
+
+    got = asyncio.run(run())
+    assert got == reference_tokens(list(range(1, 600)), 5)
+    assert reference_tokens(list(range(1, 600)), 5) != reference_tokens(list(range(2, 601)), 5)
+
+
+def test_prompts_share_documents_and_never_repeat_suffixes() -> None:
+    p = Prompts(config_for(True), 0)
+    a, b = p.make(warm=True), p.make(warm=True)
+    c = p.make(warm=False)
+    assert a != b and len(a) > 6 * 256
+    docs = {tuple(p.doc(d)) for d in range(p.cfg.docs)}
+    assert tuple(a[:6 * 256]) in docs and tuple(c[:6 * 256]) not in docs
+
+
+def test_visibility_rule_allows_only_the_lookup_race() -> None:
+    t = Timeline()
+    h = b"\x01" * 16
+    ch = Changes(visible=[(NS, "p0", wire.Tier.DRAM, h)])
+    t._record(ch, 100.0)
+    assert t.justified(NS, "p0", h, 100.5)
+    assert not t.justified(NS, "p0", h, 99.0)           # read before it was visible
+    assert not t.justified(NS, "p1", h, 100.5)          # visible elsewhere only
+    t._record(Changes(invalidated=[(NS, "p0", wire.Tier.DRAM, h)]), 110.0)
+    assert t.justified(NS, "p0", h, 110.0 + LOOKUP_RACE_S / 2)     # the race
+    assert not t.justified(NS, "p0", h, 110.0 + LOOKUP_RACE_S * 2)  # long gone
+    t._record(ch, 120.0)                                # visible again (re-announced)
+    assert t.justified(NS, "p0", h, 125.0)
+
+
+def test_block_checks_count_what_the_audit_shows(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path, "p1")
+    h = b"\x02" * 16
+    log.served(NS, [h], unsealed=0, corrupt=0)
+    log.served(NS, [h, h], unsealed=1, corrupt=1)
+    log.loaded(NS, [h], unsealed=0, corrupt=0)
+    log.pulled("prefix", "p0", NS, [h], received_at=50.0)
+    log.pulled("handoff", "p0", NS, [h], received_at=50.0, error="peer_gone")
+    log.close()
+    (tmp_path / "audit-p1.jsonl").open("ab").write(b'{"op": "serve", "torn')  # a SIGKILL
+    records = list(read_audit(tmp_path))
+    assert len(records) == 5 and all(r["node"] == "p1" for r in records)
+    t = Timeline()
+    out = check_blocks(records, t)
+    assert out["unsealed_served"] == 2 and out["invisible_reads"] == 1
+    assert out["prefix_reads"] == 1 and out["serves"] == 2 and out["loads"] == 1
+    t._record(Changes(visible=[(NS, "p0", wire.Tier.DRAM, h)]), 49.0)
+    assert check_blocks(records, t)["invisible_reads"] == 0
+
+
+def test_a_restarted_node_is_not_alive_to_its_old_requests() -> None:
+    """A worker killed and restarted within one lease is a new incarnation: requests it
+    held are gone, and the router must not keep waiting on them."""
+    t = NodeTable(namespace="ns")
+    t.heartbeat(_hb("p0", 1000), now=0.0)
+    old = t.epoch("p0")
+    assert old == 1000 and t.alive("p0", 1.0, old)
+    t.heartbeat(_hb("p0", 2000), now=1.5)
+    assert t.alive("p0", 2.0) and not t.alive("p0", 2.0, old)
+    assert t.epoch("unknown") == 0 and not t.alive("unknown", 0.0)
+
+
+def test_config_for_cli_options() -> None:
+    quick = config_for(True)
+    assert quick.concurrency == 60 and len(quick.scenarios) == 5
+    full = config_for(False, scenarios="kill-router, nats-restart", concurrency=10)
+    assert full.scenarios == ("kill-router", "nats-restart") and full.concurrency == 10
+
