@@ -15,7 +15,15 @@ import pytest
 from cpd import wire
 from cpd.engine import ArenaSpec, EngineRequest, EngineStep
 from cpd.sim.costmodel import B200_TP4_8B
-from cpd.sim.engine import SimEngine, block_bytes, checksum
+from cpd.sim.engine import (
+    CacheCleared,
+    CacheEvent,
+    CacheRemoved,
+    CacheStored,
+    SimEngine,
+    block_bytes,
+    checksum,
+)
 from cpd.sim.prefixcache import chain_hashes
 
 pytestmark = pytest.mark.timeout(20)
@@ -150,6 +158,37 @@ async def test_engine_prefix_cache_counts_gpu_blocks(arena_spec: ArenaSpec) -> N
         assert first[-1].gpu_blocks == 0
         assert (again[-1].gpu_blocks, again[-1].cached_tokens) == (3, 3 * BS)
         assert tokens(again) == tokens(first)
+    finally:
+        await e.stop()
+
+
+async def test_prefix_cache_changes_are_reported_like_vllm_kv_events(
+        arena_spec: ArenaSpec) -> None:
+    """Stored runs carry their parent and tokens, evictions and resets are reported,
+    salted requests keep their own blocks (and are not reported: kvindex could not hash
+    them in the tenant's namespace)."""
+    e = SimEngine(B200_TP4_8B, block_size=BS, arena=arena_spec, time_scale=FAST,
+                  gpu_cache_blocks=4)
+    seen: list[CacheEvent] = []
+    e.cache_listener = seen.append
+    await e.start()
+    try:
+        await gen(e, "a")
+        hashes = chain_hashes(PROMPT, BS)
+        stored = [ev for ev in seen if isinstance(ev, CacheStored)]
+        assert [h for ev in stored for h in ev.hashes] == hashes
+        assert stored[0].parent is None
+        assert np.concatenate([ev.tokens for ev in stored]).tolist() == PROMPT[:3 * BS]
+        seen.clear()
+        other = np.random.default_rng(4).integers(0, 30_000, size=2 * BS + 1).tolist()
+        await gen(e, "b", other)  # 3 + 2 blocks in a 4-block cache: one evicted
+        assert [ev for ev in seen if isinstance(ev, CacheRemoved)] == [
+            CacheRemoved([hashes[2]])]  # a prompt's tail goes first
+        seen.clear()
+        salted = await gen(e, "c", cache_salt="tenant-b")
+        assert salted[-1].gpu_blocks == 0  # the default tenant's blocks are not its own
+        assert not [ev for ev in seen if isinstance(ev, CacheStored)]
+        assert await e.reset_prefix_cache() and isinstance(seen[-1], CacheCleared)
     finally:
         await e.stop()
 

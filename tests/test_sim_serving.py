@@ -4,10 +4,13 @@ NATS, kvindex, router and sim worker processes; plus the quick sweep's JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -23,6 +26,7 @@ from bench.sweep import (
 from cpd import subjects, wire
 from cpd.config import load_settings
 from cpd.errors import ConfigError, CpdError, InvalidRequest
+from cpd.hashing import block_hashes
 from cpd.kvstore import slot_bytes
 from cpd.servedmodel import ServedModel
 from cpd.sim import serving
@@ -31,6 +35,7 @@ from cpd.sim.workloads import block_token_ids
 from services.router.service import _prefill_cost
 
 SIM = ["worker.engine=sim"]
+T = TypeVar("T")
 MOONCAKE_HEAD = (Path(__file__).parent / "data" / "mooncake"
                  / "conversation_trace_head200.jsonl")
 
@@ -52,6 +57,18 @@ def test_sim_settings_give_one_namespace_slot_size_and_cost_seeds() -> None:
     with pytest.raises(InvalidRequest):
         model.encode("text needs a tokenizer")
     assert model.detokenizer().push([1, 2, 3]) == ""
+
+
+async def _until(probe: Callable[[], Awaitable[T]], ok: Callable[[T], bool],
+                 timeout_s: float = 10.0) -> T:
+    """Poll ``probe`` until ``ok`` holds of its answer (events reach kvindex async)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        got = await probe()
+        if ok(got) or asyncio.get_running_loop().time() > deadline:
+            assert ok(got), got
+            return got
+        await asyncio.sleep(0.05)
 
 
 def test_unknown_sim_preset_is_a_config_error() -> None:
@@ -82,12 +99,25 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
         assert cold.route.path == "cold" and cold.route.prefill_node == "pp0"
         assert cold.route.tokens_computed == len(prompt) and cold.route.decode_node == "d0"
         assert len(cold.token_ids) == 8
+        # Like vLLM's KV events, the engine's GPU prefix cache reaches kvindex.
+        ns = serving.namespace(load_settings(environ={}, overrides=SIM))
+        hashes = block_hashes(ns, prompt)
+
+        async def gpu_blocks() -> dict[str, int]:
+            reply = await client.bus.request(
+                subjects.KVINDEX_LOOKUP, wire.LookupRequest(namespace=ns.id,
+                                                            block_hashes=hashes),
+                expect=wire.LookupReply)
+            return {m.node: m.num_blocks for m in reply.matches if m.tier == wire.Tier.GPU}
+
+        await _until(lambda: gpu_blocks(), lambda got: got.get("pp0") == 40)
         warm = await client.generate(prompt, max_tokens=8, ignore_eos=True)
         assert warm.route.path == "warm" and warm.route.prefill_node == "p0"
         assert warm.route.tokens_remote == 10_240 and warm.route.tokens_computed == 3
         assert warm.token_ids == cold.token_ids
         await cluster.client.bus.request(subjects.admin("prefill", "p0"),
                                          wire.ResetCache(reason="test"), expect=wire.Accepted)
+        await _until(lambda: gpu_blocks(), lambda got: "p0" not in got)  # reset: cleared
         local = await client.generate(prompt, max_tokens=8, ignore_eos=True)
         assert local.route.prefill_node == "p0" and local.route.tokens_dram == 10_240
         assert local.token_ids == cold.token_ids

@@ -19,13 +19,17 @@ scale and capacity experiments (DESIGN.md §9 "sim", like Dynamo's mocker).
   prefix caching), which counts in ``gpu_blocks``.
 * :meth:`SimEngine.load_report` gives what the router needs (queue depth, queued new
   tokens, estimated queue time in simulated ms, in-flight).
+* Like vLLM's KV cache events, changes of that GPU prefix cache go to ``cache_listener``
+  (blocks stored with their tokens, blocks removed, all cleared); the worker forwards them
+  to kvindex as GPU-tier events. Blocks of salted requests are not reported, as the vLLM
+  bridge skips them: kvindex could not hash them in the tenant's namespace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +50,31 @@ FINISH_STOP = "stop"
 FINISH_ABORT = "abort"
 _MASK64 = (1 << 64) - 1
 
+
+
+@dataclass(frozen=True)
+class CacheStored:
+    """Blocks entered the GPU prefix cache: ``hashes`` chained after ``parent``, their
+    ``tokens`` (``len(hashes) * block_size``)."""
+
+    hashes: list[int]
+    parent: int | None
+    tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class CacheRemoved:
+    """Blocks left the GPU prefix cache (evicted)."""
+
+    hashes: list[int]
+
+
+@dataclass(frozen=True)
+class CacheCleared:
+    """The whole GPU prefix cache was dropped (a reset)."""
+
+
+CacheEvent = CacheStored | CacheRemoved | CacheCleared
 
 
 def block_bytes(block_hash: int, index: int, nbytes: int) -> np.ndarray:
@@ -123,6 +152,8 @@ class SimEngine:
         self._sim_clock = 0.0
         self.steps = 0
         self.busy_s = 0.0   # simulated time spent in steps (utilisation = busy / elapsed)
+        # Where GPU prefix-cache changes go (the worker's kvindex forwarding); None: nowhere.
+        self.cache_listener: Callable[[CacheEvent], None] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -182,7 +213,8 @@ class SimEngine:
         if s.temperature > 0 and s.seed is not None:
             seed = xxhash.xxh3_64_intdigest(seed.to_bytes(8, "little"),
                                             seed=s.seed & _MASK64)
-        st = _Stream(request, tokens, chain_hashes(tokens, self.block_size), asyncio.Queue(),
+        st = _Stream(request, tokens,
+                     chain_hashes(tokens, self.block_size, request.cache_salt), asyncio.Queue(),
                      seed, stops=frozenset(s.stop_token_ids))
         self._streams[rid] = st
         self._sched.add(rid, n, max_tokens, cached_tokens=self._provisional_cached(st))
@@ -206,6 +238,8 @@ class SimEngine:
     async def reset_prefix_cache(self) -> bool:
         """Drop the simulated engine prefix cache (the GPU tier), as vLLM's does."""
         self.prefix_cache.clear()
+        if self.cache_listener is not None:
+            self.cache_listener(CacheCleared())
         return True
 
     async def abort(self, request_id: str) -> None:
@@ -311,7 +345,7 @@ class SimEngine:
                 continue  # aborted while the step ran: its results are dropped
             done_blocks = min(adv.prompt_done // bs, len(st.hashes))
             if self.prefix_caching and done_blocks > st.inserted_upto:
-                self.prefix_cache.insert(st.hashes[:done_blocks])
+                self._cache_insert(st, done_blocks)
                 st.inserted_upto = done_blocks
             for i in adv.saved_blocks:
                 self._save(st, i)
@@ -332,6 +366,32 @@ class SimEngine:
             st.queue.put_nowait(step)
         if wrote and self._arena is not None:
             self._arena.flush()
+
+    def _cache_insert(self, st: _Stream, n: int) -> None:
+        """Put the prompt's first ``n`` blocks in the prefix cache, reporting what
+        entered and what it evicted."""
+        hashes = st.hashes[:n]
+        listener = self.cache_listener
+        if listener is None:
+            self.prefix_cache.insert(hashes)
+            return
+        # Earlier blocks of this prompt may have been evicted meanwhile: they come back.
+        absent = [i for i, h in enumerate(hashes) if h not in self.prefix_cache]
+        evicted = self.prefix_cache.insert(hashes)
+        # (A prompt longer than the cache holds only its tail.)
+        new = [i for i in absent if hashes[i] in self.prefix_cache]
+        if evicted:
+            listener(CacheRemoved(evicted))
+        if st.request.cache_salt:
+            return
+        bs = self.block_size
+        start = 0
+        for k in range(1, len(new) + 1):  # one event per run of consecutive new blocks
+            if k == len(new) or new[k] != new[k - 1] + 1:
+                first, last = new[start], new[k - 1] + 1
+                listener(CacheStored(hashes[first:last], hashes[first - 1] if first else None,
+                                     st.tokens[first * bs:last * bs]))
+                start = k
 
     def _save(self, st: _Stream, index: int) -> None:
         assert self._arena is not None

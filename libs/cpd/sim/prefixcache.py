@@ -17,12 +17,15 @@ import xxhash
 TOKEN_DTYPE = np.uint32
 
 
-def chain_hashes(tokens: np.ndarray | Sequence[int], block_size: int) -> list[int]:
-    """``h_i = xxh3_64(tokens of block i, seed=h_{i-1})`` over the full blocks. Engine-
-    internal (CPD's block identity is :mod:`cpd.hashing`); deterministic across runs."""
+def chain_hashes(tokens: np.ndarray | Sequence[int], block_size: int,
+                 salt: str = "") -> list[int]:
+    """``h_i = xxh3_64(tokens of block i, seed=h_{i-1})`` over the full blocks, the chain
+    seeded by the request's cache salt (as vLLM's ``cache_salt`` keys the first block:
+    tenants never share engine blocks). Engine-internal (CPD's block identity is
+    :mod:`cpd.hashing`); deterministic across runs."""
     arr = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)
     out: list[int] = []
-    h = 0
+    h = xxhash.xxh3_64_intdigest(salt.encode()) if salt else 0
     for i in range(len(arr) // block_size):
         h = xxhash.xxh3_64_intdigest(arr[i * block_size:(i + 1) * block_size].tobytes(),
                                      seed=h)
@@ -56,14 +59,17 @@ class PrefixCache:
         self._touch(hashes[:n])
         return n
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Hold these blocks (a prompt's first blocks, in order), evicting LRU ones."""
+    def insert(self, hashes: Sequence[int]) -> list[int]:
+        """Hold these blocks (a prompt's first blocks, in order), evicting LRU ones;
+        returns the evicted hashes (what the engine reports as removed)."""
         if self.capacity_blocks == 0:
-            return
+            return []
         self._touch(hashes[-self.capacity_blocks:])
+        evicted = []
         while len(self._lru) > self.capacity_blocks:
-            self._lru.popitem(last=False)
-            self.evictions += 1
+            evicted.append(self._lru.popitem(last=False)[0])
+        self.evictions += len(evicted)
+        return evicted
 
     def clear(self) -> None:
         self._lru.clear()

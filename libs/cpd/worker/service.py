@@ -165,6 +165,15 @@ class WorkerService(Service):
             self._bridge = GpuEventBridge(self._kv_events_endpoint, self.kv.publisher,
                                           self.namespace.id)
             await self._bridge.start()
+        else:
+            from cpd.sim.engine import SimEngine
+            from cpd.sim.serving import SimCacheEventBridge
+
+            if isinstance(self.engine, SimEngine):  # its GPU cache, as vLLM's events
+                assert self.kv.publisher is not None
+                self._bridge = SimCacheEventBridge(self.engine, self.kv.publisher,
+                                                   self.namespace.id)
+                await self._bridge.start()
         await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         if self.role in PREFILL_ROLES:
             await self.bus.nc.subscribe(subjects.pull_ack(self.node_id), cb=self._on_pull_ack)
