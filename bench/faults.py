@@ -50,6 +50,7 @@ from cpd import subjects, wire
 from cpd.audit import read_audit
 from cpd.client import Client
 from cpd.errors import CpdError
+from cpd.hashing import Namespace
 from cpd.sim.engine import output_token
 from cpd.sim.workloads import DEFAULT_VOCAB, block_token_ids
 from services.kvindex.index import Index
@@ -229,11 +230,18 @@ class Timeline:
         self.index = Index()
         self.seq = 0
         self.visible: dict[tuple[str, str, bytes], list[list[float]]] = defaultdict(list)
+        # Namespace specs (id → spec bytes). kvindex learns them from the workers'
+        # heartbeats, not from the stream, and needs them to map GPU-tier events; the
+        # rebuild is given the ones the harness heard (Heartbeats.specs).
+        self.namespace_specs: dict[str, bytes] = {}
 
     async def advance(self, client: Client, upto: int) -> None:
         """Apply the stream's events up to sequence ``upto``."""
         if upto <= self.seq:
             return
+        for ns_id, spec in self.namespace_specs.items():
+            if ns_id not in self.index.namespaces:
+                self.index.namespaces[ns_id] = Namespace.from_spec(spec)
         js = client.bus.nc.jetstream()
         sub = await js.subscribe(subjects.KV_EVENTS_ALL, ordered_consumer=True,
                                  deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
@@ -274,22 +282,24 @@ async def stream_last_seq(client: Client) -> int:
 
 
 async def kvindex_matches_rebuild(cluster: SimCluster, timeline: Timeline) -> dict:
-    """Wait for the live kvindex's periodic snapshot to reach the stream's end, then
-    compare it with the from-scratch replay at the same sequence."""
+    """Wait for the live kvindex's periodic snapshot to cover the stream as it was when
+    the scenario ended, then compare it with the from-scratch replay at the snapshot's
+    sequence. (Not the stream's moving end: workers may still drain queued events, e.g.
+    the sim's GPU-cache events, for a while after the load stops.)"""
     assert cluster.client is not None
     path = cluster.tmp / "snap" / f"kvindex-{cluster.kvindex_node}.snap"
     deadline = time.monotonic() + SNAPSHOT_WAIT_S
     snap_seq, live = -1, None
+    last = await stream_last_seq(cluster.client)
     while time.monotonic() < deadline:
-        last = await stream_last_seq(cluster.client)
         with contextlib.suppress(OSError, ValueError, msgspec.DecodeError):
             live, snap_seq = Index.restore(path.read_bytes())
         if snap_seq >= last:
             break
         await asyncio.sleep(0.5)
-    if live is None or snap_seq < timeline.seq:
-        return {"kvindex_consistent": False, "detail": f"no snapshot at or past the stream "
-                                                       f"end (snapshot seq {snap_seq})"}
+    if live is None or snap_seq < last or snap_seq < timeline.seq:
+        return {"kvindex_consistent": False, "detail": f"no snapshot covering the stream "
+                                                       f"to {last} (snapshot seq {snap_seq})"}
     await timeline.advance(cluster.client, snap_seq)
     same = live.fingerprint() == timeline.index.fingerprint()
     return {"kvindex_consistent": same, "stream_seq": snap_seq,
@@ -317,6 +327,7 @@ class Heartbeats:
 
     def __init__(self) -> None:
         self.last: dict[str, tuple[int, float]] = {}
+        self.specs: dict[str, bytes] = {}   # namespace id → spec, as kvindex learns them
         self._sub: Any = None
 
     async def start(self, client: Client) -> None:
@@ -326,11 +337,15 @@ class Heartbeats:
         with contextlib.suppress(CpdError):
             hb = wire.decode(msg.data, wire.Heartbeat)
             self.last[hb.node] = (hb.started_unix_ms, time.monotonic())
+            if hb.namespace_spec:
+                self.specs[hb.namespace] = hb.namespace_spec
 
     def back(self, node: str, since: float, incarnation_after_ms: int = 0) -> bool:
         """Heard from ``node`` after ``since`` (monotonic), from an incarnation started
         at or after ``incarnation_after_ms`` (wall ms; a node killed then)."""
-        epoch, t = self.last.get(node, (0, 0.0))
+        if node not in self.last:
+            return False
+        epoch, t = self.last[node]
         return t >= since and epoch >= incarnation_after_ms
 
 
@@ -376,6 +391,8 @@ async def recovered(cluster: SimCluster, prompts: Prompts, cfg: FaultConfig,
                     marks["probe_done"] = round(time.monotonic() - since, 2)
                     return round(t - since, 2)
                 missing = why
+                # Each failed probe pair costs a pair's latency under load; say why.
+                notes.append(f"probe started at {t - since:.2f} s failed: {why}")
         except (CpdError, TimeoutError) as e:
             missing = f"{type(e).__name__}: {e}"
         await asyncio.sleep(0.25)
@@ -701,12 +718,18 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
         cluster.supervise()
         timeline = Timeline()
         heartbeats = Heartbeats()
+        timeline.namespace_specs = heartbeats.specs
         assert cluster.client is not None
         await heartbeats.start(cluster.client)
         for i, name in enumerate(cfg.scenarios):
             await cluster.until_router_sees(set(cluster.nodes), timeout_s=60.0)
-            rows.append(await run_scenario(name, i, cluster, cfg, timeline, proxy,
-                                           ucx_proxy, heartbeats))
+            try:
+                rows.append(await run_scenario(name, i, cluster, cfg, timeline, proxy,
+                                               ucx_proxy, heartbeats))
+            except Exception as e:  # the cluster may be broken: report, stop here
+                rows.append(failed_row(name, e))
+                print(f"{name}: FAILED {e!r}", file=sys.stderr, flush=True)
+                break
     finally:
         await cluster.stop()
         proxy.stop_thread()
@@ -716,6 +739,15 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
     result["fuzz_crashes"] = await asyncio.to_thread(run_fuzz, cfg)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     return result
+
+
+def failed_row(name: str, error: BaseException) -> dict:
+    """A scenario the harness could not complete (the rest are not run): never
+    recovered, inconsistent, with the error in ``notes``."""
+    return {"scenario": name, "sent": 0, "completed": 0, "typed_errors": 0, "lost": 0,
+            "late": 0, "wrong_tokens": 0, "unsealed_served": 0, "invisible_reads": 0,
+            "kvindex_consistent": False, "recovery_s": None, "errors_by_code": {},
+            "lost_by_reason": {}, "notes": [f"harness failed: {error!r}"]}
 
 
 def summarize(rows: list[dict], cfg: FaultConfig) -> dict:

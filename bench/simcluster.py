@@ -60,6 +60,9 @@ class SimCluster:
         self.restarts: list[tuple[float, str]] = []   # (monotonic time, node) per restart
         self._supervisor: asyncio.Task[None] | None = None
         self._paused: set[str] = set()
+        # A deliberate NATS restart in progress: the supervisor must not start a second
+        # server on the same port between its stop and its start.
+        self._nats_restarting = False
 
     # ------------------------------------------------------------------ start, stop
 
@@ -159,8 +162,8 @@ class SimCluster:
     async def _supervise(self) -> None:
         while True:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
-            if self.server is not None and (self.server.proc is None
-                                            or self.server.proc.poll() is not None):
+            if self.server is not None and not self._nats_restarting and (
+                    self.server.proc is None or self.server.proc.poll() is not None):
                 await asyncio.to_thread(self.server.start)
                 self.restarts.append((time.monotonic(), "nats"))
             for proc in self.procs:
@@ -202,7 +205,11 @@ class SimCluster:
     def restart_nats(self) -> None:
         """Stop NATS gracefully and start it again on the same port and store."""
         assert self.server is not None
-        self.server.restart()
+        self._nats_restarting = True
+        try:
+            self.server.restart()
+        finally:
+            self._nats_restarting = False
 
     def kill_nats(self) -> None:
         """``kill -9`` NATS (the supervisor starts it again on the same port and store)."""

@@ -169,7 +169,10 @@ class RouterService(Service):
                 if not out.closed and now - out.last_sent >= interval / 2:
                     try:
                         await out.keepalive(ms)
-                    except CpdError:  # the connection is gone: nothing to tell anyone
+                    except Exception as e:
+                        # E.g. NATS reconnecting with a full buffer: skip this one; the
+                        # ticker must outlive it, or every client would give up on us.
+                        self.log.debug("router.keepalive_failed", error=repr(e))
                         continue
                     self._m_keepalives.add(1)
 

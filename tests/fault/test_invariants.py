@@ -10,6 +10,7 @@ import pytest
 
 from bench.faults import (
     LOOKUP_RACE_S,
+    Heartbeats,
     Prompts,
     Timeline,
     check_blocks,
@@ -115,3 +116,16 @@ def test_config_for_cli_options() -> None:
     full = config_for(False, scenarios="kill-router, nats-restart", concurrency=10)
     assert full.scenarios == ("kill-router", "nats-restart") and full.concurrency == 10
 
+
+
+def test_recovery_needs_a_heartbeat_after_the_fault_from_a_new_incarnation() -> None:
+    """A killed node's last heartbeats (old incarnation) never count as it being back;
+    a paused or reconnected node counts once heard after the fault."""
+    hb = Heartbeats()
+    hb.last["p0"] = (1000, 10.0)            # incarnation 1000, heard at t=10
+    assert not hb.back("p0", since=11.0)    # nothing since the fault ended at 11
+    assert hb.back("p0", since=9.0)         # heard after a fault ending at 9
+    assert not hb.back("p0", since=9.0, incarnation_after_ms=1500)  # killed at 1500
+    hb.last["p0"] = (2000, 12.0)            # the restarted incarnation
+    assert hb.back("p0", since=11.0, incarnation_after_ms=1500)
+    assert not hb.back("never-heard", since=0.0)
