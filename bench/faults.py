@@ -230,9 +230,9 @@ class Timeline:
         self.index = Index()
         self.seq = 0
         self.visible: dict[tuple[str, str, bytes], list[list[float]]] = defaultdict(list)
-        # Namespace specs (id → spec bytes). kvindex learns them from the workers'
-        # heartbeats, not from the stream, and needs them to map GPU-tier events; the
-        # rebuild is given the ones the harness heard (Heartbeats.specs).
+        # Namespace specs (id → spec bytes) the harness heard in heartbeats. GPU-tier
+        # events now carry their spec, so a replay maps them on its own; seeding these
+        # as well keeps the comparison valid for streams written before that field.
         self.namespace_specs: dict[str, bytes] = {}
 
     async def advance(self, client: Client, upto: int) -> None:

@@ -217,6 +217,30 @@ def test_gpu_events_map_to_cpd_hashes_through_token_ids() -> None:
     assert ch.unmapped == 1
 
 
+def test_gpu_events_carry_their_namespace_so_a_replay_maps_them_without_heartbeats() -> None:
+    spec = Namespace(model_id="m", model_revision="r", tokenizer_hash="t", kv_dtype="float32",
+                     block_size=32)
+    tokens = list(range(64))
+
+    def stored(w: Writer, **spec_field: bytes) -> wire.KvEvent:
+        return w.ev(wire.GpuBlocksStored, namespace=spec.id, tier=GPU, engine_hashes=[1, 2],
+                    parent_engine_hash=None, tokens=wire.pack_tokens(tokens),
+                    engine_block_size=32, **spec_field)
+
+    # A rebuild from the stream applies events before any heartbeat has arrived.
+    bare, idx = Index(), Index()
+    assert bare.apply(stored(Writer("g0"))).unmapped == 2
+    assert idx.apply(stored(Writer("g0"), namespace_spec=spec.to_spec())).unmapped == 0
+    for index in (bare, idx):  # then the node's heartbeats resume
+        index.heartbeat(hb("g0", spec=spec.to_spec(), ns=spec.id), 0)
+    assert bare.lookup(spec.id, block_hashes(spec, tokens), 1).num_blocks == 0  # lost
+    assert idx.lookup(spec.id, block_hashes(spec, tokens), 1).num_blocks == 2
+    other = Namespace(model_id="x", model_revision="r", tokenizer_hash="t",
+                      kv_dtype="float32", block_size=32)
+    ch = Index().apply(stored(Writer("g1"), namespace_spec=other.to_spec()))
+    assert ch.illegal and ch.unmapped == 2  # a spec that is not the event's namespace
+
+
 def test_snapshot_restore_round_trip() -> None:
     idx, w = Index(), Writer("n0")
     idx.heartbeat(hb("n0"), 0)

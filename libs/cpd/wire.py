@@ -268,6 +268,9 @@ class GpuBlocksStored(KvEvent, tag="gpu_stored", kw_only=True):
     parent_engine_hash: int | bytes | None = None
     tokens: bytes = b""  # packed uint32, len = len(engine_hashes) * engine_block_size
     engine_block_size: NonNegInt = 0
+    # The namespace's spec (Namespace.to_spec()), so kvindex can map the blocks from the
+    # stream alone: a rebuild without a snapshot replays events before any heartbeat.
+    namespace_spec: bytes = b""
 
 
 class GpuBlocksRemoved(KvEvent, tag="gpu_removed", kw_only=True):

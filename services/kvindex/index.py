@@ -225,19 +225,23 @@ class Index:
         info.lease_ttl = hb.lease_ttl_ms / 1000.0
         info.lease_until = now + info.lease_ttl
         if hb.namespace_spec:
-            try:
-                spec = Namespace.from_spec(hb.namespace_spec)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                ch.illegal.append(f"{hb.node}: undecodable namespace spec")
-            else:
-                if spec.id == hb.namespace:
-                    self.namespaces[spec.id] = spec
-                else:
-                    ch.illegal.append(f"{hb.node}: namespace spec does not match its id")
+            self._learn_namespace(hb.node, hb.namespace, hb.namespace_spec, ch)
         if info.needs_reannounce or lapsed or came_back:
             ch.reannounce.add(hb.node)
             info.needs_reannounce = False
         return ch
+
+    def _learn_namespace(self, node: str, ns_id: str, spec_bytes: bytes, ch: Changes) -> None:
+        """Register the namespace ``node`` declares (from a heartbeat or an event)."""
+        try:
+            spec = Namespace.from_spec(spec_bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            ch.illegal.append(f"{node}: undecodable namespace spec")
+            return
+        if spec.id == ns_id:
+            self.namespaces[spec.id] = spec
+        else:
+            ch.illegal.append(f"{node}: namespace spec does not match its id")
 
     def expired_leases(self, now: float) -> list[tuple[str, int]]:
         """Nodes whose lease ran out and whose blocks are still indexed: (node, epoch)."""
@@ -439,6 +443,8 @@ class Index:
                 if eb is not None and eb.cpd_hash:
                     self._remove(eb.ns, eb.cpd_hash, key, ch)
             return
+        if ev.namespace not in self.namespaces and ev.namespace_spec:
+            self._learn_namespace(ev.node, ev.namespace, ev.namespace_spec, ch)
         spec = self.namespaces.get(ev.namespace)
         bs = ev.engine_block_size
         if spec is None or bs <= 0 or spec.block_size % bs:

@@ -25,10 +25,12 @@ log = telemetry.get_logger("cpd.gpu_events")
 class GpuEventBridge:
     """Subscribes to one engine's KV events and republishes them for kvindex."""
 
-    def __init__(self, endpoint: str, publisher: KvEventPublisher, namespace: str) -> None:
+    def __init__(self, endpoint: str, publisher: KvEventPublisher, namespace: str,
+                 namespace_spec: bytes = b"") -> None:
         self.endpoint = endpoint
         self.publisher = publisher
         self.namespace = namespace
+        self.namespace_spec = namespace_spec
         self.forwarded = 0
         self.skipped = 0
         self._task: asyncio.Task[None] | None = None
@@ -91,7 +93,8 @@ class GpuEventBridge:
             return wire.GpuBlocksStored(
                 node=node, seq=0, namespace=self.namespace, tier=wire.Tier.GPU,
                 engine_hashes=list(ev.block_hashes), parent_engine_hash=ev.parent_block_hash,
-                tokens=wire.pack_tokens(ev.token_ids), engine_block_size=ev.block_size)
+                tokens=wire.pack_tokens(ev.token_ids), engine_block_size=ev.block_size,
+                namespace_spec=self.namespace_spec)
         if kind == "BlockRemoved":
             return wire.GpuBlocksRemoved(node=node, seq=0, namespace=self.namespace,
                                          tier=wire.Tier.GPU,

@@ -89,10 +89,12 @@ class SimCacheEventBridge:
     """Forwards a :class:`SimEngine`'s prefix-cache changes to kvindex as GPU-tier events,
     in order, off the engine's step loop (which must not wait on JetStream)."""
 
-    def __init__(self, engine: SimEngine, publisher: KvEventPublisher, namespace: str) -> None:
+    def __init__(self, engine: SimEngine, publisher: KvEventPublisher, namespace: str,
+                 namespace_spec: bytes = b"") -> None:
         self.engine = engine
         self.publisher = publisher
         self.namespace = namespace
+        self.namespace_spec = namespace_spec
         self.forwarded = 0
         self._queue: asyncio.Queue[CacheEvent] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -135,5 +137,5 @@ class SimCacheEventBridge:
                 node=node, seq=0, namespace=ns, tier=gpu, engine_hashes=list(part),
                 parent_engine_hash=event.hashes[i - 1] if i else event.parent,
                 tokens=wire.pack_tokens(event.tokens[i * bs:(i + len(part)) * bs]),
-                engine_block_size=bs))
+                engine_block_size=bs, namespace_spec=self.namespace_spec))
         return out

@@ -163,7 +163,7 @@ class WorkerService(Service):
 
             assert self.kv.publisher is not None
             self._bridge = GpuEventBridge(self._kv_events_endpoint, self.kv.publisher,
-                                          self.namespace.id)
+                                          self.namespace.id, self.namespace.to_spec())
             await self._bridge.start()
         else:
             from cpd.sim.engine import SimEngine
@@ -172,7 +172,7 @@ class WorkerService(Service):
             if isinstance(self.engine, SimEngine):  # its GPU cache, as vLLM's events
                 assert self.kv.publisher is not None
                 self._bridge = SimCacheEventBridge(self.engine, self.kv.publisher,
-                                                   self.namespace.id)
+                                                   self.namespace.id, self.namespace.to_spec())
                 await self._bridge.start()
         await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         if self.role in PREFILL_ROLES:
