@@ -40,7 +40,7 @@ import nats.errors
 from cpd import fuzzing, subjects, transfer, wire
 from cpd.bus import BAD_INPUT, Bus
 from cpd.client import Client
-from cpd.cluster import Proc, wait_ready
+from cpd.cluster import Proc, until_ready, wait_ready
 from cpd.config import Settings, load_settings
 from cpd.errors import CpdError, ErrorCode
 from cpd.hashing import block_hashes
@@ -215,7 +215,11 @@ class FuzzCluster:
                 proc.start()
                 self.procs[node] = proc
                 started.append(proc)
-            await asyncio.gather(*(self._ready(url, p) for p in started))
+            await until_ready(
+                asyncio.gather(*(wait_ready(url, p.service, p.node_id, READY_TIMEOUT_S)
+                                 for p in started)),
+                started, lambda p: None if p.alive() else (
+                    f"{p.node_id} exited during start-up:\n{self.log_tail(p.node_id)}"))
         self.client = await Client.connect(settings=self.settings, name="cpd-fuzz")
         self.model = ServedModel.for_settings(self.settings)
         await self._until_router_sees(set(WORKERS))
@@ -232,19 +236,6 @@ class FuzzCluster:
                               for i in range(HEALTH_PROMPT_BLOCKS * bs + 1)]
         await self._generate_ok()
         self.baseline = await self._settled_lookup(None)
-
-    async def _ready(self, url: str, proc: Proc) -> None:
-        task = asyncio.ensure_future(wait_ready(url, proc.service, proc.node_id,
-                                                READY_TIMEOUT_S))
-        try:
-            while not task.done():
-                if not proc.alive():
-                    raise CpdError(f"{proc.node_id} exited during start-up:\n"
-                                   f"{self.log_tail(proc.node_id)}")
-                await asyncio.wait([task], timeout=0.25)
-            task.result()
-        finally:
-            task.cancel()
 
     async def _until_router_sees(self, nodes: set[str]) -> None:
         assert self.client is not None

@@ -21,7 +21,7 @@ from pathlib import Path
 from cpd import subjects, wire
 from cpd.bus import Bus
 from cpd.client import Client
-from cpd.cluster import Proc, kill_tree, wait_ready
+from cpd.cluster import Proc, kill_tree, until_ready, wait_ready
 from cpd.config import load_settings
 from cpd.errors import CpdError
 from cpd.natsserver import NatsServer
@@ -106,18 +106,8 @@ class SimCluster:
         with its log."""
         ready = asyncio.gather(*(wait_ready(url, p.service, p.node_id, READY_TIMEOUT_S)
                                  for p in procs))
-        try:
-            while not ready.done():
-                dead = [p for p in procs if not p.alive()]
-                if dead:
-                    raise CpdError(f"{self.label}: {dead[0].node_id} exited during "
-                                   f"start-up:\n{self.log_tail(dead[0].node_id)}")
-                await asyncio.wait([ready], timeout=0.25)
-            ready.result()
-        finally:
-            ready.cancel()
-            with contextlib.suppress(BaseException):
-                await ready
+        await until_ready(ready, procs, lambda p: None if p.alive() else (
+            f"{self.label}: {p.node_id} exited during start-up:\n{self.log_tail(p.node_id)}"))
 
     async def until_router_sees(self, nodes: set[str],
                                 timeout_s: float = NODES_SEEN_TIMEOUT_S) -> None:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,14 +233,26 @@ def run_cluster(settings: Settings, port: int | None = None, *,
 async def _ready_or_refused(procs: list[Proc], ready: asyncio.Future[Any]) -> None:
     """Await ``ready``, failing fast when a process exits because NATS refused it
     (wrong credentials or permissions: waiting or restarting cannot fix that)."""
+
+    def refused(p: Proc) -> str | None:
+        if p.popen is None or p.popen.poll() != EXIT_REFUSED:
+            return None
+        return (f"NATS refused {p.node_id}; see {p.log_path}:\n"
+                + p.log_path.read_text(errors="replace")[-2000:])
+
+    await until_ready(ready, procs, refused)
+
+
+async def until_ready(ready: asyncio.Future[Any], procs: list[Proc],
+                      failed: Callable[[Proc], str | None]) -> None:
+    """Await ``ready`` (e.g. a gather of :func:`wait_ready`) while watching ``procs``:
+    the first process for which ``failed`` returns a message ends the wait with a
+    :class:`CpdError` of that message, instead of waiting out the timeout."""
     try:
         while not ready.done():
-            refused = [p for p in procs if p.popen is not None
-                       and p.popen.poll() == EXIT_REFUSED]
-            if refused:
-                p = refused[0]
-                raise CpdError(f"NATS refused {p.node_id}; see {p.log_path}:\n"
-                               + p.log_path.read_text(errors="replace")[-2000:])
+            for p in procs:
+                if (why := failed(p)) is not None:
+                    raise CpdError(why)
             await asyncio.wait([ready], timeout=0.25)
         ready.result()
     finally:
