@@ -82,6 +82,9 @@ class Result:
     tokens_computed: int = 0
     error: str | None = None
     rejected: bool = False               # shed by admission control (overloaded)
+    turn: int = 0                        # the session's turn (0: its cold first request)
+    # The router's and workers' timings of the final message (wall ms, not simulated).
+    timings: dict[str, float] | None = None
 
     @property
     def client_queue_s(self) -> float | None:
@@ -157,7 +160,7 @@ async def drive(client: Client, requests: Sequence[WorkloadRequest], *,
         raise ValueError("time_scale must be > 0 and max_inflight >= 1")
     loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(max_inflight)
-    results = [Result(r.request_id, r.arrival_s, r.prompt_len) for r in requests]
+    results = [Result(r.request_id, r.arrival_s, r.prompt_len, turn=r.turn) for r in requests]
     bar = _Progress(len(requests), label, progress)
     in_flight = 0
     t0 = loop.time()
@@ -224,6 +227,7 @@ async def _run_one(client: Client, req: WorkloadRequest, res: Result,
             res.path, res.prefill_node, res.decode_node = r.path, r.prefill_node, r.decode_node
             res.tokens_gpu, res.tokens_dram = r.tokens_gpu, r.tokens_dram
             res.tokens_remote, res.tokens_computed = r.tokens_remote, r.tokens_computed
+            res.timings = msgspec.structs.asdict(msg.timings)
             return
     res.error = UNFINISHED
 
@@ -268,7 +272,35 @@ def report(results: Sequence[Result], *, target_qps: float, gpus: int, ttft_slo_
             sum(r.tokens_computed for r in first) / span / gpus, 1),
         "decode_tokens_per_s_per_gpu": round(
             sum(r.output_tokens for r in done) / span / gpus, 1),
+        "by_path": _by_path(arrived),
     })
+    return out
+
+
+def _by_path(arrived: Sequence[Result]) -> dict[str, dict]:
+    """Where TTFT goes, per route path and for sessions' first turns: count, TTFT p50/p90
+    (simulated s, client queue included) and the mean of each stage of the final
+    message's timings (wall ms; × the time scale for simulated). The p90 of a mixed
+    workload is often one group's tail, and this says which."""
+    groups: dict[str, list[Result]] = {}
+    for r in arrived:
+        if r.error is None and r.first_token_s is not None:
+            groups.setdefault(r.path or "unknown", []).append(r)
+            if r.turn == 0:
+                groups.setdefault("first_turn", []).append(r)
+    out = {}
+    for name, rs in sorted(groups.items()):
+        ttft = [r.first_token_s - r.arrival_s for r in rs if r.first_token_s is not None]
+        timed = [r.timings for r in rs if r.timings]
+        out[name] = {
+            "requests": len(rs),
+            "ttft_p50_s": _finite(round(_quantile(ttft, 0.5), 4)),
+            "ttft_p90_s": _finite(round(_quantile(ttft, 0.9), 4)),
+            "mean_prompt_tokens": round(sum(r.prompt_tokens for r in rs) / len(rs)),
+            "mean_computed_tokens": round(sum(r.tokens_computed for r in rs) / len(rs)),
+            "timings_mean_wall_ms": {k: round(sum(t[k] for t in timed) / len(timed), 1)
+                                     for k in (timed[0] if timed else {})},
+        }
     return out
 
 

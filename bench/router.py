@@ -5,21 +5,46 @@ One run sets up, on an embedded NATS server:
 
 * a kvindex *process* (``python -m services.kvindex``, so its CPU is not the router's)
   filled through JetStream with ``blocks`` background blocks (1M; 100K with ``--quick``)
-  plus the cached prefixes of the warm prompts, all VISIBLE in host DRAM of fake workers;
+  plus the cached prefixes of the warm prompts and of the agent sessions, all VISIBLE in
+  host DRAM of fake workers;
 * fake workers (2 pre-prefill, 4 prefill, 2 decode nodes) that only heartbeat and send
   load reports, at the workers' own intervals, so the router's node table and kvindex's
   leases stay live;
 * an in-process :class:`~services.router.RouterService` on the locally built model with
   its length limit raised to 131,072 tokens: the decision does not depend on the engine.
 
-Prompts are 100K random token ids, half warm (90% of their blocks cached on a pre-prefill
-node; every other one also on a prefill node) and half cold (nothing cached). Measured:
+**Every prompt new to the router** (the headline figures): prompts are 100K random token
+ids, half warm (90% of their blocks cached on a pre-prefill node; every other one also on
+a prefill node) and half cold (nothing cached). These few prompts are sent over and over,
+so the router's prefix-hash memo (``router.hash_memo_bytes``) is *disabled* for them: with
+it, every decision after the first few would reuse all of its hashes, which no real
+prompt stream gives. This is the worst case: every prompt hashed in full. Measured:
 
-* latency of ``await router.decide(req)`` one at a time (warm, cold, both);
+* latency of ``await router.decide(req)`` one at a time (warm, cold, both):
+  ``decision_p50_ms``, ``decision_p99_ms``, ...;
 * throughput: decisions/s with 8 and 32 decisions in flight for a fixed time, with the CPU
-  each process spent per decision;
+  each process spent per decision (``decisions_per_s``: the better level);
 * the breakdown, each part alone in the same run: unpacking and validating the tokens,
   block hashing, the kvindex round trip and the policy.
+
+**Agent turns, memo enabled** (``agent_turns``; ``*_agent_turns`` keys): what multi-turn
+chat and coding agents send. A session's first turn is 100K random token ids; each next
+turn is the previous turn's tokens plus 2,000 new random ones (15 turns, up to 128K
+tokens); the first turn's blocks are cached on a pre-prefill node (as after it ran), so
+every turn routes warm. 40 sessions are open at once, interleaved, one turn of a session
+in flight at a time; a finished session is replaced by a new one (whose first turn the
+memo has never seen); the first sessions end after staggered numbers of turns, so
+openings are spread out from the start. A pass ends when no new session is left to open.
+Each pass starts with an empty memo (as after a router restart), so the memo knows only
+what that pass sent. Two passes over the same sessions:
+
+* one decision at a time: ``decision_p50_ms_agent_turns``, ``decision_p99_ms_agent_turns``
+  (comparable with ``decision_p99_ms``);
+* 32 in flight: ``decisions_per_s_agent_turns`` (building each request's 400-500 KB of
+  tokens counts in its wall time), with the router's CPU per decision;
+
+and the memo's own counts for each (``hash_memo_reuse_ratio``: share of blocks whose hash
+was reused, of the 32-in-flight pass).
 """
 
 from __future__ import annotations
@@ -34,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,9 +70,10 @@ import numpy as np
 from bench.kvindex import CHAIN, _run_loop
 from cpd import kvevents, subjects, telemetry, wire
 from cpd.bus import Bus
-from cpd.config import Settings, load_settings
+from cpd.config import RouterSettings, Settings, load_settings
 from cpd.errors import CpdError
 from cpd.hashing import Namespace, block_hashes
+from cpd.hashmemo import PrefixHashMemo
 from cpd.kvstore import slot_bytes
 from cpd.natsserver import NatsServer
 from cpd.servedmodel import ServedModel
@@ -73,6 +99,12 @@ LEASE_TTL_MS = 30_000
 MAX_QUEUE_MS = 300.0
 KV_BANDWIDTH_GBPS = 5.0
 PUBLISH_BATCH = 500
+# The agent-like mix: sessions that resend their previous turn plus some new tokens.
+AGENT_FIRST_TOKENS = PROMPT_TOKENS
+AGENT_TURN_TOKENS = 2_000
+AGENT_TURNS = 15  # the last turn is 128,000 tokens: below MAX_MODEL_LEN with MAX_TOKENS
+AGENT_OPEN_SESSIONS = 40  # more than in flight, so turns of many sessions interleave
+AGENT_CONCURRENCY = 32
 WARMUP_DECISIONS = 30
 READY_TIMEOUT_S = 60.0
 VISIBLE_TIMEOUT_S = 300.0
@@ -89,15 +121,16 @@ class Sizes:
     decisions: int  # sequential decisions timed
     seconds: float  # per throughput level
     breakdown: int  # repetitions of each part of the breakdown
+    agent_sessions: int  # sessions of the agent-turn passes (~15 decisions each)
 
     @classmethod
     def of(cls, quick: bool, blocks: int | None = None) -> Sizes:
         """The full run, or the ``--quick`` one (< 60 s on two cores)."""
         if quick:
             return cls(blocks=blocks or 100_000, prompts=4, decisions=400, seconds=2.0,
-                       breakdown=200)
+                       breakdown=200, agent_sessions=80)
         return cls(blocks=blocks or 1_000_000, prompts=8, decisions=2000, seconds=5.0,
-                   breakdown=1000)
+                   breakdown=1000, agent_sessions=240)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +193,35 @@ def _prompts(model: ServedModel, n: int) -> list[Prompt]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class AgentSession:
+    """One agent-like session: turn ``t`` sends ``tokens[:AGENT_FIRST_TOKENS + t *
+    AGENT_TURN_TOKENS]``; its first turn's blocks are cached on ``node``."""
+
+    tokens: np.ndarray
+    first_hashes: bytes
+    node: str
+
+    def request(self, sid: int, turn: int) -> wire.GenerateRequest:
+        n = AGENT_FIRST_TOKENS + turn * AGENT_TURN_TOKENS
+        return wire.GenerateRequest(request_id=f"agent-{sid}-{turn}",
+                                    tokens=self.tokens[:n].tobytes(),
+                                    sampling=wire.SamplingParams(max_tokens=MAX_TOKENS))
+
+
+def _agent_sessions(model: ServedModel, n: int) -> list[AgentSession]:
+    """``n`` sessions of independent random tokens."""
+    rng = np.random.default_rng(SEED + 3)
+    size = AGENT_FIRST_TOKENS + (AGENT_TURNS - 1) * AGENT_TURN_TOKENS
+    out = []
+    for i in range(n):
+        tokens = rng.integers(0, model.vocab_size, size=size, dtype=np.uint32)
+        out.append(AgentSession(tokens, block_hashes(model.namespace,
+                                                     tokens[:AGENT_FIRST_TOKENS]),
+                                PREPREFILL[i % len(PREPREFILL)]))
+    return out
+
+
 class _Writer:
     """One fake worker's event stream: its sequence numbers within its epoch."""
 
@@ -196,11 +258,12 @@ def _background(writers: dict[str, _Writer], n_blocks: int) -> Iterator[wire.KvE
         yield from writers[holders[c % len(holders)]].chain(chain, writing=False)
 
 
-def _cached(writers: dict[str, _Writer], prompts: list[Prompt]) -> Iterator[wire.KvEvent]:
-    for p in prompts:
-        for node, n in p.cached.items():
-            chain = [p.hashes[i * wire.HASH_BYTES:(i + 1) * wire.HASH_BYTES] for i in range(n)]
-            yield from writers[node].chain(chain, writing=True)
+def _cached(writers: dict[str, _Writer], chains: list[tuple[str, bytes, int]]
+            ) -> Iterator[wire.KvEvent]:
+    """The ``(node, hashes, blocks)`` prefixes, written through by their nodes."""
+    for node, hashes, n in chains:
+        chain = [hashes[i * wire.HASH_BYTES:(i + 1) * wire.HASH_BYTES] for i in range(n)]
+        yield from writers[node].chain(chain, writing=True)
 
 
 async def _publish(js: Any, events: Iterator[wire.KvEvent]) -> int:
@@ -307,6 +370,10 @@ class _KvIndex:
 async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path) -> dict:
     ns = model.namespace
     prompts = _prompts(model, sizes.prompts)
+    sessions = _agent_sessions(model, sizes.agent_sessions)
+    cached = ([(node, p.hashes, n) for p in prompts for node, n in p.cached.items()]
+              + [(a.node, a.first_hashes, len(a.first_hashes) // wire.HASH_BYTES)
+                 for a in sessions])
     epoch = int(time.time() * 1000)
     server = NatsServer(store_dir=tmp / "nats").start()
     kvi: _KvIndex | None = None
@@ -330,10 +397,10 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
         writers = {n: _Writer(n, ns, epoch, slot_bytes(s)) for n in WORKERS}
         t0 = time.perf_counter()
         n_events = await _publish(js, _background(writers, sizes.blocks))
-        n_events += await _publish(js, _cached(writers, prompts))
+        n_events += await _publish(js, _cached(writers, cached))
         publish_s = time.perf_counter() - t0
         last_bg = _last_background_chain(sizes.blocks)
-        expect = [(node, p.hashes, n) for p in prompts for node, n in p.cached.items()]
+        expect = list(cached)
         if last_bg is not None:
             expect.append(last_bg)
         try:
@@ -342,7 +409,10 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
         except TimeoutError as e:
             raise RuntimeError(f"{e}; kvindex log:\n{kvi.log_tail()}") from None
         ingest_s = time.perf_counter() - t0
-        router = RouterService(s, nats_url=server.url, model=model)
+        # The memo off: these few prompts repeat, and every one must count as new.
+        off = msgspec.structs.replace(s, router=msgspec.structs.replace(s.router,
+                                                                      hash_memo_bytes=0))
+        router = RouterService(off, nats_url=server.url, model=model)
         await router.start()
         r = router
         await _until("router sees every worker", READY_TIMEOUT_S,
@@ -355,7 +425,9 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
             "warm_cached_blocks": max(prompts[0].cached.values()),
             "prompts": {"warm": sizes.prompts, "cold": sizes.prompts},
             "index_blocks": (sizes.blocks // CHAIN) * CHAIN
-                            + sum(max(p.cached.values(), default=0) for p in prompts),
+                            + sum(max(p.cached.values(), default=0) for p in prompts)
+                            + sum(len(a.first_hashes) // wire.HASH_BYTES for a in sessions),
+            "hash_memo": "disabled (router.hash_memo_bytes=0) except in agent_turns",
             "kvindex": "separate process (python -m services.kvindex)",
             "router": "in this process (RouterService.decide)",
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
@@ -382,11 +454,17 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
         result["router_cpu_bound_decisions_per_s"] = (round(1000 / router_cpu)
                                                       if router_cpu else None)
         result.update(await _breakdown(router, prompts, sizes.breakdown))
+        memo_bytes = settings.router.hash_memo_bytes or RouterSettings().hash_memo_bytes
+        result.update(await _agent_passes(router, sessions, memo_bytes, pids))
         result["targets"] = {
             "decision_p99_ms": TARGET_P99_MS,
             "decisions_per_s": TARGET_DECISIONS_PER_S,
             "decision_p99_met": result["decision_p99_ms"] < TARGET_P99_MS,
             "decisions_per_s_met": result["decisions_per_s"] >= TARGET_DECISIONS_PER_S,
+            "decision_p99_agent_turns_met":
+                result["decision_p99_ms_agent_turns"] < TARGET_P99_MS,
+            "decisions_per_s_agent_turns_met":
+                result["decisions_per_s_agent_turns"] >= TARGET_DECISIONS_PER_S,
         }
         return result
     finally:
@@ -443,15 +521,16 @@ def _lookup_missed(d: Decision) -> bool:
     return "kvindex unavailable" in d.reason
 
 
-def _check(p: Prompt, d: Decision) -> str:
-    """Why ``d`` is not the decision ``p`` should get ("" when it is); a decision made
-    without kvindex's answer is counted apart (the router's designed fallback)."""
+def _check(kind: str, d: Decision) -> str:
+    """Why ``d`` is not the decision a ``kind`` ("warm" or "cold") prompt should get (""
+    when it is); a decision made without kvindex's answer is counted apart (the router's
+    designed fallback)."""
     reused = d.plan.reused_tokens
     if _lookup_missed(d):
         return ""
-    if p.kind == "warm" and (d.path == "cold" or not reused):
+    if kind == "warm" and (d.path == "cold" or not reused):
         return f"warm prompt routed {d.path} reusing {reused} tokens ({d.reason})"
-    if p.kind == "cold" and reused:
+    if kind == "cold" and reused:
         return f"cold prompt routed {d.path} reusing {reused} tokens ({d.reason})"
     return ""
 
@@ -477,7 +556,7 @@ async def _sequential(router: RouterService, prompts: list[Prompt], n: int) -> d
         lat[p.kind].append((time.perf_counter_ns() - t0) / 1e6)
         paths[f"{p.kind}->{d.path}"] += 1
         missed += _lookup_missed(d)
-        if why := _check(p, d):
+        if why := _check(p.kind, d):
             errors.append(why)
     gcs = [b - a for a, b in zip(before, _gc_collections(), strict=True)]
     both = _stats(lat["warm"] + lat["cold"])
@@ -603,3 +682,120 @@ async def _breakdown(router: RouterService, prompts: list[Prompt], n: int) -> di
     # decide() timed alongside its parts: what it costs beyond their sum.
     out["breakdown_decide_ms_p50"] = st["decide"]["p50"]
     return out
+
+
+# ------------------------------------------------------------------- agent turns
+
+
+class _Agents:
+    """Which (session, turn) to send next: ``AGENT_OPEN_SESSIONS`` sessions open, one
+    turn of each in flight at most, a finished session replaced by the next one."""
+
+    def __init__(self, sessions: list[AgentSession]) -> None:
+        self.sessions = sessions
+        self.ready: deque[tuple[int, int]] = deque()
+        self.turns_of: dict[int, int] = {}
+        self.opened = 0
+        self.exhausted = False
+        # The first sessions end after staggered numbers of turns (AGENT_TURNS down to
+        # 1), as if they had opened at different times: session openings, and with them
+        # the turns the memo cannot know, are spread over the pass, not bunched at its
+        # start.
+        for i in range(min(AGENT_OPEN_SESSIONS, len(sessions))):
+            self._open(AGENT_TURNS - i * AGENT_TURNS // AGENT_OPEN_SESSIONS)
+
+    def _open(self, turns: int) -> None:
+        if self.opened == len(self.sessions):
+            self.exhausted = True
+            return
+        self.turns_of[self.opened] = turns
+        self.ready.append((self.opened, 0))
+        self.opened += 1
+
+    def take(self) -> tuple[int, int] | None:
+        """The next turn to send; None once a session could not be replaced (the pass
+        ends there rather than draining with fewer sessions in flight)."""
+        if self.exhausted or not self.ready:
+            return None
+        return self.ready.popleft()
+
+    def done(self, sid: int, turn: int) -> None:
+        if turn + 1 < self.turns_of[sid]:
+            self.ready.append((sid, turn + 1))
+        else:
+            self._open(AGENT_TURNS)
+
+
+def _memo_counts(memo: PrefixHashMemo) -> dict[str, int]:
+    return {"hits": memo.hits, "misses": memo.misses, "blocks_reused": memo.blocks_reused,
+            "blocks_computed": memo.blocks_computed}
+
+
+async def _agent_turns(router: RouterService, sessions: list[AgentSession],
+                       concurrency: int, pids: dict[str, int]) -> dict:
+    """One pass of agent turns with ``concurrency`` decisions in flight; the router's
+    memo must be fresh."""
+    agents = _Agents(sessions)
+    lat: list[float] = []
+    paths: Counter[str] = Counter()
+    errors: list[str] = []
+    missed = 0
+
+    async def loop() -> None:
+        nonlocal missed
+        while (item := agents.take()) is not None:
+            sid, turn = item
+            req = sessions[sid].request(sid, turn)
+            t = time.perf_counter_ns()
+            d = await router.decide(req)
+            lat.append((time.perf_counter_ns() - t) / 1e6)
+            agents.done(sid, turn)
+            paths[f"agent->{d.path}"] += 1
+            missed += _lookup_missed(d)
+            if why := _check("warm", d):
+                errors.append(why)
+
+    gc.collect()
+    cpu0 = _cpu_all(pids)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    st = _stats(lat)
+    memo = _memo_counts(router.hash_memo)
+    blocks = memo["blocks_reused"] + memo["blocks_computed"]
+    return {"concurrency": concurrency, "decisions": len(lat),
+            "sessions_opened": agents.opened, "decisions_per_s": round(len(lat) / wall),
+            "latency_ms": st, "cpu_ms_per_decision": _cpu_per(cpu0, pids, len(lat)),
+            "hash_memo": {**memo, "reuse_ratio": round(memo["blocks_reused"] / blocks, 4)
+                          if blocks else 0.0,
+                          "stored_bytes": router.hash_memo.stored_bytes,
+                          "stored_prompts": len(router.hash_memo)},
+            "paths": dict(sorted(paths.items())), "decision_errors": len(errors),
+            "decision_error_examples": errors[:3],
+            "decisions_without_kvindex_answer": missed}
+
+
+async def _agent_passes(router: RouterService, sessions: list[AgentSession],
+                        memo_bytes: int, pids: dict[str, int]) -> dict:
+    """The agent-turn mix with the memo enabled: one at a time, then 32 in flight, each
+    pass from an empty memo (as after a router restart)."""
+    passes = []
+    for concurrency in (1, AGENT_CONCURRENCY):
+        router.hash_memo = PrefixHashMemo(memo_bytes)
+        passes.append(await _agent_turns(router, sessions, concurrency, pids))
+    one, many = passes
+    router_cpu = many["cpu_ms_per_decision"].get("router")
+    return {
+        "agent_turns": {
+            "first_turn_tokens": AGENT_FIRST_TOKENS, "tokens_per_turn": AGENT_TURN_TOKENS,
+            "turns_per_session": AGENT_TURNS, "open_sessions": AGENT_OPEN_SESSIONS,
+            "sessions": len(sessions), "hash_memo_bytes": memo_bytes,
+            "sequential": one, "throughput": many,
+        },
+        "decision_p50_ms_agent_turns": one["latency_ms"]["p50"],
+        "decision_p99_ms_agent_turns": one["latency_ms"]["p99"],
+        "decisions_per_s_agent_turns": many["decisions_per_s"],
+        "router_cpu_bound_decisions_per_s_agent_turns": (round(1000 / router_cpu)
+                                                         if router_cpu else None),
+        "hash_memo_reuse_ratio": many["hash_memo"]["reuse_ratio"],
+    }

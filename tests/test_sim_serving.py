@@ -140,12 +140,15 @@ def test_quick_sweep_writes_the_documented_keys(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     for key in ("cpd_over_pd_rr", "cpd_over_pd_kv", "low_load_p50_ratio", "bound_fraction",
-                "analytic_bound_qps_per_gpu", "topologies", "config"):
+                "analytic_bound_qps_per_gpu", "topologies", "config", "by_slo"):
         assert key in result
+    assert set(result["by_slo"]) == {"2", "3"}
     assert set(result["topologies"]) == {"2P1D pd-rr", "CPD-1D"}
     for t in result["topologies"].values():
+        # --quick runs its two loads whatever happens (no floor load, no stop rule).
         assert len(t["points"]) == 2 and "sustainable_qps_per_gpu" in t
         assert all(p["requests"] > 0 for p in t["points"])
+        assert all("warm" in p["by_path"] or "cold" in p["by_path"] for p in t["points"])
     assert Path(result["table"]).exists()
 
 
@@ -163,6 +166,10 @@ def test_sweep_workloads_and_options() -> None:
         config_for(s, workload="mooncake")
     with pytest.raises(CpdError, match="unknown topology"):
         config_for(s, topologies="3P0D")
+    with pytest.raises(CpdError, match="--stop-after"):
+        config_for(s, stop_after=0)
+    assert config_for(s).stop_after_unsustainable is None
+    assert config_for(s, stop_after=1).stop_after_unsustainable == 1
     cfg = config_for(s, workload="mooncake", trace=str(MOONCAKE_HEAD), qps="0.5",
                      steady_s=10, ramp_s=0)
     reqs = make_workload(cfg, 6.0, 256)
@@ -175,16 +182,34 @@ def test_sweep_workloads_and_options() -> None:
 
 
 def test_headline_keys_from_topology_results() -> None:
-    def top(sustained: float, p50_low: float) -> dict:
-        return {"sustainable_qps_per_gpu": sustained,
-                "points": [{"target_qps_per_gpu": 0.4, "ttft_p50_s": p50_low}]}
+    def point(target: float, p90: float, p50: float = 0.5) -> dict:
+        # 12 GPUs, everything offered achieved: only the TTFT p90 decides.
+        qps = target * 12
+        return {"target_qps_per_gpu": target, "offered_qps": qps, "achieved_qps": qps,
+                "goodput_qps": qps, "gpus": 12, "requests": 100, "completed": 100,
+                "errors": 0, "ttft_p50_s": p50, "ttft_p90_s": p90, "tpot_mean_s": 0.01,
+                "tpot_p50_s": 0.01, "ttft_slo_s": 3.0}
 
-    result = {"topologies": {"2P1D pd-rr": top(0.8, 0.5), "2P1D pd-kv": top(1.0, 0.4),
-                             "CPD-1D": top(1.1, 0.5)},
+    def top(*p90s: float, p50_low: float = 0.5) -> dict:
+        points = [point(0.4 + 0.2 * i, p90, p50_low if i == 0 else 0.5)
+                  for i, p90 in enumerate(p90s)]
+        return {"sustainable_qps_per_gpu": 0.0, "points": points}
+
+    # p90 at 0.4, 0.6, 0.8, 1.0, 1.2 QPS/GPU
+    result = {"topologies": {"2P1D pd-rr": top(1.0, 2.5, 9.0),
+                             "2P1D pd-kv": top(1.0, 1.5, 2.9, 9.0, p50_low=0.4),
+                             "CPD-1D": top(0.5, 1.0, 1.5, 2.5, 9.0)},
               "analytic_bound_qps_per_gpu": {"1D": 1.32}}
-    keys = headline(result, SweepConfig(qps_per_gpu=(0.4, 0.8)))
-    assert keys["cpd_over_pd_rr"] == pytest.approx(1.375)
-    assert keys["cpd_over_pd_kv"] == pytest.approx(1.1)
+    keys = headline(result, SweepConfig(qps_per_gpu=(0.4, 0.6, 0.8, 1.0, 1.2),
+                                        ttft_slo_s=3.0))
+    assert keys["cpd_over_pd_rr"] == pytest.approx(1.0 / 0.6, abs=1e-3)
+    assert keys["cpd_over_pd_kv"] == pytest.approx(1.0 / 0.8, abs=1e-3)
     assert keys["low_load_p50_ratio"] == pytest.approx(1.0)
-    assert keys["bound_fraction"] == pytest.approx(1.1 / 1.32, abs=1e-3)
+    assert keys["bound_fraction"] == pytest.approx(1.0 / 1.32, abs=1e-3)
     assert keys["cpd_over_pd_rr_2d"] is None
+    # The same points read at a 2 s SLO: every topology sustains less.
+    at2 = keys["by_slo"]["2"]
+    assert at2["sustainable_qps_per_gpu"] == pytest.approx(
+        {"2P1D pd-rr": 0.4, "2P1D pd-kv": 0.6, "CPD-1D": 0.8})
+    assert at2["cpd_over_pd_rr"] == pytest.approx(2.0)
+    assert keys["by_slo"]["3"]["cpd_over_pd_kv"] == keys["cpd_over_pd_kv"]

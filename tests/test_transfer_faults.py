@@ -14,7 +14,9 @@ CASES = Path(__file__).with_name("ucx_fault_cases.py")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case, want", [
     ("test_peer_killed_mid_transfer_is_peer_gone_within_the_deadline", "1 passed"),
+    ("test_peer_killed_mid_coalesced_get_is_peer_gone_within_the_deadline", "1 passed"),
     ("test_paused_peer_times_out_within_the_deadline", "1 passed"),
+    ("test_paused_peer_times_out_a_coalesced_get_within_the_deadline", "1 passed"),
     ("test_a_dead_address_fails_typed_within_the_deadline", "1 passed"),
     # Known stall after an aborted endpoint (issue 4): passes or xfails with a typed
     # TransferTimeout; any other outcome (a hang, another error) fails here.

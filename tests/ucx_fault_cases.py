@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cpd.errors import PeerGone, TransferTimeout
-from cpd.transfer import TransferClient
+from cpd.transfer import TransferClient, _runs_field, coalesce_runs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ucx_harness import Peer, local_store, new_client, peer
@@ -48,6 +48,25 @@ async def test_peer_killed_mid_transfer_is_peer_gone_within_the_deadline(
         assert time.monotonic() - t0 < 5  # well within the 10 s deadline
         # The half-received blocks were failed and their slots returned.
         assert len(kv.store) == 0 and kv.store.free_slots == 16
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_peer_killed_mid_coalesced_get_is_peer_gone_within_the_deadline(
+        client: TransferClient) -> None:
+    # 256 x 64 KiB blocks travel as 4 coalesced runs of 4 MiB; the peer sends one.
+    with peer("--stall-after", "1", seed=32, sizes="65536x256") as p:
+        assert _runs_field(coalesce_runs([65536] * 256, client.settings)) == [64] * 4
+        kv = local_store(256, 65536)
+        task = asyncio.create_task(client.pull(p.address, p.hashes(range(256)), kv,
+                                               timeout_s=10))
+        assert (await p.next_line()) == {"stalled": True}
+        t0 = time.monotonic()
+        os.kill(p.proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerGone):
+            await task
+        assert time.monotonic() - t0 < 5
+        assert len(kv.store) == 0 and kv.store.free_slots == 256
+        assert client.in_flight == 0  # the permit and its staging buffers came back
 
 
 @pytest.mark.timeout(60, method="thread")
@@ -80,6 +99,16 @@ async def test_paused_peer_times_out_within_the_deadline(client: TransferClient)
     with peer(seed=41, sizes="1048576x8") as p:
         elapsed = await _pause_and_time_out(client, p, [np.empty(1 << 20, np.uint8)
                                                         for _ in range(8)])
+        assert 1.0 <= elapsed < 2.0
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_paused_peer_times_out_a_coalesced_get_within_the_deadline(
+        client: TransferClient) -> None:
+    with peer(seed=43, sizes="65536x64") as p:
+        dests = [np.empty(65536, np.uint8) for _ in range(64)]
+        assert _runs_field(coalesce_runs([d.nbytes for d in dests], client.settings))
+        elapsed = await _pause_and_time_out(client, p, dests)
         assert 1.0 <= elapsed < 2.0
 
 

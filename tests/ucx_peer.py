@@ -8,8 +8,9 @@ with a real :class:`cpd.transfer.TransferServer`, prints one JSON line
 Misbehaviours real peers have, on request:
 
 * ``--corrupt I,J``: flip a byte of blocks I, J *after* they were sealed (memory corruption);
-* ``--stall-after K``: stop sending after K blocks, without closing anything (a hung peer:
-  the test then kills or pauses the process).
+* ``--stall-after K``: stop sending after K block messages (a coalesced run is one),
+  without closing anything (a hung peer: the test then kills or pauses the process);
+* ``--legacy``: serve gets as builds before coalescing did (``BlockGet.runs`` ignored).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -58,6 +60,13 @@ def parse_sizes(spec: str) -> list[int]:
     return out
 
 
+class LegacyServer(TransferServer):
+    """A server of a build before coalesced gets: it does not know ``BlockGet.runs``."""
+
+    async def _handle_get(self, ep: Any, conn_id: int, req: wire.BlockGet) -> int:
+        return await super()._handle_get(ep, conn_id, msgspec.structs.replace(req, runs=[]))
+
+
 class StallingServer(TransferServer):
     """Sends ``stall_after`` blocks in total, then never completes another send."""
 
@@ -82,6 +91,9 @@ async def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=0, help="default: one per block")
     p.add_argument("--corrupt", default="", help="indices of blocks to corrupt after sealing")
     p.add_argument("--stall-after", type=int, default=-1)
+    p.add_argument("--legacy", action="store_true", help="ignore coalesced layouts")
+    p.add_argument("--coalesce-message-bytes", type=int, default=-1,
+                   help="dataplane.coalesce_message_bytes (default: the setting's)")
     p.add_argument("--secret", default="",
                    help="hex: enforce capabilities (cpd.capability) of a keyring with this "
                         "secret, node 'peer', epoch 1")
@@ -99,10 +111,15 @@ async def main(argv: list[str] | None = None) -> None:
         store.data(refs[int(i)].hash)[0] ^= 0xFF
 
     settings = DataPlaneSettings(max_blocks_per_transfer=max(1024, len(sizes)))
+    if args.coalesce_message_bytes >= 0:
+        settings = msgspec.structs.replace(
+            settings, coalesce_message_bytes=args.coalesce_message_bytes)
     keyring = Keyring("peer", 1, bytes.fromhex(args.secret)) if args.secret else None
     if args.stall_after >= 0:
         server: TransferServer = StallingServer(kv, settings, stall_after=args.stall_after,
                                                 keyring=keyring)
+    elif args.legacy:
+        server = LegacyServer(kv, settings, keyring=keyring)
     else:
         server = TransferServer(kv, settings, keyring=keyring)
     await server.start()

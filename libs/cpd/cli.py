@@ -71,9 +71,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = config_for(s, quick=args.quick, workload=args.workload, trace=args.trace,
                          preset_name=args.preset, time_scale=args.time_scale, qps=args.qps,
                          steady_s=args.steady_s, ramp_s=args.ramp_s,
-                         topologies=args.topologies)
+                         topologies=args.topologies, stop_after=args.stop_after)
         out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
-        result = run_sweep(s, cfg, out)
+        partial = Path(f"{args.json}.partial") if args.json else None
+        result = run_sweep(s, cfg, out, on_topology=(
+            None if partial is None else
+            lambda r: partial.write_text(json.dumps(r, indent=2, default=str))))
+        if partial is not None:
+            partial.unlink(missing_ok=True)
     elif args.what == "faults":
         from bench.faults import config_for as faults_config
         from bench.faults import markdown as faults_markdown
@@ -285,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ramp-s", type=float, help="sweep: ramp phase, simulated s (30)")
     bench.add_argument("--steady-s", type=float, help="sweep: steady phase, simulated s (600)")
     bench.add_argument("--topologies", help="sweep: comma-separated, e.g. '2P1D pd-rr,CPD-1D'")
+    bench.add_argument("--stop-after", type=int,
+                       help="sweep: skip a topology's higher loads after N unsustainable "
+                            "ones in a row (default: run every load)")
     bench.add_argument("--out", help="sweep: folder for the table and plots "
                                      "(default: the --json file's folder)")
     bench.add_argument("--scenarios", help="faults: comma-separated scenario names "

@@ -493,6 +493,9 @@ _UCX_HOSTILE: Hostile = {
     "timeout_ms": lambda c, r: r.choice([-1, (1 << 64) - 1, NAN]),
     "blocks": _EVENT_HOSTILE["blocks"],
     "seals": _EVENT_HOSTILE["seals"],
+    # A get's coalescing layout: counts that do not add up, zero or huge runs.
+    "runs": lambda c, r: r.choice([[0], [1, 0, 1], [(1 << 32) - 1], [1] * 3,
+                                   [c.max_blocks_per_transfer + 1], [-1]]),
 }
 
 

@@ -16,6 +16,12 @@ of different connections never meet):
 * block ``i`` travels on tag ``(xfer, 2 + i)``, straight from the sender's arena slot into
   the receiver's (zero-copy views; nothing is allocated per transfer) and its checksum is
   verified as soon as it lands;
+* except in a get that asked for coalescing (``BlockGet.runs``, laid out by
+  :func:`coalesce_runs`): there a run of consecutive small blocks travels as one message
+  on the tag of its first block, packed back to back (block ``j`` at the sum of the
+  ``nbytes`` before it in the run), copied through preallocated staging buffers on both
+  sides; per-message Python costs more than copying a small block. The reply says
+  ``coalesced``, so a peer that ignored the layout (an older build) is told apart;
 * a put adds the final status on tag ``(xfer, 1)`` once the server verified and sealed.
 
 A worker's server enforces capabilities (:mod:`cpd.capability`): a get must carry the
@@ -76,6 +82,56 @@ _LEN = struct.Struct("<I")
 _HEADER_FIXED = 4096  # msgpack envelope, namespace, error text
 _HEADER_PER_BLOCK = 128  # a BlockRef + BlockSeal + flags is < 100 bytes in msgpack
 _NS_PER_S = 1_000_000_000
+
+
+# Coalesced runs a client receives at once per transfer (each into a staging buffer of
+# its own): while one run is copied out into its landing views, the next one lands.
+_CLIENT_STAGING_LANES = 2
+
+
+def coalesce_runs(capacities: Sequence[int], settings: DataPlaneSettings
+                  ) -> list[tuple[int, int]]:
+    """How one get's blocks travel: ``(first block, block count)`` per message, in order.
+
+    ``capacities`` are the receiver's landing sizes (slot or destination view), the only
+    sizes known before the request goes out. Consecutive blocks of capacity under
+    ``coalesce_below_bytes`` share a message while their capacities add up to at most
+    ``coalesce_message_bytes``; every other block has one of its own. Either setting at
+    0 gives one message per block. The client sends the counts (``BlockGet.runs``), so
+    the server follows this layout without recomputing it under its own settings.
+    """
+    below, limit = settings.coalesce_below_bytes, settings.coalesce_message_bytes
+    if not below or not limit:
+        return [(i, 1) for i in range(len(capacities))]
+    runs: list[tuple[int, int]] = []
+    growing = False  # the last run is of small blocks and may take more
+    run_bytes = 0  # its capacity so far
+    for i, cap in enumerate(capacities):
+        small = cap < below and cap <= limit
+        if small and growing and run_bytes + cap <= limit:
+            start, count = runs[-1]
+            runs[-1] = (start, count + 1)
+            run_bytes += cap
+        else:
+            runs.append((i, 1))
+            growing, run_bytes = small, cap
+    return runs
+
+
+def _runs_field(runs: Sequence[tuple[int, int]]) -> list[int]:
+    """``BlockGet.runs`` for a layout: empty when every block has its own message, so
+    such a get is exactly what builds without coalescing send and serve."""
+    return [count for _, count in runs] if any(count > 1 for _, count in runs) else []
+
+
+def _runs_from_field(counts: Sequence[int], n_blocks: int) -> list[tuple[int, int]]:
+    """The layout a ``BlockGet.runs`` describes; :class:`~cpd.errors.InvalidRequest`
+    unless it covers the ``n_blocks`` blocks exactly."""
+    if any(c < 1 for c in counts) or sum(counts) != n_blocks:
+        raise InvalidRequest(f"runs must be positive counts adding up to the {n_blocks} "
+                             "blocks requested")
+    starts = itertools.accumulate(counts, initial=0)
+    return list(zip(starts, counts, strict=False))
 
 
 def header_capacity(max_blocks: int) -> int:
@@ -456,6 +512,12 @@ class TransferServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._conn_ids = itertools.count(1)
         self._slots = asyncio.Semaphore(settings.max_server_transfers)
+        # One staging buffer per transfer slot for coalesced gets (taken under _slots, so
+        # never short); numpy maps the pages lazily, so unused ones cost no memory.
+        self._staging: list[np.ndarray] = [
+            np.empty(settings.coalesce_message_bytes, np.uint8)
+            for _ in range(settings.max_server_transfers if settings.coalesce_message_bytes
+                           else 0)]
         self._cap = header_capacity(settings.max_blocks_per_transfer)
         self._metrics = _Metrics()
 
@@ -590,14 +652,16 @@ class TransferServer:
         await self._authorize(ep, conn_id, "get", x, req.namespace, req.capability)
         try:
             hashes = wire.split_hashes(req.hashes)
+            if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
+                raise InvalidRequest(
+                    f"{len(hashes)} blocks; 1..{self.settings.max_blocks_per_transfer}")
+            runs = _runs_from_field(req.runs, len(hashes)) if req.runs else []
+            if runs and not self.settings.coalesce_message_bytes:
+                raise InvalidRequest("coalesced gets are off at this server "
+                                     "(dataplane.coalesce_message_bytes = 0)")
         except CpdError as e:
             await self._reply_error(ep, x, 0, e)
             raise
-        if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
-            err = InvalidRequest(
-                f"{len(hashes)} blocks; 1..{self.settings.max_blocks_per_transfer}")
-            await self._reply_error(ep, x, 0, err)
-            raise err
         timeout = self._timeout(req.timeout_ms)
         async with asyncio.timeout(timeout), self._slots:
             missing = [h for h in hashes if not self._servable(h, req.namespace)]
@@ -615,15 +679,27 @@ class TransferServer:
                     err = InvalidRequest("one get carries blocks of one namespace")
                     await self._reply_error(ep, x, 0, err)
                     raise err
+                largest = max((sum(e.nbytes for e in entries[start:start + count])
+                               for start, count in runs if count > 1), default=0)
+                if largest > self.settings.coalesce_message_bytes:
+                    err = InvalidRequest(
+                        f"a coalesced run of {largest} bytes exceeds this server's "
+                        f"dataplane.coalesce_message_bytes {self.settings.coalesce_message_bytes}")
+                    await self._reply_error(ep, x, 0, err)
+                    raise err
                 if self.audit is not None:
                     self._audit_get(next(iter(namespaces)), entries)
                 await self._reply(ep, x, 0, wire.BlockReply(
-                    xfer_id=x, namespace=namespaces.pop(),
-                    blocks=[e.ref for e in entries], seals=[e.seal for e in entries]))
-                await _all_or_abort(
-                    [self._send_block(ep, xfer_tag(x, 2 + i), self.store.arena[e.slot, :e.nbytes])
-                     for i, e in enumerate(entries)],
-                    lambda: _abort(ep, self.settings))
+                    xfer_id=x, namespace=namespaces.pop(), blocks=[e.ref for e in entries],
+                    seals=[e.seal for e in entries], coalesced=bool(runs)))
+                if runs:
+                    await self._send_runs(ep, x, entries, runs)
+                else:
+                    await _all_or_abort(
+                        [self._send_block(ep, xfer_tag(x, 2 + i),
+                                          self.store.arena[e.slot, :e.nbytes])
+                         for i, e in enumerate(entries)],
+                        lambda: _abort(ep, self.settings))
             finally:
                 self.store.unpin(lease)
         return sum(e.nbytes for e in entries)
@@ -645,8 +721,36 @@ class TransferServer:
                 and (not namespace or entry.namespace == namespace))
 
     async def _send_block(self, ep: Any, tag: int, view: np.ndarray) -> None:
-        """Send one block's bytes (a view into the arena)."""
+        """Send one message of block bytes (a view into the arena or a staging buffer)."""
         await ep.send(view, tag=tag)
+
+    async def _send_runs(self, ep: Any, xfer_id: int, entries: list[Any],
+                         runs: list[tuple[int, int]]) -> None:
+        """Send a coalesced get's blocks: a run of one block zero-copy from its slot, as
+        usual; longer runs packed one after another into this transfer's staging buffer
+        (one at a time: the client copies a run out while the next is packed here)."""
+        arena = self.store.arena
+        staging = self._staging.pop()  # one per slot of _slots, which this transfer holds
+
+        async def send_packed() -> None:
+            for start, count in runs:
+                if count > 1:
+                    size = _pack(staging, arena, entries[start:start + count])
+                    await self._send_block(ep, xfer_tag(xfer_id, 2 + start), staging[:size])
+
+        try:
+            await _all_or_abort(
+                [*(self._send_block(ep, xfer_tag(xfer_id, 2 + start),
+                                    arena[entries[start].slot, :entries[start].nbytes])
+                   for start, count in runs if count == 1), send_packed()],
+                lambda: _abort(ep, self.settings))
+        except BaseException:
+            # A send may still be reading the staging buffer (a deadline hit it): abort
+            # the endpoint, which cancels it, before the buffer serves another transfer.
+            _abort(ep, self.settings)
+            raise
+        finally:
+            self._staging.append(staging)
 
     async def _handle_put(self, ep: Any, conn_id: int, req: wire.BlockPut) -> int:
         x = req.xfer_id
@@ -710,6 +814,15 @@ class _Conn:
 
 
 @dataclass(frozen=True, slots=True)
+class _PermitBuffers:
+    """What one of a client's transfer permits lends for the length of an exchange: the
+    header buffer, and the staging buffers coalesced runs land in (none when off)."""
+
+    header: bytearray
+    staging: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Fetched:
     """One block received by :meth:`TransferClient.get_into`."""
 
@@ -721,9 +834,9 @@ class Fetched:
 class TransferClient:
     """Gets and puts blocks from/to peers' stores, one reused connection per peer.
 
-    At most ``max_concurrent_transfers`` exchanges run at once (each holds one of the
-    preallocated header buffers); every one has a deadline (``timeout_s``, else
-    ``transfer_timeout_s``) covering connect, wait for a slot, and the bytes.
+    At most ``max_concurrent_transfers`` exchanges run at once (each holds one set of the
+    preallocated header and staging buffers); every one has a deadline (``timeout_s``,
+    else ``transfer_timeout_s``) covering connect, wait for a slot, and the bytes.
     """
 
     def __init__(self, settings: DataPlaneSettings, *,
@@ -734,9 +847,13 @@ class TransferClient:
         self._conns: dict[bytes, _Conn] = {}
         self._connecting: dict[bytes, asyncio.Lock] = {}
         cap = header_capacity(settings.max_blocks_per_transfer)
-        self._buffers: asyncio.Queue[bytearray] = asyncio.Queue()
+        coalescing = bool(settings.coalesce_below_bytes and settings.coalesce_message_bytes)
+        lanes = _CLIENT_STAGING_LANES if coalescing else 0
+        self._buffers: asyncio.Queue[_PermitBuffers] = asyncio.Queue()
         for _ in range(settings.max_concurrent_transfers):
-            self._buffers.put_nowait(bytearray(cap))
+            # numpy maps the staging pages lazily: buffers never used cost no memory.
+            self._buffers.put_nowait(_PermitBuffers(bytearray(cap), tuple(
+                np.empty(settings.coalesce_message_bytes, np.uint8) for _ in range(lanes))))
         self._metrics = _Metrics()
         self._inflight = 0
 
@@ -844,7 +961,7 @@ class TransferClient:
     # ------------------------------------------------------------------------ internals
 
     @contextlib.asynccontextmanager
-    async def _permit(self) -> AsyncIterator[bytearray]:
+    async def _permit(self) -> AsyncIterator[_PermitBuffers]:
         buf = await self._buffers.get()
         self._inflight += 1
         try:
@@ -905,10 +1022,11 @@ class TransferClient:
         return _check_reply(_unframe(buf, wire.BlockReply), xfer_id)
 
     async def _guarded(self, op: str, address: bytes, timeout: float,
-                       body: Callable[[bytearray, Callable[[], _Conn]], Awaitable[Any]]
+                       body: Callable[[_PermitBuffers, Callable[[], _Conn]], Awaitable[Any]]
                        ) -> Any:
         """Run one exchange under its deadline; map failures to typed errors, aborting
-        the connection whenever UCX may still hold requests on our buffers."""
+        the connection whenever UCX may still hold requests on our buffers (the permit's
+        buffers go back to the pool only after that)."""
         t0 = time.perf_counter()
         conn: _Conn | None = None
         outcome = "ok"
@@ -956,34 +1074,58 @@ class TransferClient:
                    capability: bytes = b"") -> tuple[wire.BlockReply, list[int]]:
         """One get exchange. The receives are posted into ``landing`` (one view per block,
         a block's bytes fill its prefix) *before* the request goes out, so the blocks
-        flow as soon as the peer sends them; ``accept`` vets the reply before any result
-        is used. Returns the reply and the xxh3-64 of each received block."""
+        flow as soon as the peer sends them; runs of small blocks (:func:`coalesce_runs`)
+        land in the permit's staging buffers instead, one receive per run, and are copied
+        into their views once the reply gave their lengths. ``accept`` vets the reply
+        before any result is used. Returns the reply and the xxh3-64 of each received
+        block (as it lies in its landing view)."""
         if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
             raise InvalidRequest(f"{len(hashes)} blocks in one get; "
                                  f"1..{self.settings.max_blocks_per_transfer}")
         timeout = timeout_s or self.settings.transfer_timeout_s
         t0 = time.perf_counter()
+        runs = coalesce_runs([v.nbytes for v in landing], self.settings)
+        counts = _runs_field(runs)
 
-        async def body(buf: bytearray, connect: Callable[[], Awaitable[_Conn]]) -> Any:
+        async def body(bufs: _PermitBuffers, connect: Callable[[], Awaitable[_Conn]]) -> Any:
             nonlocal t0
             conn = await connect()
             # The bandwidth estimate times the bytes, not the connection set-up before.
             t0 = time.perf_counter()
             x = next(conn.ids)
             header: asyncio.Future[wire.BlockReply] = asyncio.get_running_loop().create_future()
+            digests = [0] * len(landing)
 
-            async def land(i: int, view: np.ndarray) -> int:
+            async def land(i: int, view: np.ndarray) -> None:
                 await conn.ep.recv(view, tag=xfer_tag(x, 2 + i))
                 reply = await header
-                return checksum(view[:reply.seals[i].nbytes])  # while still in cache
+                digests[i] = checksum(view[:reply.seals[i].nbytes])  # while still in cache
+
+            async def land_runs(lane: list[tuple[int, int]], staging: np.ndarray) -> None:
+                # The runs of one staging buffer in turn: the next run's receive is posted
+                # once the previous run was copied out (the peer sends them in order).
+                for start, count in lane:
+                    end = start + count
+                    size = sum(v.nbytes for v in landing[start:end])
+                    await conn.ep.recv(staging[:size], tag=xfer_tag(x, 2 + start))
+                    reply = await header
+                    digests[start:end] = _unpack(staging, reply.seals[start:end],
+                                                 landing[start:end])
 
             async def exchange() -> None:
                 req = wire.BlockGet(xfer_id=x, hashes=wire.join_hashes(list(hashes)),
                                     namespace=namespace, timeout_ms=int(timeout * 1000),
-                                    capability=capability)
-                reply = await self._exchange_header(conn, buf, req, x)
+                                    capability=capability, runs=counts)
+                reply = await self._exchange_header(conn, bufs.header, req, x)
                 if not reply.ok:
                     raise _reply_error(reply)  # nothing follows: keep the connection
+                if counts and not reply.coalesced:
+                    # Its per-block messages are not what our receives wait for.
+                    raise MalformedMessage(
+                        f"{address.decode()} ignored the coalesced layout of a get (a build "
+                        "before coalescing?); dataplane.coalesce_below_bytes = 0 turns it off")
+                if reply.coalesced and not counts:
+                    raise MalformedMessage("get reply coalesced, which was not asked for")
                 if ([r.hash for r in reply.blocks] != list(hashes)
                         or len(reply.seals) != len(hashes)
                         or any(s.nbytes > v.nbytes for s, v in zip(reply.seals, landing,
@@ -992,7 +1134,12 @@ class TransferClient:
                 await accept(reply)
                 header.set_result(reply)
 
-            receives = [asyncio.ensure_future(land(i, v)) for i, v in enumerate(landing)]
+            packed = [r for r in runs if r[1] > 1]
+            lanes = [packed[j::len(bufs.staging)] for j in range(len(bufs.staging))]
+            receives = [asyncio.ensure_future(land(start, landing[start]))
+                        for start, count in runs if count == 1]
+            receives += [asyncio.ensure_future(land_runs(lane, staging))
+                         for lane, staging in zip(lanes, bufs.staging, strict=True) if lane]
             try:
                 await exchange()
             except BaseException:
@@ -1003,7 +1150,7 @@ class TransferClient:
                     r.cancel()
                 await asyncio.gather(*receives, return_exceptions=True)
                 raise
-            digests = await _all_or_abort(receives, lambda: self._drop(conn))
+            await _all_or_abort(receives, lambda: self._drop(conn))
             return header.result(), digests
 
         reply, digests = await self._guarded("get", address, timeout, body)
@@ -1018,8 +1165,9 @@ class TransferClient:
         t0 = time.perf_counter()
         sent = 0
 
-        async def body(buf: bytearray, connect: Callable[[], Awaitable[_Conn]]) -> int:
+        async def body(bufs: _PermitBuffers, connect: Callable[[], Awaitable[_Conn]]) -> int:
             nonlocal sent, t0
+            buf = bufs.header
             conn = await connect()
             t0 = time.perf_counter()  # bytes, not connection set-up (as for a get)
             x = next(conn.ids)
@@ -1054,6 +1202,29 @@ class TransferClient:
         self.meter.record(sent, time.perf_counter() - t0)
         self._metrics.bytes.add(sent, {"op": "put"})
         return count
+
+
+def _pack(staging: np.ndarray, arena: np.ndarray, entries: Sequence[Any]) -> int:
+    """Copy the blocks of ``entries`` back to back into ``staging``; returns the bytes."""
+    offset = 0
+    for e in entries:
+        staging[offset:offset + e.nbytes] = arena[e.slot, :e.nbytes]
+        offset += e.nbytes
+    return offset
+
+
+def _unpack(staging: np.ndarray, seals: Sequence[wire.BlockSeal],
+            views: Sequence[np.ndarray]) -> list[int]:
+    """Copy a coalesced run out of ``staging`` into its blocks' landing ``views``;
+    returns the xxh3-64 of each block as it landed (computed while still in cache)."""
+    digests = []
+    offset = 0
+    for seal, view in zip(seals, views, strict=True):
+        landed = view[:seal.nbytes]
+        landed[:] = staging[offset:offset + seal.nbytes]
+        digests.append(checksum(landed))
+        offset += seal.nbytes
+    return digests
 
 
 class _CleanFailure(Exception):

@@ -475,6 +475,10 @@ class BlockGet(Message, tag="blk_get", kw_only=True):
     # Read capability of ``namespace`` at the serving node (cpd.capability); a server
     # that enforces capabilities refuses the get without one.
     capability: bytes = b""
+    # Blocks per message, in request order, summing to the number of hashes: the client's
+    # coalescing layout (cpd.transfer.coalesce_runs). Empty: one message per block. A
+    # server that follows it says so in BlockReply.coalesced (older ones ignore it).
+    runs: list[NonNegInt] = msgspec.field(default_factory=list)
 
 
 class BlockPut(Message, tag="blk_put", kw_only=True):
@@ -506,6 +510,9 @@ class BlockReply(Message, tag="blk_reply", kw_only=True):
     seals: list[BlockSeal] = msgspec.field(default_factory=list)
     accepted: bytes = b""
     missing: bytes = b""
+    # For a get: the blocks follow one message per run of BlockGet.runs (packed back to
+    # back), not one message each. Lets a client tell a server that ignored the layout.
+    coalesced: bool = False
 
 
 AnyMessage = (

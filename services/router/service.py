@@ -1,9 +1,10 @@
 """The router process (DESIGN.md §3, §8, §10): the client-facing ``cpd.v1.generate`` API.
 
 Per request: validate and tokenize, wait for an admission slot (or refuse with a typed,
-retryable ``overloaded``), hash the prompt's blocks, ask kvindex how much of it is cached
-(a slow, failing or recovering kvindex is a miss), let the pure policy pick the prefill
-and decode nodes, dispatch, and relay the workers' stream to the client.
+retryable ``overloaded``), hash the prompt's blocks (a memo reuses the hashes of a
+prefix hashed for an earlier prompt, such as a chat's previous turn), ask kvindex how much
+of it is cached (a slow, failing or recovering kvindex is a miss), let the pure policy
+pick the prefill and decode nodes, dispatch, and relay the workers' stream to the client.
 
 The router stays on the stream for its whole life because it owns the guarantees a
 client relies on: every request ends in a final message or a typed error before its
@@ -35,7 +36,8 @@ from cpd.errors import (
     Unavailable,
     UnknownNamespace,
 )
-from cpd.hashing import Namespace, block_hashes
+from cpd.hashing import Namespace
+from cpd.hashmemo import PrefixHashMemo
 from cpd.kvstore import slot_bytes
 from cpd.servedmodel import Detokenizer, ServedModel
 
@@ -77,6 +79,9 @@ class RouterService(Service):
         self._model = model
         # Client streams still open: the keep-alive ticker's work list.
         self._open_streams: set[ReplyStream] = set()
+        # Multi-turn prompts resend their previous turn: its block hashes are reused,
+        # not recomputed (exact; per process, so replicas each keep their own).
+        self.hash_memo = PrefixHashMemo(self.cfg.hash_memo_bytes)
         self._instruments()
 
     # ------------------------------------------------------------------ lifecycle
@@ -139,6 +144,10 @@ class RouterService(Service):
         self._m_keepalives = m.create_counter(
             "cpd_router_keepalives_total",
             description="keep-alives sent on silent client streams")
+        self._m_hash_memo = m.create_counter(
+            "cpd_router_hash_memo_blocks_total",
+            description="prompt blocks whose hash was reused from an earlier prompt or "
+                        "computed (result=reused|computed)")
 
     # --------------------------------------------------------------- node table
 
@@ -274,11 +283,22 @@ class RouterService(Service):
         measures)."""
         tokens = await self._prompt_tokens(req)
         ns = self._namespace(req)
-        decision, _ = await self._route(req, len(tokens), ns, block_hashes(ns, tokens), set())
+        decision, _ = await self._route(req, len(tokens), ns, self._hashes(ns, tokens), set())
         return decision
 
     def _namespace(self, req: wire.GenerateRequest) -> Namespace:
         return self.model.namespace_for(req.tenant, req.cache_salt)
+
+    def _hashes(self, ns: Namespace, tokens: np.ndarray) -> bytes:
+        """The prompt's block hashes (``block_hashes``), through the memo."""
+        memo = self.hash_memo
+        reused, computed = memo.blocks_reused, memo.blocks_computed
+        hashes = memo.hashes(ns, tokens)
+        if memo.blocks_reused > reused:
+            self._m_hash_memo.add(memo.blocks_reused - reused, {"result": "reused"})
+        if memo.blocks_computed > computed:
+            self._m_hash_memo.add(memo.blocks_computed - computed, {"result": "computed"})
+        return hashes
 
     async def _lookup(self, ns: Namespace, hashes: bytes, request_id: str) -> Hits:
         """kvindex's answer; a timeout, an error or a recovering index is a miss."""
@@ -338,7 +358,7 @@ class RouterService(Service):
                      out: ReplyStream, t0: float, waited: float,
                      deadline_unix_ms: int) -> None:
         t = time.perf_counter()
-        hashes = block_hashes(ns, tokens)
+        hashes = self._hashes(ns, tokens)
         hash_ms = (time.perf_counter() - t) * 1000
         packed = wire.pack_tokens(tokens)
         relay = _Relay(out, self.model.detokenizer())
