@@ -849,7 +849,10 @@ class TransferClient:
         cap = header_capacity(settings.max_blocks_per_transfer)
         coalescing = bool(settings.coalesce_below_bytes and settings.coalesce_message_bytes)
         lanes = _CLIENT_STAGING_LANES if coalescing else 0
-        self._buffers: asyncio.Queue[_PermitBuffers] = asyncio.Queue()
+        # Last in, first out: the buffers used last are the ones whose pages are mapped
+        # and cached (a FIFO would walk every permit's staging pages, first-touch faults
+        # included, before reusing any).
+        self._buffers: asyncio.LifoQueue[_PermitBuffers] = asyncio.LifoQueue()
         for _ in range(settings.max_concurrent_transfers):
             # numpy maps the staging pages lazily: buffers never used cost no memory.
             self._buffers.put_nowait(_PermitBuffers(bytearray(cap), tuple(
