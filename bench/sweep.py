@@ -33,9 +33,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections.abc import Callable
 from typing import Literal
 
 from bench.loaddriver import DEFAULT_MAX_INFLIGHT, Phases, drive, fresh_content, report

@@ -53,3 +53,16 @@ def test_quick_router_bench_reports_latency_throughput_and_breakdown(
     assert t["decision_p99_ms"] == 2.0 and t["decisions_per_s"] == 2000
     assert t["decision_p99_met"] == (r["decision_p99_ms"] < 2.0)
     assert t["decisions_per_s_met"] == (r["decisions_per_s"] >= 2000)
+    # The agent-turn mix runs with the memo on: it must reuse hashes, and decide the same
+    # way (every turn warm, nothing without a kvindex answer, no errors).
+    assert r["decisions_per_s_agent_turns"] > 0
+    assert r["decision_p99_ms_agent_turns"] >= r["decision_p50_ms_agent_turns"] > 0
+    assert 0 < r["hash_memo_reuse_ratio"] < 1
+    for mode in ("sequential", "throughput"):
+        a = r["agent_turns"][mode]
+        assert a["decision_errors"] == 0, a["decision_error_examples"]
+        assert a["decisions_without_kvindex_answer"] == 0
+        assert a["hash_memo"]["hits"] > 0 and a["hash_memo"]["misses"] > 0
+        assert set(a["paths"]) <= {"agent->warm", "agent->overflow"}
+    assert t["decisions_per_s_agent_turns_met"] == (r["decisions_per_s_agent_turns"] >= 2000)
+    assert t["decision_p99_agent_turns_met"] == (r["decision_p99_ms_agent_turns"] < 2.0)
