@@ -88,7 +88,7 @@ def block_hashes(ns: Namespace, tokens: np.ndarray | list[int] | bytes,
     bytes (the wire form). ``parent`` continues an existing chain. A trailing partial
     block is not hashed: it is never shared.
     """
-    data = _as_u32_bytes(tokens)
+    data = as_u32_bytes(tokens)
     step = ns.block_size * TOKEN_DTYPE.itemsize
     n = len(data) // step
     if n == 0:
@@ -111,7 +111,9 @@ def num_full_blocks(num_tokens: int, block_size: int) -> int:
     return num_tokens // block_size
 
 
-def _as_u32_bytes(tokens: np.ndarray | list[int] | bytes) -> bytes | memoryview:
+def as_u32_bytes(tokens: np.ndarray | list[int] | bytes) -> bytes | memoryview:
+    """``tokens`` as packed little-endian uint32 bytes (bytes-like input as it is), with
+    the checks every hashing entry point applies (a multiple of 4 bytes; ids in uint32)."""
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         if len(tokens) % TOKEN_DTYPE.itemsize:
             raise ValueError("packed tokens must be a multiple of 4 bytes")

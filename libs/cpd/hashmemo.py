@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from .hashing import ROOT_PARENT, Namespace, block_hashes
+from .hashing import ROOT_PARENT, Namespace, as_u32_bytes, block_hashes
 from .wire import HASH_BYTES, TOKEN_DTYPE
 
 # Stored prompts compared per checkpoint, most recently used first: bounds the work of a
@@ -37,7 +37,6 @@ _CANDIDATES_PER_CHECKPOINT = 8
 # Blocks compared in the first step of a common-prefix search; each later step doubles,
 # so a prompt that diverges early costs little and a long match costs a few numpy calls.
 _FIRST_SEARCH_BLOCKS = 8
-_TOKEN_MAX = np.iinfo(TOKEN_DTYPE).max
 
 
 def _fingerprint(block: bytes) -> int:
@@ -224,27 +223,18 @@ def _common_blocks(a: bytes, b: bytes, m: int, step: int) -> int:
 
 
 def _token_bytes(tokens: np.ndarray | list[int] | bytes) -> bytes:
-    """The tokens as immutable little-endian uint32 bytes, validated as
-    :func:`block_hashes` validates them (same errors for the same inputs).
+    """The tokens as immutable little-endian uint32 bytes, validated by
+    :func:`cpd.hashing.as_u32_bytes` (the same errors as :func:`block_hashes`).
 
     An array that is a read-only view of a whole ``bytes`` object (what
     ``wire.unpack_tokens`` gives the router) is used without a copy: those bytes can
     never change, so they can be stored as they are."""
-    if isinstance(tokens, bytes):
-        if len(tokens) % TOKEN_DTYPE.itemsize:
-            raise ValueError("packed tokens must be a multiple of 4 bytes")
-        return tokens
-    if isinstance(tokens, (bytearray, memoryview)):
-        if len(tokens) % TOKEN_DTYPE.itemsize:
-            raise ValueError("packed tokens must be a multiple of 4 bytes")
-        return bytes(tokens)  # a copy: the caller may still change these
-    arr = np.asarray(tokens)
-    base = arr.base
-    if (arr.dtype == TOKEN_DTYPE and isinstance(base, bytes) and arr.ndim == 1
-            and arr.flags.c_contiguous and arr.nbytes == len(base)):
-        return base
-    if arr.dtype != TOKEN_DTYPE:
-        if arr.size and (arr.min() < 0 or arr.max() > _TOKEN_MAX):
-            raise ValueError("token ids must fit in uint32")
-        arr = arr.astype(TOKEN_DTYPE)
-    return arr.tobytes()
+    if not isinstance(tokens, (bytes, bytearray, memoryview)):
+        arr = np.asarray(tokens)
+        base = arr.base
+        if (arr.dtype == TOKEN_DTYPE and isinstance(base, bytes) and arr.ndim == 1
+                and arr.flags.c_contiguous and arr.nbytes == len(base)):
+            return base
+    data = as_u32_bytes(tokens)
+    # A copy unless already bytes: the caller may still change a buffer it passed.
+    return data if isinstance(data, bytes) else bytes(data)
