@@ -68,6 +68,7 @@ import msgspec
 import numpy as np
 
 from bench.kvindex import CHAIN, _run_loop
+from bench.proccpu import cpu_seconds, cpu_seconds_all
 from cpd import kvevents, subjects, telemetry, wire
 from cpd.bus import Bus
 from cpd.config import RouterSettings, Settings, load_settings
@@ -439,7 +440,7 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
         pids = {"router": os.getpid(), "kvindex": kvi.proc.pid}
         if server.proc is not None:
             pids["nats_server"] = server.proc.pid
-        cpu0 = _cpu_all(pids)
+        cpu0 = cpu_seconds_all(pids)
         result.update(await _sequential(router, prompts, sizes.decisions))
         result["sequential_cpu_ms_per_decision"] = _cpu_per(cpu0, pids, sizes.decisions)
         levels = [await _throughput(router, prompts, c, sizes.seconds, pids)
@@ -571,26 +572,12 @@ async def _sequential(router: RouterService, prompts: list[Prompt], n: int) -> d
             "gc_collections_during_sequential": gcs}
 
 
-def _cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` so far (Linux ``/proc``; None elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    # utime and stime are fields 14 and 15 of stat(5); [0] here is field 3.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_all(pids: dict[str, int]) -> dict[str, float | None]:
-    return {name: _cpu_s(pid) for name, pid in pids.items()}
-
-
 def _cpu_per(before: dict[str, float | None], pids: dict[str, int],
              decisions: int) -> dict[str, float | None]:
     """CPU ms each process spent per decision since ``before``."""
     out: dict[str, float | None] = {}
     for name, pid in pids.items():
-        a, b = before[name], _cpu_s(pid)
+        a, b = before[name], cpu_seconds(pid)
         out[name] = (round((b - a) * 1000 / decisions, 3)
                      if a is not None and b is not None and decisions else None)
     return out
@@ -611,7 +598,7 @@ async def _throughput(router: RouterService, prompts: list[Prompt], concurrency:
             i += concurrency
 
     gc.collect()
-    cpu0 = _cpu_all(pids)
+    cpu0 = cpu_seconds_all(pids)
     t0 = time.perf_counter()
     stop = t0 + seconds
     await asyncio.gather(*(loop(k) for k in range(concurrency)))
@@ -756,7 +743,7 @@ async def _agent_turns(router: RouterService, sessions: list[AgentSession],
                 errors.append(why)
 
     gc.collect()
-    cpu0 = _cpu_all(pids)
+    cpu0 = cpu_seconds_all(pids)
     t0 = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     wall = time.perf_counter() - t0

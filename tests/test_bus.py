@@ -13,11 +13,10 @@ from pathlib import Path
 import msgspec
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cpd import wire
+from cpd import telemetry, wire
 from cpd.bus import Bus, Request, Service, encoded_size
 from cpd.config import Settings, load_settings
 from cpd.errors import (
@@ -35,9 +34,7 @@ from cpd.natsserver import NatsServer
 pytestmark = pytest.mark.timeout(60)
 
 _spans = InMemorySpanExporter()
-_provider = TracerProvider()
-_provider.add_span_processor(SimpleSpanProcessor(_spans))
-trace.set_tracer_provider(_provider)
+telemetry.export_spans(SimpleSpanProcessor(_spans))
 
 
 class EchoService(Service):

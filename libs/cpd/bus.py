@@ -33,7 +33,7 @@ import nkeys
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 from . import subjects, telemetry, wire
 from .config import BusSettings, NatsSettings, Settings
@@ -736,10 +736,9 @@ class Service:
 
     async def _dispatch(self, name: str, msg: Msg, handler: Handler,
                         expect: type[wire.Message]) -> None:
-        ctx = telemetry.extract(msg.headers)
-        with telemetry.tracer().start_as_current_span(
-            f"{self.name}.{name}", context=ctx, kind=SpanKind.SERVER,
-            attributes={"messaging.destination": msg.subject, "cpd.node": self.node_id},
+        with telemetry.server_span(
+            f"{self.name}.{name}", msg.headers,
+            {"messaging.destination": msg.subject, "cpd.node": self.node_id},
         ) as span:
             try:
                 request = wire.decode(msg.data, expect)

@@ -5,6 +5,11 @@
 * One tracer provider per process; W3C trace context rides in NATS headers
   (:func:`inject`, :func:`extract`) and, for durable events, as a ``traceparent`` string
   (:func:`current_traceparent`, :func:`context_from_traceparent`).
+* Server spans (:func:`server_span`) are built only in a process that exports spans
+  (an OTLP endpoint is set, or :func:`export_spans` was called). Elsewhere the caller's
+  context is carried through unchanged: logs keep the trace id, downstream services see
+  the caller's span as their parent, and a lookup does not pay ~20 µs for a span no one
+  will ever read.
 * One meter provider per process, exported for Prometheus when a port is configured
   (its own HTTP server) or asked for (``prometheus_reader``: the process serves
   ``prometheus_client.generate_latest()`` itself, as the gateway's ``/metrics``).
@@ -23,13 +28,16 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .config import TelemetrySettings
 
 _propagator = TraceContextTextMapPropagator()
 _configured: str | None = None
+_provider: TracerProvider | None = None  # this process's SDK provider, once there is one
+_exporting = False  # whether any span processor will read spans built here
 
 
 def setup(service: str, settings: TelemetrySettings | None = None, *,
@@ -47,15 +55,12 @@ def setup(service: str, settings: TelemetrySettings | None = None, *,
         return
     _configured = service
     resource = Resource.create({"service.name": f"cpd-{service}"})
-    provider = TracerProvider(resource=resource)
+    _install_provider(TracerProvider(resource=resource))
     if settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        provider.add_span_processor(
-            BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint))
-        )
-    trace.set_tracer_provider(provider)
+        export_spans(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
     readers = []
     if settings.prometheus_port or prometheus_reader:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -68,6 +73,43 @@ def setup(service: str, settings: TelemetrySettings | None = None, *,
     from opentelemetry.sdk.metrics import MeterProvider
 
     metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
+
+
+def _install_provider(provider: TracerProvider) -> TracerProvider:
+    """Make ``provider`` this process's tracer provider unless one was installed first
+    (OpenTelemetry allows only one per process)."""
+    global _provider
+    if _provider is None:
+        _provider = provider
+        trace.set_tracer_provider(provider)
+    return _provider
+
+
+def export_spans(processor: SpanProcessor) -> None:
+    """Send this process's spans to ``processor`` (an exporter's, or a test's in-memory
+    one) and from now on build a server span for every request handled."""
+    global _exporting
+    _install_provider(TracerProvider()).add_span_processor(processor)
+    _exporting = True
+
+
+@contextlib.contextmanager
+def server_span(name: str, headers: Mapping[str, str] | None,
+                attributes: Mapping[str, str]) -> Iterator[trace.Span]:
+    """The current span while a request received with ``headers`` is handled: a new
+    SERVER span, child of the caller's, when spans are exported; otherwise the caller's
+    own context (a non-recording span: status and events set on it are dropped)."""
+    ctx = extract(headers) if headers else otel_context.Context()
+    if _exporting:
+        with tracer().start_as_current_span(name, context=ctx, kind=SpanKind.SERVER,
+                                            attributes=attributes) as span:
+            yield span
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield trace.get_current_span()
+    finally:
+        otel_context.detach(token)
 
 
 def _configure_logging(service: str, settings: TelemetrySettings) -> None:
