@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.proccpu import cpu_seconds_all
+from bench.proccpu import cpu_seconds_all, cpu_used_since
 from cpd import kvevents, subjects, wire
 from cpd.bus import Bus
 from cpd.config import load_settings
@@ -283,15 +283,14 @@ async def _open_loop(bus: Bus, qs: list[bytes], rate: int, seconds: float,
         task.add_done_callback(tasks.discard)
     await asyncio.gather(*tasks)
     achieved = len(lat) / (time.perf_counter() - t0)
-    cpu = cpu_seconds_all(pids)
+    cpu = cpu_used_since(cpu0, pids)
     total = [a + b for a, b in zip(lat, lag, strict=True)]
     return {"offered_per_s": rate, "achieved_per_s": round(achieved),
             "lookup_p50_ms": round(statistics.median(lat), 3) if lat else None,
             "lookup_p99_ms": round(_pct(lat, 0.99), 3) if lat else None,
             "lookup_p99_from_schedule_ms": round(_pct(total, 0.99), 3) if lat else None,
             "send_lag_p99_ms": round(_pct(lag, 0.99), 3) if lag else None,
-            "cpu_us_per_lookup": {
-                name: round((cpu[name] - cpu0[name]) / n * 1e6, 1)
-                for name in pids if cpu[name] is not None and cpu0[name] is not None},
+            "cpu_us_per_lookup": {name: round(used / n * 1e6, 1)
+                                  for name, used in cpu.items() if used is not None},
             "lookup_errors": errors}
 

@@ -20,3 +20,14 @@ def cpu_seconds(pid: int) -> float | None:
 def cpu_seconds_all(pids: dict[str, int]) -> dict[str, float | None]:
     """:func:`cpu_seconds` of each named process."""
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def cpu_used_since(before: dict[str, float | None],
+                   pids: dict[str, int]) -> dict[str, float | None]:
+    """CPU seconds each named process used since ``before`` (a :func:`cpu_seconds_all`
+    reading); ``None`` where either reading is missing."""
+    out: dict[str, float | None] = {}
+    for name, pid in pids.items():
+        a, b = before[name], cpu_seconds(pid)
+        out[name] = b - a if a is not None and b is not None else None
+    return out

@@ -68,7 +68,7 @@ import msgspec
 import numpy as np
 
 from bench.kvindex import CHAIN, _run_loop
-from bench.proccpu import cpu_seconds, cpu_seconds_all
+from bench.proccpu import cpu_seconds_all, cpu_used_since
 from cpd import kvevents, subjects, telemetry, wire
 from cpd.bus import Bus
 from cpd.config import RouterSettings, Settings, load_settings
@@ -575,12 +575,8 @@ async def _sequential(router: RouterService, prompts: list[Prompt], n: int) -> d
 def _cpu_per(before: dict[str, float | None], pids: dict[str, int],
              decisions: int) -> dict[str, float | None]:
     """CPU ms each process spent per decision since ``before``."""
-    out: dict[str, float | None] = {}
-    for name, pid in pids.items():
-        a, b = before[name], cpu_seconds(pid)
-        out[name] = (round((b - a) * 1000 / decisions, 3)
-                     if a is not None and b is not None and decisions else None)
-    return out
+    return {name: round(used * 1000 / decisions, 3) if used is not None and decisions else None
+            for name, used in cpu_used_since(before, pids).items()}
 
 
 async def _throughput(router: RouterService, prompts: list[Prompt], concurrency: int,

@@ -89,7 +89,7 @@ def export_spans(processor: SpanProcessor) -> None:
     """Send this process's spans to ``processor`` (an exporter's, or a test's in-memory
     one) and from now on build a server span for every request handled."""
     global _exporting
-    _install_provider(TracerProvider()).add_span_processor(processor)
+    (_provider or _install_provider(TracerProvider())).add_span_processor(processor)
     _exporting = True
 
 
