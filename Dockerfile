@@ -9,11 +9,13 @@ ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
     PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} PIP_FIND_LINKS=${PIP_FIND_LINKS} \
     CPD_MODEL__CACHE_DIR=/models
 
-RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 \
+# gcc builds the block-hash extension (setup.py, native/).
+RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
+COPY native native
 COPY libs libs
 COPY services services
 COPY bench bench

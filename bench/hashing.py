@@ -1,8 +1,10 @@
 """``cpd bench hashing``: block-hashing and lookup-encoding cost of a long prompt.
 
 What the router pays per request before it can ask kvindex anything: hash every full
-block of a 100K-token prompt and encode the lookup request. Measured side by side with a
-per-block SHA-256 chain over the same bytes (vLLM's prefix-hash choice) as a reference.
+block of a 100K-token prompt and encode the lookup request. Measured side by side with
+the same chain computed by the pure-Python loop (one keyed BLAKE3 call per block, what
+runs where the native extension is not built) and a per-block SHA-256 chain over the same
+bytes (vLLM's prefix-hash choice) as references.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import numpy as np
 
-from cpd import wire
+from cpd import hashing, wire
 from cpd.hashing import ROOT_PARENT, Namespace, block_hashes
 
 
@@ -58,6 +60,9 @@ def run(tokens: int | None = None, block_size: int = 256, repeat: int = 200) -> 
                                                block_hashes=block_hashes(ns, prompt))),
         repeat)
     sha_ms, _ = _median_ms(lambda: _sha256_chain(prompt, block_size), max(20, repeat // 4))
+    data, step = prompt.tobytes(), block_size * 4
+    py_ms, _ = _median_ms(lambda: hashing._python_chain(ns.key, data, step, ROOT_PARENT),
+                          max(20, repeat // 4))
     return {
         "tokens": n,
         "block_size": block_size,
@@ -68,6 +73,9 @@ def run(tokens: int | None = None, block_size: int = 256, repeat: int = 200) -> 
         "lookup_request_bytes": len(encode()),
         "hash_plus_encode_ms": round(both_ms, 4),
         "hash_plus_encode_p99_ms": round(both_p99, 4),
+        "native": hashing.NATIVE,
+        "python_loop_ms": round(py_ms, 4),
+        "python_loop_over_hash": round(py_ms / hash_ms, 2),
         "sha256_chain_ms": round(sha_ms, 4),
         "blake3_over_sha256": round(hash_ms / sha_ms, 3),
         "target_ms": 1.0,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs CPD with its CPU extras, idempotently.
-# Re-runs only when pyproject.toml changed (a stamp holds its hash).
+# Re-runs only when what the install builds from changed (a stamp holds its hash: the
+# package metadata and the native extension's sources) or the extension is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,9 +9,10 @@ PY=${PYTHON:-python3}
 VENV=${CPD_VENV:-.venv}
 EXTRAS=${CPD_EXTRAS:-cpu,dev}
 STAMP="$VENV/.cpd-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
+want="$(cat pyproject.toml setup.py native/hashchain.c | sha256sum | cut -d' ' -f1) $EXTRAS"
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
+   && compgen -G "libs/cpd/_hashchain*.so" >/dev/null; then
   exit 0
 fi
 

@@ -1,10 +1,18 @@
 """Block identity (DESIGN.md §5): namespaces and chained, keyed block hashes.
 
-``h_i = BLAKE3_keyed(key = K(namespace), h_{i-1} || tokens of block i)`` over *full*
-blocks only, truncated to 128 bits. The key is derived from every field of the
-namespace, so blocks of different models, tokenizers, KV layouts, adapters or tenants
-can never collide or match, and nothing depends on ``PYTHONHASHSEED`` or engine
-internals: the router computes the same hashes from token ids alone.
+``h_i = BLAKE3_keyed(key = K(namespace), tokens of block i || h_{i-1})`` over *full*
+blocks only, truncated to 128 bits (``h_{-1}`` is :data:`ROOT_PARENT`). The key is derived
+from every field of the namespace, so blocks of different models, tokenizers, KV layouts,
+adapters or tenants can never collide or match, and nothing depends on
+``PYTHONHASHSEED`` or engine internals: the router computes the same hashes from token
+ids alone.
+
+The tokens come first so that, with 256-token blocks, a block's tokens are exactly one
+BLAKE3 chunk whose value does not depend on the parent: the native extension
+``cpd._hashchain`` (``native/hashchain.c``) computes those for many blocks at once with
+BLAKE3's SIMD and chains only two compressions per block, ~7x faster than a keyed call
+per block from Python. The pure-Python loop below gives the same bytes; it runs only
+where the extension was not built (:data:`NATIVE` says which one is in use).
 """
 
 from __future__ import annotations
@@ -17,6 +25,14 @@ import msgspec
 import numpy as np
 
 from .wire import HASH_BYTES, TOKEN_DTYPE
+
+try:
+    from . import _hashchain
+except ImportError:  # a source tree used without `pip install -e .`: same hashes, slower
+    _hashchain = None
+
+NATIVE: bool = _hashchain is not None
+"""Whether block hashes come from the native extension (the pure-Python loop otherwise)."""
 
 _KEY_CONTEXT = "cpd.v1 2026-11 block-hash namespace key"
 _ID_CONTEXT = "cpd.v1 2026-11 namespace id"
@@ -88,19 +104,28 @@ def block_hashes(ns: Namespace, tokens: np.ndarray | list[int] | bytes,
     bytes (the wire form). ``parent`` continues an existing chain. A trailing partial
     block is not hashed: it is never shared.
     """
+    if len(parent) != HASH_BYTES:
+        raise ValueError(f"parent must be {HASH_BYTES} bytes")
     data = as_u32_bytes(tokens)
     step = ns.block_size * TOKEN_DTYPE.itemsize
-    n = len(data) // step
-    if n == 0:
+    if len(data) < step:
         return b""
-    base = blake3.blake3(key=ns.key)
+    if _hashchain is not None:
+        return _hashchain.chain(ns.key, data, step, parent)
+    return _python_chain(ns.key, data, step, parent)
+
+
+def _python_chain(key: bytes, data: bytes | memoryview, step: int, parent: bytes) -> bytes:
+    # The reference the native extension must match byte for byte.
+    base = blake3.blake3(key=key)
     view = memoryview(data)
+    n = len(data) // step
     out = bytearray(n * HASH_BYTES)
     prev = parent
     for i in range(n):
         h = base.copy()
-        h.update(prev)
         h.update(view[i * step:(i + 1) * step])
+        h.update(prev)
         prev = h.digest(HASH_BYTES)
         out[i * HASH_BYTES:(i + 1) * HASH_BYTES] = prev
     return bytes(out)
