@@ -36,6 +36,22 @@ def test_presets_derive_from_public_figures() -> None:
     assert set(cm.PRESETS) >= {cm.DEFAULT_PRESET, "b200-tp4-llama-3.1-70b-fp8"}
 
 
+def test_an_fp8_kv_cache_halves_kv_bytes_and_leaves_prefill_alone() -> None:
+    fp8kv = cm.PRESETS["b200-tp4-llama-3.1-8b-fp8kv"]
+    assert fp8kv is cm.B200_TP4_8B_FP8KV
+    assert fp8kv.kv_bytes_per_token == PAPER.kv_bytes_per_token // 2
+    assert fp8kv.kv_move_s(100_000) == pytest.approx(PAPER.kv_move_s(100_000) / 2)
+    # Prefill compute is the same (weights and attention math stay BF16) ...
+    assert fp8kv.prefill_s(10_000, 50_000) == PAPER.prefill_s(10_000, 50_000)
+    # ... decode at long context reads half the KV, and twice the tokens fit.
+    ctx = 24 * 120_000
+    assert fp8kv.decode_step_s(24, ctx) - fp8kv.overhead_s - fp8kv.weight_read_s == \
+        pytest.approx((PAPER.decode_step_s(24, ctx) - PAPER.overhead_s - PAPER.weight_read_s) / 2)
+    assert fp8kv.kv_capacity_tokens == pytest.approx(2 * PAPER.kv_capacity_tokens, rel=1e-6)
+    assert cm.PRESETS["b200-dp4-llama-3.1-8b-fp8kv"].weight_read_s == \
+        pytest.approx(cm.B200_DP4_8B.weight_read_s)
+
+
 @pytest.mark.parametrize("anchor", cm.ANCHORS, ids=lambda a: a.model.name)
 def test_anchor_points(anchor: cm.Anchor) -> None:
     got = anchor.model.prefill_s(anchor.new_tokens)

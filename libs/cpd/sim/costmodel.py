@@ -130,8 +130,9 @@ class ModelShape:
         return ATTN_FLOPS_PER_PAIR_PER_QDIM * self.layers * self.q_dim
 
     def with_dtype(self, weight_bytes: int, kv_bytes: int) -> ModelShape:
-        """The same shape at another precision."""
-        suffix = "-fp8" if weight_bytes == 1 else ""
+        """The same shape at another precision (named ``-fp8`` for FP8 weights and KV,
+        ``-fp8kv`` for an FP8 KV cache next to BF16 weights)."""
+        suffix = ("-fp8" if weight_bytes == 1 else "-fp8kv" if kv_bytes == 1 else "")
         return ModelShape(self.name + suffix, self.params, self.layers, self.q_dim,
                           self.kv_heads, self.head_dim, weight_bytes, kv_bytes)
 
@@ -257,13 +258,18 @@ B200_TP4_8B = derive(B200, LLAMA_8B, PAPER_GPUS_PER_NODE)
 """The paper's operating point: 8B-class BF16 on a 4×B200 TP4 node (default preset)."""
 B200_DP4_8B = derive(B200, LLAMA_8B, PAPER_GPUS_PER_NODE, data_parallel=True)
 """The paper's decode node: 4×B200, data parallel with attention sharding."""
+B200_TP4_8B_FP8KV = derive(B200, LLAMA_8B.with_dtype(2, 1), PAPER_GPUS_PER_NODE)
+"""The same node with an FP8 KV cache (half the KV bytes: decode reads, transfers)."""
+B200_DP4_8B_FP8KV = derive(B200, LLAMA_8B.with_dtype(2, 1), PAPER_GPUS_PER_NODE,
+                           data_parallel=True)
 B200_TP4_70B_FP8 = derive(B200, LLAMA_70B.with_dtype(1, 1), PAPER_GPUS_PER_NODE)
 """A 70B-class FP8 model on 4×B200 TP4 (sensitivity runs)."""
 H200_TP4_8B = derive(H200, LLAMA_8B, PAPER_GPUS_PER_NODE)
 H200_TP4_70B_FP8 = derive(H200, LLAMA_70B.with_dtype(1, 1), PAPER_GPUS_PER_NODE)
 
 PRESETS: dict[str, CostModel] = {m.name: m for m in (
-    B200_TP4_8B, B200_DP4_8B, B200_TP4_70B_FP8, H200_TP4_8B, H200_TP4_70B_FP8)}
+    B200_TP4_8B, B200_DP4_8B, B200_TP4_8B_FP8KV, B200_DP4_8B_FP8KV, B200_TP4_70B_FP8,
+    H200_TP4_8B, H200_TP4_70B_FP8)}
 DEFAULT_PRESET = B200_TP4_8B.name
 
 
