@@ -145,6 +145,9 @@ class SweepConfig:
     stop_after_unsustainable: int | None = None
     # When a topology's lowest load is not sustainable, this lower one is run too.
     floor_qps_per_gpu: float | None = FLOOR_QPS_PER_GPU
+    # Every worker's engine caps a prefill's tokens per step at this while other requests
+    # are eligible (worker.long_prefill_token_threshold; 0: off), in every topology alike.
+    long_prefill_token_threshold: int = 0
     # Settings for every process of the cluster, as CPD_<SECTION>__<FIELD> variables.
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -177,7 +180,8 @@ def config_for(settings: Settings, *, quick: bool = False, workload: Workload = 
                      else QUICK_QPS_PER_GPU if quick else FULL_QPS_PER_GPU),
         phases=phases, topologies=tops, ttft_slo_s=settings.sim.ttft_slo_s,
         progress=progress, stop_after_unsustainable=stop_after,
-        floor_qps_per_gpu=None if quick else FLOOR_QPS_PER_GPU)
+        floor_qps_per_gpu=None if quick else FLOOR_QPS_PER_GPU,
+        long_prefill_token_threshold=settings.worker.long_prefill_token_threshold)
 
 
 def make_workload(cfg: SweepConfig, total_qps: float, block_size: int) -> list[WorkloadRequest]:
@@ -204,7 +208,9 @@ class SimCluster(BaseSimCluster):
             "CPD_SIM__PRESET": cfg.preset, "CPD_SIM__TIME_SCALE": str(cfg.time_scale),
             "CPD_ROUTER__POLICY": topology.policy,
             "CPD_DATAPLANE__ARENA_BYTES": str(ARENA_BYTES),
-            "CPD_WORKER__STREAM_INTERVAL": str(STREAM_INTERVAL), **cfg.extra_env})
+            "CPD_WORKER__STREAM_INTERVAL": str(STREAM_INTERVAL),
+            "CPD_WORKER__LONG_PREFILL_TOKEN_THRESHOLD": str(cfg.long_prefill_token_threshold),
+            **cfg.extra_env})
         self.topology = topology
         self.cfg = cfg
 
@@ -365,6 +371,7 @@ def run(settings: Settings, cfg: SweepConfig, out_dir: Path | None = None,
         "steady_s": cfg.phases.steady_s, "ttft_slo_s": cfg.ttft_slo_s,
         "max_inflight": DEFAULT_MAX_INFLIGHT, "gpus_per_node": cost.gpus,
         "stop_after_unsustainable": cfg.stop_after_unsustainable,
+        "long_prefill_token_threshold": cfg.long_prefill_token_threshold,
         "topologies": [t.label for t in cfg.topologies]}, "topologies": {}}
     try:
         for topology in cfg.topologies:
@@ -407,7 +414,9 @@ def markdown(result: dict) -> str:
     c = result["config"]
     lines = [f"Workload {c['workload']}, preset `{c['preset']}`, time scale {c['time_scale']}, "
              f"ramp {c['ramp_s']} s + steady {c['steady_s']} s (simulated), TTFT SLO "
-             f"{c['ttft_slo_s']} s on p90.", "",
+             f"{c['ttft_slo_s']} s on p90"
+             + (f", long_prefill_token_threshold {c['long_prefill_token_threshold']}"
+                if c.get("long_prefill_token_threshold") else "") + ".", "",
              "| topology | GPUs | target QPS/GPU | offered | achieved | goodput | TTFT p50 s | "
              "TTFT p90 s | prefill tok/s/GPU | decode tok/s/GPU | errors | sustainable |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -58,6 +58,34 @@ def test_fcfs_head_blocks_and_budget_fills_in_order() -> None:
     assert all(p.batched_tokens <= 100 for p in plans)
 
 
+def test_long_prefill_threshold_leaves_budget_for_short_prompts() -> None:
+    """vLLM's long_prefill_token_threshold: a long prompt running alone takes the whole
+    budget; once another request is eligible it takes at most the cap per step, so a
+    short prompt behind it starts in the next step instead of after it."""
+    s = sched(budget=100, long_prefill_token_threshold=30)
+    s.add("long", 250, 1)
+    first = s.step()
+    assert first is not None and by_id(first) == {"long": (100, 0, -1)}  # alone: no cap
+    s.add("short", 40, 1)
+    second = s.step()
+    assert second is not None
+    assert by_id(second) == {"long": (30, 100, -1), "short": (30, 0, -1)}
+    third = s.step()
+    assert third is not None
+    assert by_id(third) == {"long": (30, 130, -1), "short": (10, 30, 0)}  # short done
+    rest = run(s)  # alone again: the rest of its prompt in one step
+    assert [by_id(p) for p in rest] == [{"long": (90, 160, 0)}]
+    # Without the cap the short prompt waits for the long one's last chunk.
+    plain = sched(budget=100)
+    plain.add("long", 250, 1)
+    plain.step()
+    plain.add("short", 40, 1)
+    steps = run(plain)
+    assert [list(by_id(p)) for p in steps[:2]] == [["long"], ["long", "short"]]
+    with pytest.raises(ValueError):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+
+
 def test_decodes_batch_continuously_with_new_prefills() -> None:
     s = sched(budget=64, seqs=3)
     for r in ("a", "b"):

@@ -337,6 +337,11 @@ class WorkerSettings(_Section):
     # the last message may be shorter). 1 sends every token at once; larger values cut
     # the per-token message cost on every hop (decode -> router -> client).
     stream_interval: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    # vLLM's long_prefill_token_threshold, for either engine: while other requests are
+    # running or waiting, no prefill computes more than this many tokens per step, so a
+    # long cold prompt leaves step budget for the short warm suffixes behind it (0: off,
+    # vLLM's default: a running prefill takes the whole budget until it is done).
+    long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class SimSettings(_Section):

@@ -26,8 +26,10 @@ class VllmEngine:
     def __init__(self, model_dir: str | os.PathLike[str], *, block_size: int,
                  arena: ArenaSpec | None, dtype: str = "float32",
                  prefix_caching: bool = True, max_model_len: int | None = None,
-                 kv_cache_gib: int = 1, kv_events_endpoint: str = "") -> None:
+                 kv_cache_gib: int = 1, kv_events_endpoint: str = "",
+                 long_prefill_token_threshold: int = 0) -> None:
         self.model_dir = Path(model_dir)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.block_size = block_size
         self.arena = arena
         self.dtype = dtype
@@ -50,6 +52,8 @@ class VllmEngine:
                              max_model_len=self._max_model_len)
         args["block_size"] = self.block_size
         args["disable_log_stats"] = True
+        if self.long_prefill_token_threshold:
+            args["long_prefill_token_threshold"] = self.long_prefill_token_threshold
         if self.arena is not None:
             from vllm.config import KVTransferConfig
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import xxhash
@@ -138,8 +138,7 @@ class SimEngine:
         self.prefix_caching = prefix_caching
         cfg = scheduler or SchedulerConfig()
         if cfg.block_size != block_size:
-            cfg = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                  cfg.kv_capacity_tokens, block_size)
+            cfg = replace(cfg, block_size=block_size)
         self._sched = Scheduler(self.cost, cfg, admit_hook=self._admit)
         cap = (gpu_cache_blocks if gpu_cache_blocks is not None
                else self.cost.kv_capacity_tokens // block_size)

@@ -8,6 +8,11 @@ Each :meth:`Scheduler.step`:
 2. then admits **waiting** requests in FCFS order while budget and sequence slots are
    left (and, if set, the KV capacity holds their prompt). The head of the queue blocks
    the rest (strict FCFS, as vLLM), so a long prompt is never overtaken.
+
+   With ``long_prefill_token_threshold`` set (vLLM's setting of that name), no prefill
+   takes more than that many tokens of one step while other requests are running or
+   waiting, so a long prompt leaves budget for the short prompts behind it instead of
+   holding the whole budget until it is done (alone it still takes the whole budget).
 3. prices the batch with the cost model (plus the KV loads and saves it carries), and
    applies it: prompt tokens computed, one output token for every request whose prompt
    is complete after this step (the step that computes the last prompt token samples the
@@ -40,10 +45,15 @@ class SchedulerConfig:
     kv_capacity_tokens: int | None = None
     # Engine block size: prompt blocks are written through to the arena when complete.
     block_size: int = 256
+    # Most prompt tokens one request computes per step while others are eligible (0: no
+    # cap, vLLM's default).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.block_size < 1:
             raise ValueError("token budget, max sequences and block size must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -184,11 +194,14 @@ class Scheduler:
         if not self.has_work():
             return None
         budget = self.config.max_num_batched_tokens
+        # As vLLM: the cap applies only when another request could use the budget.
+        cap = (self.config.long_prefill_token_threshold
+               if len(self._running) + len(self._waiting) > 1 else 0) or budget
         picks: list[tuple[SeqState, int]] = []
         for seq in self._running:
             if budget <= 0:
                 break
-            n = 1 if seq.remaining_prompt == 0 else min(seq.remaining_prompt, budget)
+            n = 1 if seq.remaining_prompt == 0 else min(seq.remaining_prompt, budget, cap)
             picks.append((seq, n))
             budget -= n
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
@@ -199,7 +212,7 @@ class Scheduler:
                 break
             self._waiting.popleft()
             self._running.append(seq)
-            n = min(seq.remaining_prompt, budget)
+            n = min(seq.remaining_prompt, budget, cap)
             picks.append((seq, n))
             budget -= n
         if not picks:

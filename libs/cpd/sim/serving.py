@@ -72,8 +72,10 @@ def build_engine(settings: Settings, role: str, arena: ArenaSpec | None) -> SimE
     bs = settings.cache.block_size
     return SimEngine(
         cost_model(settings, role), block_size=bs, arena=arena, time_scale=s.time_scale,
-        scheduler=SchedulerConfig(max_num_batched_tokens=s.max_num_batched_tokens,
-                                  max_num_seqs=s.max_num_seqs, block_size=bs),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
+            block_size=bs,
+            long_prefill_token_threshold=settings.worker.long_prefill_token_threshold),
         max_model_len=s.max_model_len, vocab_size=s.vocab_size,
         gpu_cache_blocks=s.gpu_cache_blocks or None)
 

@@ -140,7 +140,9 @@ class WorkerService(Service):
                                      arena=arena_spec,
                                      dtype=s.model.dtype,
                                      kv_cache_gib=s.worker.engine_kv_cache_gib,
-                                     kv_events_endpoint=self._kv_events_endpoint)
+                                     kv_events_endpoint=self._kv_events_endpoint,
+                                     long_prefill_token_threshold=(
+                                         s.worker.long_prefill_token_threshold))
         await self.engine.start()
 
     async def setup(self) -> None:
