@@ -33,3 +33,20 @@ def test_save_then_load_is_token_identical(results: dict) -> None:
 def test_abort_ends_the_stream_and_the_engine_keeps_serving(results: dict) -> None:
     assert 3 <= results["aborted_tokens"] < 2000
     assert results["after_abort"]["tokens"] == results["plain"]["tokens"]
+
+
+def test_long_prefill_cap_reaches_vllm(model_cache: Path) -> None:
+    """worker.long_prefill_token_threshold is passed to vLLM under vLLM's own name (and
+    left out at 0, vLLM's default); vLLM's engine arguments accept it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from cpd.engine.vllm_engine import VllmEngine
+    from cpd.modelbuild import build
+
+    folder = build("tiny", model_cache)
+    capped = VllmEngine(folder, block_size=256, arena=None,
+                        long_prefill_token_threshold=2048).engine_args()
+    assert capped["long_prefill_token_threshold"] == 2048
+    assert AsyncEngineArgs(**capped).long_prefill_token_threshold == 2048
+    plain = VllmEngine(folder, block_size=256, arena=None).engine_args()
+    assert "long_prefill_token_threshold" not in plain

@@ -262,6 +262,7 @@ B200_TP4_8B_FP8KV = derive(B200, LLAMA_8B.with_dtype(2, 1), PAPER_GPUS_PER_NODE)
 """The same node with an FP8 KV cache (half the KV bytes: decode reads, transfers)."""
 B200_DP4_8B_FP8KV = derive(B200, LLAMA_8B.with_dtype(2, 1), PAPER_GPUS_PER_NODE,
                            data_parallel=True)
+"""The paper's decode node with an FP8 KV cache."""
 B200_TP4_70B_FP8 = derive(B200, LLAMA_70B.with_dtype(1, 1), PAPER_GPUS_PER_NODE)
 """A 70B-class FP8 model on 4×B200 TP4 (sensitivity runs)."""
 H200_TP4_8B = derive(H200, LLAMA_8B, PAPER_GPUS_PER_NODE)
