@@ -61,7 +61,7 @@ def run(tokens: int | None = None, block_size: int = 256, repeat: int = 200) -> 
         repeat)
     sha_ms, _ = _median_ms(lambda: _sha256_chain(prompt, block_size), max(20, repeat // 4))
     data, step = prompt.tobytes(), block_size * 4
-    py_ms, _ = _median_ms(lambda: hashing._python_chain(ns.key, data, step, ROOT_PARENT),
+    py_ms, _ = _median_ms(lambda: hashing.python_chain(ns.key, data, step, ROOT_PARENT),
                           max(20, repeat // 4))
     return {
         "tokens": n,

@@ -161,7 +161,7 @@ def test_native_and_python_chains_match_the_definition(bs: int, nblocks: int, ex
     want = _definition(ns, tokens, parent)
     assert block_hashes(ns, tokens, parent=parent) == want
     data = tokens.astype("<u4").tobytes()
-    assert hashing._python_chain(ns.key, data, bs * 4, parent) == want
+    assert hashing.python_chain(ns.key, data, bs * 4, parent) == want
 
 
 def test_long_prompts_hash_the_same_from_many_threads() -> None:

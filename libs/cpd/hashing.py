@@ -112,11 +112,13 @@ def block_hashes(ns: Namespace, tokens: np.ndarray | list[int] | bytes,
         return b""
     if _hashchain is not None:
         return _hashchain.chain(ns.key, data, step, parent)
-    return _python_chain(ns.key, data, step, parent)
+    return python_chain(ns.key, data, step, parent)
 
 
-def _python_chain(key: bytes, data: bytes | memoryview, step: int, parent: bytes) -> bytes:
-    # The reference the native extension must match byte for byte.
+def python_chain(key: bytes, data: bytes | memoryview, step: int, parent: bytes) -> bytes:
+    """The chain of :func:`block_hashes` over packed ``data`` in blocks of ``step``
+    bytes, one keyed BLAKE3 call per block: the fallback where the extension is not
+    built, and the reference it must match byte for byte (tests, ``cpd bench hashing``)."""
     base = blake3.blake3(key=key)
     view = memoryview(data)
     n = len(data) // step
