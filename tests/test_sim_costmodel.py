@@ -52,6 +52,20 @@ def test_an_fp8_kv_cache_halves_kv_bytes_and_leaves_prefill_alone() -> None:
         pytest.approx(cm.B200_DP4_8B.weight_read_s)
 
 
+def test_an_fp8_model_halves_prefill_and_kv_bytes() -> None:
+    fp8 = cm.PRESETS["b200-tp4-llama-3.1-8b-fp8"]
+    assert fp8 is cm.B200_TP4_8B_FP8
+    assert fp8.kv_bytes_per_token == cm.B200_TP4_8B_FP8KV.kv_bytes_per_token
+    # GEMMs and attention at the FP8 peak: the compute part of a prefill halves.
+    for new, ctx in ((8_192, 0), (2_000, 100_000), (100_000, 0)):
+        assert fp8.prefill_s(new, ctx) - fp8.overhead_s == \
+            pytest.approx((PAPER.prefill_s(new, ctx) - PAPER.overhead_s) / 2)
+    # Half the weight bytes: a decode step's weight pass halves too.
+    assert fp8.weight_read_s == pytest.approx(PAPER.weight_read_s / 2)
+    assert cm.PRESETS["b200-dp4-llama-3.1-8b-fp8"].weight_read_s == \
+        pytest.approx(cm.B200_DP4_8B.weight_read_s / 2)
+
+
 @pytest.mark.parametrize("anchor", cm.ANCHORS, ids=lambda a: a.model.name)
 def test_anchor_points(anchor: cm.Anchor) -> None:
     got = anchor.model.prefill_s(anchor.new_tokens)

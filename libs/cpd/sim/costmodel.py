@@ -263,14 +263,21 @@ B200_TP4_8B_FP8KV = derive(B200, LLAMA_8B.with_dtype(2, 1), PAPER_GPUS_PER_NODE)
 B200_DP4_8B_FP8KV = derive(B200, LLAMA_8B.with_dtype(2, 1), PAPER_GPUS_PER_NODE,
                            data_parallel=True)
 """The paper's decode node with an FP8 KV cache."""
+B200_TP4_8B_FP8 = derive(B200, LLAMA_8B.with_dtype(1, 1), PAPER_GPUS_PER_NODE)
+"""The same node serving the model in FP8 (weights, activations and KV cache), as
+B200 deployments of 8B-class models commonly do: GEMMs and attention run at the FP8
+peak, so prefill takes half the time; KV bytes halve as with ``-fp8kv``."""
+B200_DP4_8B_FP8 = derive(B200, LLAMA_8B.with_dtype(1, 1), PAPER_GPUS_PER_NODE,
+                         data_parallel=True)
+"""The paper's decode node serving the FP8 model."""
 B200_TP4_70B_FP8 = derive(B200, LLAMA_70B.with_dtype(1, 1), PAPER_GPUS_PER_NODE)
 """A 70B-class FP8 model on 4×B200 TP4 (sensitivity runs)."""
 H200_TP4_8B = derive(H200, LLAMA_8B, PAPER_GPUS_PER_NODE)
 H200_TP4_70B_FP8 = derive(H200, LLAMA_70B.with_dtype(1, 1), PAPER_GPUS_PER_NODE)
 
 PRESETS: dict[str, CostModel] = {m.name: m for m in (
-    B200_TP4_8B, B200_DP4_8B, B200_TP4_8B_FP8KV, B200_DP4_8B_FP8KV, B200_TP4_70B_FP8,
-    H200_TP4_8B, H200_TP4_70B_FP8)}
+    B200_TP4_8B, B200_DP4_8B, B200_TP4_8B_FP8KV, B200_DP4_8B_FP8KV, B200_TP4_8B_FP8,
+    B200_DP4_8B_FP8, B200_TP4_70B_FP8, H200_TP4_8B, H200_TP4_70B_FP8)}
 DEFAULT_PRESET = B200_TP4_8B.name
 
 
