@@ -139,3 +139,28 @@ def test_a_restarted_node_starts_with_a_fresh_load() -> None:
     t.load_report(wire.LoadReport(node="p0", role="prefill", est_queue_ms=500.0), now=0.1)
     t.heartbeat(_hb("p0", "prefill", started=2), now=0.2)
     assert t.live(0.3)[0].queue_ms == 0.0
+
+
+def test_node_table_passes_held_prefills_and_dispatches_to_the_policy() -> None:
+    t = NodeTable(namespace="ns")
+    t.heartbeat(_hb("p0", "prefill"), now=0.0)
+    t.heartbeat(_hb("p1", "prefill"), now=0.0)
+    # A worker that predates the prefill list: the policy falls back to est_queue_ms.
+    t.load_report(wire.LoadReport(node="p1", role="prefill", est_queue_ms=40.0), now=0.1)
+    work = [wire.PrefillWork(100_000, 0, 250.0), wire.PrefillWork(2_000, 120_000)]
+    t.load_report(wire.LoadReport(node="p0", role="prefill", prefills=work,
+                                  prefill_token_cap=2048), now=0.1)
+    t.dispatched("p0", 30.0)
+    t.dispatched("p0", 20.0)
+    live = {n.node: n for n in t.live(0.2)}
+    assert live["p0"].prefills == tuple(work) and live["p0"].shares_steps
+    assert live["p0"].dispatched_ms == (30.0, 20.0)
+    assert live["p1"].prefills is None and not live["p1"].shares_steps
+    t.load_report(wire.LoadReport(node="p0", role="prefill", prefills=[]), now=0.3)
+    p0 = next(n for n in t.live(0.3) if n.node == "p0")
+    assert p0.prefills == () and p0.dispatched_ms == () and not p0.shares_steps
+    for _ in range(1000):  # a node that stops reporting keeps a bounded list
+        t.dispatched("p0", 1.0)
+    p0 = next(n for n in t.live(0.4) if n.node == "p0")
+    assert len(p0.dispatched_ms) <= 256 and sum(p0.dispatched_ms) == 1000.0
+

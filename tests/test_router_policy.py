@@ -17,6 +17,7 @@ from services.router.policy import (
     Router,
     choose_decode,
 )
+from services.router.queueing import remaining_ms, wait_ms
 
 BS = 256
 N = 40 * BS + 100  # a 10,340-token prompt: 40 full blocks and a partial one
@@ -178,3 +179,77 @@ def test_cost_model_fit_recovers_its_coefficients() -> None:
         assert fit.ms(n, c) == pytest.approx(ms, rel=1e-6)
     assert LOAD.ms(0, 1.0) == 0 and LOAD.ms(1000, 0) == float("inf")
     assert LOAD.ms(1000, 4.096) == pytest.approx(0.5 + 1.0)
+
+
+def test_queue_estimates_first_come_first_served_and_with_shared_steps() -> None:
+    cost = PrefillCost(fixed_ms=0, per_token_ms=0.01, per_token_ctx_ms=0)
+    held = [wire.PrefillWork(100_000, 0, 400.0), wire.PrefillWork(2_000, 0, 100.0),
+            wire.PrefillWork(50_000, 0)]  # the last one still loads its prefix
+    # FCFS: only the oldest has progressed; a new prefill waits for all of it.
+    assert remaining_ms(held, cost, False) == [600.0, 20.0, 500.0]
+    assert wait_ms([600.0, 20.0, 500.0], 20.0, False) == 1120.0
+    # Shared steps: the two in the engine progressed side by side (time / 2 each), and
+    # each held prefill delays a new one by at most the new one's own length.
+    assert remaining_ms(held, cost, True) == [800.0, 0.0, 500.0]
+    assert wait_ms([800.0, 0.0, 500.0], 20.0, True) == 40.0
+    assert wait_ms([800.0, 0.0, 500.0], 1000.0, True) == 1300.0
+    assert remaining_ms([wire.PrefillWork(1_000, 0, 5_000.0)], cost, False) == [0.0]
+    assert wait_ms([], 10.0, True) == 0.0
+
+
+# The sim's 8B preset, roughly (ms): a 100K-token cold prefill ~1 s, a 2K warm suffix at
+# 120K context ~35 ms.
+SIM = PrefillCost(fixed_ms=2, per_token_ms=0.00357, per_token_ctx_ms=1.3e-7)
+COLD_N, WARM_CTX = 100_000, 120_000
+
+
+def _held(*works: tuple[int, int, float]) -> tuple[wire.PrefillWork, ...]:
+    return tuple(wire.PrefillWork(n, c, e) for n, c, e in works)
+
+
+@pytest.mark.parametrize("shares", [False, True])
+def test_a_warm_request_behind_a_cold_prefill_overflows_only_without_shared_steps(
+        shares: bool) -> None:
+    # Both prefill nodes are computing an overflowed cold prompt; the pre-prefill node
+    # holds the session's prefix and is idle.
+    busy = {"prefills": _held((COLD_N, 0, 100.0)), "shares_steps": shares}
+    loads = {"p0": busy, "p1": busy, "pp1": {"gone": True}}
+    n = WARM_CTX + 2_000
+    d = Router(PolicyConfig(), SIM, LOAD).decide(
+        n, BS, Hits(gpu={"p0": WARM_CTX // BS}, dram={"pp0": WARM_CTX // BS}),
+        nodes(**loads))
+    if shares:  # the suffix shares steps with the cold prompt: ~2x its own time
+        assert (d.path, d.plan.node) == ("warm", "p0"), d.reason
+        assert d.plan.queue_ms == pytest.approx(d.plan.compute_ms)
+    else:  # it would wait out the cold prompt's remaining ~0.9 s
+        assert (d.path, d.plan.node) == ("overflow", "pp0"), d.reason
+
+
+def test_a_cold_request_overflows_to_a_prefill_node_that_only_holds_short_work() -> None:
+    # The pre-prefill node computes two colds; the prefill node holds warm suffixes.
+    loads = {"pp0": {"prefills": _held((COLD_N, 0, 50.0), (COLD_N, 0, 0.0)),
+                     "shares_steps": True},
+             "pp1": {"gone": True},
+             "p0": {"prefills": _held((2_000, WARM_CTX, 5.0), (2_000, WARM_CTX, 0.0)),
+                    "shares_steps": True},
+             "p1": {"gone": True}}
+    d = Router(PolicyConfig(), SIM, LOAD).decide(COLD_N, BS, Hits(), nodes(**loads))
+    assert (d.path, d.plan.node) == ("overflow", "p0"), d.reason
+    # With the pre-prefill node idle, the cold prompt stays in its tier.
+    loads["pp0"] = {"prefills": (), "shares_steps": True}
+    d = Router(PolicyConfig(), SIM, LOAD).decide(COLD_N, BS, Hits(), nodes(**loads))
+    assert (d.path, d.plan.node) == ("cold", "pp0"), d.reason
+
+
+def test_requests_dispatched_since_the_last_report_count_as_held_work() -> None:
+    router = Router(PolicyConfig(), SIM, LOAD)
+    idle = NodeLoad(node="p0", role="prefill", prefills=())
+    after = NodeLoad(node="p0", role="prefill", prefills=(), dispatched_ms=(300.0, 5.0))
+    assert router.queue_ms(idle, 50.0) == 0.0
+    assert router.queue_ms(after, 50.0) == 305.0
+    assert router.queue_ms(NodeLoad(node="p0", role="prefill", prefills=(),
+                                    dispatched_ms=(300.0, 5.0), shares_steps=True),
+                           50.0) == 55.0
+    # No prefill list (an older worker): its own estimate, as before.
+    assert router.queue_ms(NodeLoad(node="p0", role="prefill", queue_ms=70.0), 50.0) == 70.0
+

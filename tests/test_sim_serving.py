@@ -95,8 +95,18 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
         client = cluster.client
         assert client is not None
         prompt = [*block_token_ids(list(range(1, 41)), 256).tolist(), 7, 8, 9]  # 10,243
+        reports = await client.bus.nc.subscribe(subjects.load("preprefill", "pp0"))
         cold = await client.generate(prompt, max_tokens=8, ignore_eos=True)
         assert cold.route.path == "cold" and cold.route.prefill_node == "pp0"
+        # Its load reports listed the prefill while pp0 held it (priced by the router
+        # like the new request), and nothing once it was done.
+        held = []
+        while reports.pending_msgs or not held or held[-1]:
+            report = wire.decode((await reports.next_msg(timeout=5)).data, wire.LoadReport)
+            assert report.prefills is not None and report.prefill_token_cap == 0
+            held.append([(w.new_tokens, w.context_tokens) for w in report.prefills])
+        await reports.unsubscribe()
+        assert [(len(prompt), 0)] in held and held[-1] == []
         assert cold.route.tokens_computed == len(prompt) and cold.route.decode_node == "d0"
         assert len(cold.token_ids) == 8
         # Like vLLM's KV events, the engine's GPU prefix cache reaches kvindex.

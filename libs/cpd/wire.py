@@ -322,6 +322,20 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     namespace_spec: bytes = b""
 
 
+class PrefillWork(msgspec.Struct, array_like=True):
+    """One prefill a worker holds, as the router prices it: the new tokens it computes
+    after ``context_tokens`` cached ones, and the ms since it entered the engine (0 while
+    its prefix still loads)."""
+
+    new_tokens: NonNegInt
+    context_tokens: NonNegInt
+    elapsed_ms: NonNegFloat = 0.0
+
+
+MAX_REPORTED_PREFILLS = 256
+"""At most this many :class:`PrefillWork` entries in one load report (oldest first)."""
+
+
 class LoadReport(Message, tag="load", kw_only=True):
     """A worker's load, every ~100-200 ms and on change."""
 
@@ -334,6 +348,12 @@ class LoadReport(Message, tag="load", kw_only=True):
     dram_used_bytes: NonNegInt = 0
     dram_total_bytes: NonNegInt = 0
     kv_bandwidth_gbps: NonNegFloat = 0.0
+    # The prefills it holds, oldest first (None from a worker that predates them: the
+    # router then uses est_queue_ms), and its engine's long_prefill_token_threshold
+    # (> 0: prefills share steps, so a short one does not wait out a long one).
+    prefills: Annotated[list[PrefillWork], msgspec.Meta(max_length=MAX_REPORTED_PREFILLS)] \
+        | None = None
+    prefill_token_cap: NonNegInt = 0
 
 
 # ----------------------------------------------------------------------- worker requests

@@ -10,6 +10,7 @@ from cpd import wire
 from .policy import NodeLoad
 
 WORKER_ROLES = ("preprefill", "prefill", "decode")
+_MAX_DISPATCHED = 256  # entries kept per node between two of its load reports
 
 
 @dataclass
@@ -22,9 +23,10 @@ class _Node:
     capacity_blocks: int = 0
     load: wire.LoadReport | None = None
     started_unix_ms: int = 0
-    # Work this router sent since the node's last load report: without it, a burst
-    # between two reports would all land on the node that looked idlest.
-    dispatched_ms: float = 0.0
+    # Work this router sent since the node's last load report (estimated ms per
+    # request): without it, a burst between two reports would all land on the node
+    # that looked idlest.
+    dispatched_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -61,13 +63,15 @@ class NodeTable:
             return  # heartbeats introduce nodes; a report alone does not say its namespace
         n.load = report
         n.last_seen = now
-        n.dispatched_ms = 0.0
+        n.dispatched_ms = []
 
     def dispatched(self, node: str, est_ms: float) -> None:
         """Note work just sent to ``node`` until its next load report accounts for it."""
         n = self._nodes.get(node)
         if n is not None:
-            n.dispatched_ms += est_ms
+            n.dispatched_ms.append(est_ms)
+            if len(n.dispatched_ms) > _MAX_DISPATCHED:  # a node that stopped reporting
+                n.dispatched_ms[:] = [sum(n.dispatched_ms)]
 
     def alive(self, node: str, now: float, epoch: int = 0) -> bool:
         """Whether ``node`` holds its lease; with ``epoch``, the incarnation started
@@ -90,10 +94,14 @@ class NodeTable:
                 continue
             r = n.load
             out.append(NodeLoad(node=n.node, role=n.role,
-                                queue_ms=(r.est_queue_ms if r else 0.0) + n.dispatched_ms,
+                                queue_ms=(r.est_queue_ms if r else 0.0) + sum(n.dispatched_ms),
                                 queued_new_tokens=r.queued_new_tokens if r else 0,
                                 in_flight=r.in_flight if r else 0,
-                                bandwidth_gbps=r.kv_bandwidth_gbps if r else 0.0))
+                                bandwidth_gbps=r.kv_bandwidth_gbps if r else 0.0,
+                                prefills=tuple(r.prefills) if r and r.prefills is not None
+                                else None,
+                                dispatched_ms=tuple(n.dispatched_ms),
+                                shares_steps=bool(r and r.prefill_token_cap)))
         return out
 
     def status(self, now: float) -> list[wire.NodeStatus]:

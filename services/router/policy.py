@@ -29,6 +29,7 @@ from cpd import wire
 from cpd.errors import CpdError, ErrorCode
 
 from .cost import LoadCost, PrefillCost
+from .queueing import remaining_ms, wait_ms
 
 PolicyName = Literal["cpd", "pd-kv", "pd-rr"]
 PREFILL_ROLES = ("preprefill", "prefill")
@@ -51,6 +52,12 @@ class NodeLoad:
     queued_new_tokens: int = 0
     in_flight: int = 0
     bandwidth_gbps: float = 0.0  # measured by the worker; 0 until it has measured
+    # The prefills it reported holding (None: not reported, so plans use queue_ms), the
+    # estimated ms of each request sent to it since, and whether its prefills share
+    # steps (a long-prefill cap): the inputs of services.router.queueing.
+    prefills: tuple[wire.PrefillWork, ...] | None = None
+    dispatched_ms: tuple[float, ...] = ()
+    shares_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,10 +221,19 @@ class Router:
                     load_ms += t
                     base = best[0]
         computed = prompt_tokens - base
+        compute_ms = self.prefill.ms(computed, base)
         return Plan(node=node.node, role=node.role, gpu_tokens=gpu, dram_tokens=dram,
                     remote_tokens=remote_tokens, remote_node=remote_node,
-                    computed_tokens=computed, queue_ms=node.queue_ms, load_ms=load_ms,
-                    compute_ms=self.prefill.ms(computed, base), sources=tuple(sources))
+                    computed_tokens=computed, queue_ms=self.queue_ms(node, compute_ms),
+                    load_ms=load_ms, compute_ms=compute_ms, sources=tuple(sources))
+
+    def queue_ms(self, node: NodeLoad, own_ms: float) -> float:
+        """How long a prefill of ``own_ms`` waits on ``node`` behind what it holds."""
+        if node.prefills is None:
+            return node.queue_ms
+        ahead = [*remaining_ms(node.prefills, self.prefill, node.shares_steps),
+                 *node.dispatched_ms]
+        return wait_ms(ahead, own_ms, node.shares_steps)
 
     def _bandwidth(self, src: str, dst: NodeLoad) -> float:
         # Each worker measures what it achieves when pulling; the puller's figure counts.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import time
 import uuid
@@ -80,6 +81,9 @@ class WorkerService(Service):
         self.peers: dict[str, bytes] = {}
         self.waiting = 0
         self.queued_tokens = 0
+        # Prefills held here for the load report: [new tokens, context, engine start or 0].
+        self._prefills: dict[int, list[float]] = {}
+        self._prefill_ids = itertools.count()
         self.in_flight = 0
         self.ms_per_token = settings.worker.initial_ms_per_token
         self._arena_path: Path | None = None
@@ -241,7 +245,15 @@ class WorkerService(Service):
             queued_new_tokens=self.queued_tokens,
             est_queue_ms=self.queued_tokens * self.ms_per_token, in_flight=self.in_flight,
             dram_used_bytes=st.used_bytes, dram_total_bytes=st.total_bytes,
-            kv_bandwidth_gbps=self.client.meter.gbps)
+            kv_bandwidth_gbps=self.client.meter.gbps, prefills=self._prefill_work(),
+            prefill_token_cap=self.settings.worker.long_prefill_token_threshold)
+
+    def _prefill_work(self) -> list[wire.PrefillWork]:
+        now = time.perf_counter()
+        return [wire.PrefillWork(new_tokens=int(new), context_tokens=int(ctx),
+                                 elapsed_ms=(now - start) * 1e3 if start else 0.0)
+                for new, ctx, start in list(self._prefills.values())
+                [:wire.MAX_REPORTED_PREFILLS]]
 
     async def _load_reports(self) -> None:
         while not self.stopping:
@@ -355,14 +367,17 @@ class WorkerService(Service):
         pending = req.route.tokens_computed or len(tokens)
         self.waiting += 1
         self.queued_tokens += pending
+        key = next(self._prefill_ids)
+        work = self._prefills[key] = [pending, len(tokens) - pending, 0.0]
         self._load_changed()
         try:
             loaded, remote = await self._gather_prefix(req, hashes)
-            t_load = time.perf_counter()
+            t_load = work[2] = time.perf_counter()
             step, saved = await self._run_prefill(req, tokens, hashes, loaded)
         finally:
             self.waiting -= 1
             self.queued_tokens -= pending
+            del self._prefills[key]
             self._load_changed()
         t_done = time.perf_counter()
         attrs = {"role": self.role}
