@@ -166,6 +166,9 @@ class Router:
         self.prefill = prefill
         self.load = load
         self._rr = itertools.count()
+        # Per decision: the priced work each node holds (a decision plans every node
+        # several times; the held work does not depend on the request).
+        self._ahead: dict[int, tuple[NodeLoad, list[float]]] = {}
 
     def decide(self, prompt_tokens: int, block_size: int, hits: Hits,
                nodes: Iterable[NodeLoad]) -> Decision:
@@ -173,6 +176,7 @@ class Router:
         if prompt_tokens <= 0:
             raise ValueError("a prompt has at least one token")
         nodes = list(nodes)
+        self._ahead.clear()
         decode = choose_decode(nodes)
         if not hits.ok:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
@@ -231,9 +235,12 @@ class Router:
         """How long a prefill of ``own_ms`` waits on ``node`` behind what it holds."""
         if node.prefills is None:
             return node.queue_ms
-        ahead = [*remaining_ms(node.prefills, self.prefill, node.shares_steps),
-                 *node.dispatched_ms]
-        return wait_ms(ahead, own_ms, node.shares_steps)
+        cached = self._ahead.get(id(node))
+        if cached is None or cached[0] is not node:
+            cached = self._ahead[id(node)] = (node, [
+                *remaining_ms(node.prefills, self.prefill, node.shares_steps),
+                *node.dispatched_ms])
+        return wait_ms(cached[1], own_ms, node.shares_steps)
 
     def _bandwidth(self, src: str, dst: NodeLoad) -> float:
         # Each worker measures what it achieves when pulling; the puller's figure counts.
