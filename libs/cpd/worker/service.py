@@ -26,6 +26,7 @@ import itertools
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,15 @@ from cpd.transfer import TransferClient, TransferServer, decode_address, init_uc
 PREFILL_ROLES = ("preprefill", "prefill")
 
 
+@dataclass
+class _HeldPrefill:
+    """A prefill this worker holds, as its load report lists it."""
+
+    new_tokens: int
+    context_tokens: int
+    engine_start: float = 0.0  # perf_counter when it entered the engine; 0 while loading
+
+
 class DecodeUnavailable(CpdError):
     """No decode node accepted the hand-off."""
 
@@ -79,10 +89,7 @@ class WorkerService(Service):
         self.keyring = Keyring(self.node_id, self.epoch)
         self.block_size = settings.cache.block_size
         self.peers: dict[str, bytes] = {}
-        self.waiting = 0
-        self.queued_tokens = 0
-        # Prefills held here for the load report: [new tokens, context, engine start or 0].
-        self._prefills: dict[int, list[float]] = {}
+        self._prefills: dict[int, _HeldPrefill] = {}
         self._prefill_ids = itertools.count()
         self.in_flight = 0
         self.ms_per_token = settings.worker.initial_ms_per_token
@@ -248,12 +255,22 @@ class WorkerService(Service):
             kv_bandwidth_gbps=self.client.meter.gbps, prefills=self._prefill_work(),
             prefill_token_cap=self.settings.worker.long_prefill_token_threshold)
 
+    @property
+    def waiting(self) -> int:
+        """Prefills held here (loading their prefix or in the engine)."""
+        return len(self._prefills)
+
+    @property
+    def queued_tokens(self) -> int:
+        """New tokens of the held prefills, as the router planned them."""
+        return sum(p.new_tokens for p in self._prefills.values())
+
     def _prefill_work(self) -> list[wire.PrefillWork]:
         now = time.perf_counter()
-        return [wire.PrefillWork(new_tokens=int(new), context_tokens=int(ctx),
-                                 elapsed_ms=(now - start) * 1e3 if start else 0.0)
-                for new, ctx, start in list(self._prefills.values())
-                [:wire.MAX_REPORTED_PREFILLS]]
+        return [wire.PrefillWork(new_tokens=p.new_tokens, context_tokens=p.context_tokens,
+                                 elapsed_ms=(now - p.engine_start) * 1e3
+                                 if p.engine_start else 0.0)
+                for p in list(self._prefills.values())[:wire.MAX_REPORTED_PREFILLS]]
 
     async def _load_reports(self) -> None:
         while not self.stopping:
@@ -365,18 +382,14 @@ class WorkerService(Service):
         # New tokens as the router planned them (cached ones cost next to nothing); the
         # EWMA below is per computed token too, so the queue estimate stays consistent.
         pending = req.route.tokens_computed or len(tokens)
-        self.waiting += 1
-        self.queued_tokens += pending
         key = next(self._prefill_ids)
-        work = self._prefills[key] = [pending, len(tokens) - pending, 0.0]
+        held = self._prefills[key] = _HeldPrefill(pending, len(tokens) - pending)
         self._load_changed()
         try:
             loaded, remote = await self._gather_prefix(req, hashes)
-            t_load = work[2] = time.perf_counter()
+            t_load = held.engine_start = time.perf_counter()
             step, saved = await self._run_prefill(req, tokens, hashes, loaded)
         finally:
-            self.waiting -= 1
-            self.queued_tokens -= pending
             del self._prefills[key]
             self._load_changed()
         t_done = time.perf_counter()
