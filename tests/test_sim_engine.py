@@ -25,6 +25,7 @@ from cpd.sim.engine import (
     checksum,
 )
 from cpd.sim.prefixcache import chain_hashes
+from cpd.sim.scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -124,6 +125,28 @@ async def test_loaded_prefix_skips_its_prefill_time(engine: SimEngine,
     assert cold == pytest.approx(cost.prefill_s(len(prompt)) + cost.kv_move_s(cached))
     assert warm == pytest.approx(cost.prefill_s(5, cached) + cost.kv_move_s(cached))
     assert warm < cold / 2
+
+
+async def test_async_load_is_off_the_step_and_gives_identical_tokens(
+        arena_spec: ArenaSpec, arena: np.memmap) -> None:
+    e = SimEngine(B200_TP4_8B, block_size=BS, arena=arena_spec, time_scale=FAST,
+                  prefix_caching=False, scheduler=SchedulerConfig(async_kv_load=True))
+    await e.start()
+    try:
+        prompt = np.random.default_rng(5).integers(0, 30_000, size=SLOTS * BS + 5).tolist()
+        slots = list(range(SLOTS))
+        one = wire.SamplingParams(max_tokens=1)
+        plain = tokens(await gen(e, "cold", prompt, one, save_slots=slots))
+        b0, t0 = e.busy_s, e.sim_now()
+        cks = [checksum(arena[i]) for i in slots]
+        warm = await gen(e, "warm", prompt, one, load_slots=slots, load_checksums=cks)
+        cached = SLOTS * BS
+        # The engine waited for its link with nothing to run, then ran only the suffix.
+        assert e.busy_s - b0 == pytest.approx(e.cost.prefill_s(5, cached))
+        assert e.sim_now() - t0 >= e.cost.kv_move_s(cached)
+        assert warm[-1].loaded_blocks == SLOTS and tokens(warm) == plain
+    finally:
+        await e.stop()
 
 
 async def test_checksum_mismatch_recomputes_with_identical_tokens(engine: SimEngine,

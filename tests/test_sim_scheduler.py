@@ -138,6 +138,67 @@ def test_admit_hook_decides_cache_loads_and_saves_at_first_schedule() -> None:
     assert all(not a.saved_blocks for p in run(s) for a in p.advances)  # block 4 is partial
 
 
+def _loading_sched(**kw: object) -> Scheduler:
+    loads = {"big": Admission(cached_tokens=99_999, load_tokens=99_999),
+             "big2": Admission(cached_tokens=99_999, load_tokens=99_999)}
+    return Scheduler(COST, SchedulerConfig(max_num_batched_tokens=1000, **kw),
+                     admit_hook=lambda rid: loads.get(rid, Admission()))
+
+
+def test_async_load_runs_off_the_step_and_joins_when_done() -> None:
+    s = _loading_sched(async_kv_load=True)
+    s.add("dec", 10, 50)
+    s.add("big", 100_000, 2)
+    s.add("big2", 100_000, 2)
+    s.add("short", 20, 1)
+    load = COST.kv_move_s(99_999)
+    p = s.step(0.0)
+    assert p is not None
+    # The loads went to the link; the request behind them is not held back (vLLM skips
+    # requests waiting for remote KV), and no step pays for a load.
+    assert set(by_id(p)) == {"dec", "short"}
+    assert p.duration_s == pytest.approx(COST.step_s([(10, 0), (20, 0)]))
+    assert s.num_waiting == 2 and s.next_ready_s() == pytest.approx(load)
+    # The link moves one load at a time: the second is ready one load time later.
+    now = p.duration_s
+    while now < load:
+        p = s.step(now)
+        assert p is not None and set(by_id(p)) == {"dec"}
+        now += p.duration_s
+    p = s.step(now)
+    assert p is not None and by_id(p)["big"] == (1, 99_999, 0)
+    assert "big2" not in by_id(p) and s.next_ready_s() == pytest.approx(2 * load)
+    assert p.duration_s < COST.kv_move_s(99_999) / 2
+
+
+def test_async_load_alone_waits_for_its_link() -> None:
+    s = _loading_sched(async_kv_load=True)
+    s.add("big", 100_000, 1)
+    assert s.step(0.0) is None and s.has_work()
+    ready = s.next_ready_s()
+    assert ready is not None and s.step(ready / 2) is None
+    p = s.step(ready)
+    assert p is not None and p.advances[0].finished and not s.has_work()
+    assert s.next_ready_s() is None
+
+
+def test_sync_load_is_paid_inside_the_step() -> None:
+    s = _loading_sched()
+    s.add("dec", 10, 5)
+    s.add("big", 100_000, 1)
+    p = s.step(0.0)
+    assert p is not None and set(by_id(p)) == {"dec", "big"}
+    assert p.duration_s == pytest.approx(COST.step_s([(10, 0), (1, 99_999)])
+                                         + COST.kv_move_s(99_999))
+
+
+def test_abort_while_loading() -> None:
+    s = _loading_sched(async_kv_load=True)
+    s.add("big", 100_000, 1)
+    s.step(0.0)
+    assert s.abort("big") and not s.has_work() and s.next_ready_s() is None
+
+
 def test_abort_and_finish_remove_requests() -> None:
     s = sched(budget=100)
     s.add("a", 50, 10)

@@ -315,10 +315,14 @@ class SimEngine:
                     await self._wake.wait()
                     continue
                 start = max(self._sim_clock, self._wall_sim())
-                plan = self._sched.step()
-                if plan is None:  # nothing schedulable (cannot happen without a KV cap)
+                plan = self._sched.step(start)
+                if plan is None:  # only KV loads in flight (or a KV cap holds the queue)
                     self._wake.clear()
-                    await self._wake.wait()
+                    ready = self._sched.next_ready_s()
+                    timeout = (None if ready is None
+                               else max(self._t0 + ready / self.time_scale - loop.time(), 0.0))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout)
                     continue
                 end = start + plan.duration_s
                 delay = self._t0 + end / self.time_scale - loop.time()

@@ -13,6 +13,13 @@ Each :meth:`Scheduler.step`:
    takes more than that many tokens of one step while other requests are running or
    waiting, so a long prompt leaves budget for the short prompts behind it instead of
    holding the whole budget until it is done (alone it still takes the whole budget).
+
+   With ``async_kv_load`` set, a request whose admission loads KV from the arena leaves
+   the queue for the engine's KV link instead (vLLM's ``WAITING_FOR_REMOTE_KVS``, as
+   its NIXL and offloading connectors load): loads run one after another on the link,
+   off the step, and the request joins the running batch at the first step after its
+   load is done, so a long load no longer stalls every other request's step. Without
+   it the load is copied inside the request's first step (a synchronous connector).
 3. prices the batch with the cost model (plus the KV loads and saves it carries), and
    applies it: prompt tokens computed, one output token for every request whose prompt
    is complete after this step (the step that computes the last prompt token samples the
@@ -48,6 +55,8 @@ class SchedulerConfig:
     # Most prompt tokens one request computes per step while others are eligible (0: no
     # cap, vLLM's default).
     long_prefill_token_threshold: int = 0
+    # Load arena KV off the step, on the engine's KV link (see the module doc).
+    async_kv_load: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.block_size < 1:
@@ -84,6 +93,7 @@ class SeqState:
     load_tokens: int = 0
     save_blocks: frozenset[int] = frozenset()
     saved_upto: int = 0      # prompt blocks [0, saved_upto) handled for saving
+    ready_s: float = 0.0     # asynchronous load: when its KV is in (simulated seconds)
 
     @property
     def remaining_prompt(self) -> int:
@@ -133,6 +143,9 @@ class Scheduler:
     _waiting: deque[SeqState] = field(default_factory=deque, init=False)
     _running: list[SeqState] = field(default_factory=list, init=False)
     _by_id: dict[str, SeqState] = field(default_factory=dict, init=False)
+    # Asynchronous loads in flight, in link order (so ready times ascend).
+    _loading: deque[SeqState] = field(default_factory=deque, init=False)
+    _link_free_s: float = field(default=0.0, init=False)
 
     # -------------------------------------------------------------- requests
 
@@ -154,10 +167,10 @@ class Scheduler:
         seq = self._by_id.pop(request_id, None)
         if seq is None:
             return False
-        if seq in self._running:
-            self._running.remove(seq)
-        else:
-            self._waiting.remove(seq)
+        for queue in (self._running, self._loading, self._waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
         return True
 
     def finish(self, request_id: str) -> bool:
@@ -167,11 +180,16 @@ class Scheduler:
     # ---------------------------------------------------------------- views
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._loading)
+
+    def next_ready_s(self) -> float | None:
+        """When the first asynchronous load in flight completes; None if none is."""
+        return self._loading[0].ready_s if self._loading else None
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests not yet running: queued, or waiting for their KV load (as vLLM)."""
+        return len(self._waiting) + len(self._loading)
 
     @property
     def num_running(self) -> int:
@@ -184,14 +202,19 @@ class Scheduler:
         """(uncomputed prompt tokens, their context) of every request not yet done
         prefilling, in the order they will be served."""
         out = [(s.remaining_prompt, s.computed) for s in self._running if s.remaining_prompt]
+        out += [(s.remaining_prompt, s.computed) for s in self._loading]
         out += [(s.prompt_len - s.cached_tokens, s.cached_tokens) for s in self._waiting]
         return out
 
     # ----------------------------------------------------------------- step
 
-    def step(self) -> StepPlan | None:
-        """Schedule, price and apply one step; None when there is nothing to run."""
-        if not self.has_work():
+    def step(self, now_s: float = 0.0) -> StepPlan | None:
+        """Schedule, price and apply one step starting at simulated time ``now_s`` (only
+        asynchronous loads read it); None when nothing can run now (see
+        :meth:`next_ready_s` for when a load lets something run)."""
+        while self._loading and self._loading[0].ready_s <= now_s:
+            self._running.append(self._loading.popleft())
+        if not (self._waiting or self._running):
             return None
         budget = self.config.max_num_batched_tokens
         # As vLLM: the cap applies only when another request could use the budget.
@@ -211,12 +234,17 @@ class Scheduler:
             if not self._fits(seq):
                 break
             self._waiting.popleft()
+            if self.config.async_kv_load and seq.load_tokens:
+                self._start_load(seq, now_s)
+                continue
             self._running.append(seq)
             n = min(seq.remaining_prompt, budget, cap)
             picks.append((seq, n))
             budget -= n
         if not picks:
-            return None  # only reachable with a KV capacity smaller than one prompt
+            # Everything admitted went to the KV link, or a KV capacity smaller than
+            # one prompt holds the queue.
+            return None
         return self._apply(picks)
 
     def _admit(self, seq: SeqState) -> None:
@@ -228,13 +256,21 @@ class Scheduler:
             seq.save_blocks = a.save_blocks
         seq.computed = seq.cached_tokens
 
+    def _start_load(self, seq: SeqState, now_s: float) -> None:
+        # One link per engine: a load starts when the one before it is done.
+        start = max(self._link_free_s, now_s)
+        self._link_free_s = seq.ready_s = start + self.cost.kv_move_s(seq.load_tokens)
+        seq.load_tokens = 0  # copied off the step: no step pays for it
+        self._loading.append(seq)
+
     def _fits(self, seq: SeqState) -> bool:
         cap = self.config.kv_capacity_tokens
         if cap is None:
             return True
-        used = sum(s.prompt_len + s.output for s in self._running)
+        held = [*self._running, *self._loading]
+        used = sum(s.prompt_len + s.output for s in held)
         # An empty engine always takes the head request (else it would never run).
-        return not self._running or used + seq.prompt_len + 1 <= cap
+        return not held or used + seq.prompt_len + 1 <= cap
 
     def _apply(self, picks: list[tuple[SeqState, int]]) -> StepPlan:
         chunks: list[tuple[int, int]] = []
