@@ -19,6 +19,7 @@ it concrete.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -38,7 +39,17 @@ SPACE_POISSON = 3
 
 # The coding-agent generator rescales its session rate until the post-ramp request rate
 # is within this share of the target (a few rounds: the count is nearly linear in it).
-_CALIBRATION_ROUNDS = 4
+_CALIBRATION_ROUNDS = 8
+# Independent random streams of one seed (numpy seeds with [seed, stream, ...]).
+_STREAM_BURSTS = 0
+_STREAM_SESSIONS = 1
+_STREAM_KERNEL = 2
+# The session start rate is piecewise constant over bins of this width (seconds).
+_RATE_BIN_S = 2.0
+# Sessions drawn to measure how a session's turns spread over time.
+_KERNEL_SESSIONS = 4_000
+# A bin's rate floor: keeps the cumulative rate strictly increasing for its inverse.
+_MIN_RATE = 1e-9
 _CALIBRATION_TOLERANCE = 0.02
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -140,16 +151,6 @@ class _Content:
         return _space(self.space, self.next)
 
 
-@dataclass
-class _Session:
-    sid: str
-    blocks: list[int]
-    length: int
-    turns_left: int
-    next_s: float
-    turn: int = 0
-
-
 def _extend(blocks: list[int], length: int, add: int, bt: int, content: _Content) -> int:
     """Append ``add`` fresh tokens to a block stream of ``length`` tokens."""
     new_len = length + add
@@ -162,55 +163,112 @@ def coding_agent(cfg: CodingAgentConfig) -> list[WorkloadRequest]:
     """The coding-agent workload (see the module doc and :class:`CodingAgentConfig`).
 
     Session starts are a compound Poisson process (bursts of ``burst_mean`` sessions on
-    average), ramping up over ``ramp_s``. A session's turn ``k+1`` arrives ``think``
-    seconds after turn ``k`` (open loop: it does not wait for the answer) with prompt =
-    turn ``k``'s prompt + a stand-in for its answer (``output_len`` tokens) + new tool
-    output.
+    average). A session's turn ``k+1`` arrives ``think`` seconds after turn ``k`` (open
+    loop: it does not wait for the answer) with prompt = turn ``k``'s prompt + a
+    stand-in for its answer (``output_len`` tokens) + new tool output.
 
-    The session rate starts at ``qps / mean_turns`` and is then rescaled (same seed) until
-    the requests arriving after the ramp come at ``qps``: sessions that outgrow
-    ``max_context_tokens`` or the run end early, and the first sessions' turns build up
-    over a session's lifetime, so the nominal rate alone falls short by up to a third
-    (a sweep's target QPS would then not be what was offered).
+    A session sends its turns over ~100 s, so a constant session start rate would make
+    the request rate build up for that long: a 200 s steady phase then ran at half its
+    target first and ~1.4 times it at the end. The session start rate therefore follows
+    the profile (:func:`_session_start_rates`) whose *expected request rate* ramps
+    linearly over ``ramp_s`` and is flat at ``qps`` after it; a last rescaling of the
+    whole profile (same draws) makes the requests that arrive after the ramp come at
+    ``qps`` in this realisation too.
     """
     if cfg.qps <= 0 or cfg.mean_turns < 1:
         raise ValueError("qps must be > 0 and mean_turns >= 1")
-    session_rate = cfg.qps / cfg.mean_turns
-    reqs = _coding_agent(cfg, session_rate)
+    bins = _session_start_rates(cfg)
+    scale = 1.0
+    reqs = _coding_agent(cfg, bins)
     start = min(cfg.ramp_s, cfg.duration_s / 2)
     for _ in range(_CALIBRATION_ROUNDS):
         got = sum(r.arrival_s >= start for r in reqs) / (cfg.duration_s - start)
         if got <= 0 or abs(got / cfg.qps - 1) <= _CALIBRATION_TOLERANCE:
             break
-        session_rate *= cfg.qps / got
-        reqs = _coding_agent(cfg, session_rate)
+        scale *= cfg.qps / got
+        reqs = _coding_agent(cfg, bins * scale)
     return reqs
 
 
-def _coding_agent(cfg: CodingAgentConfig, session_rate: float) -> list[WorkloadRequest]:
-    rng = np.random.default_rng(cfg.seed)
+def _turns(rng: np.random.Generator, cfg: CodingAgentConfig,
+           length: int) -> Iterator[tuple[float, int, int]]:
+    """A session's turns from a prompt of ``length`` tokens: (seconds after the session
+    start, new tokens, answer tokens), until its turns run out or its prompt would
+    outgrow ``max_context_tokens``."""
+    offset = 0.0
+    for _ in range(int(rng.geometric(1.0 / cfg.mean_turns))):
+        step = int(_loguniform(rng, cfg.step_min_tokens, cfg.step_max_tokens))
+        if length + step >= cfg.max_context_tokens:
+            return
+        output = int(_loguniform(rng, cfg.output_min_tokens, cfg.output_max_tokens))
+        yield offset, step, output
+        length += step + output
+        offset += cfg.think_min_s + float(rng.exponential(cfg.think_mean_s))
+
+
+def _session_start_rates(cfg: CodingAgentConfig) -> np.ndarray:
+    """Session starts per second in each ``_RATE_BIN_S`` bin of the run, such that the
+    expected request rate is ``qps · min(t / ramp_s, 1)``.
+
+    The requests a session sends in the bins after its start (the kernel) are measured
+    on sessions drawn from their own stream; the rates then follow by causal
+    deconvolution: each bin's starts make up what the earlier bins' sessions leave
+    short of that bin's target. (With a memoryless session length this gives ~3-4
+    times the steady start rate during the ramp, then the steady one.)"""
+    w = _RATE_BIN_S
+    n = max(1, math.ceil(cfg.duration_s / w))
+    rng = np.random.default_rng([cfg.seed, _STREAM_KERNEL])
+    kernel = np.zeros(n)
+    system = -(-cfg.system_tokens // cfg.block_tokens) * cfg.block_tokens
+    for _ in range(_KERNEL_SESSIONS):
+        first = rng.uniform(0, w)
+        length = system + int(_loguniform(rng, cfg.repo_min_tokens, cfg.repo_max_tokens))
+        for offset, _, _ in _turns(rng, cfg, length):
+            m = int((first + offset) // w)
+            if m >= n:
+                break
+            kernel[m] += 1
+    kernel /= _KERNEL_SESSIONS
+    mid = (np.arange(n) + 0.5) * w
+    target = cfg.qps * w * (np.minimum(mid / cfg.ramp_s, 1.0) if cfg.ramp_s > 0 else 1.0)
+    starts = np.zeros(n)  # expected session starts per bin
+    for i in range(n):
+        earlier = float(starts[:i] @ kernel[i:0:-1]) if i else 0.0
+        starts[i] = max(target[i] - earlier, 0.0) / kernel[0]
+    return starts / w
+
+
+def _coding_agent(cfg: CodingAgentConfig, rates: np.ndarray) -> list[WorkloadRequest]:
     bt = cfg.block_tokens
     content = _Content(SPACE_AGENT)
     # The shared system prompt: whole blocks, so every session starts with the same ones.
     system = [content.fresh() for _ in range(-(-cfg.system_tokens // bt))]
     system_len = len(system) * bt
     repos: list[tuple[list[int], int]] = []
-    burst_rate = session_rate / cfg.burst_mean
-    starts: list[float] = []
-    t = 0.0
-    while True:
-        # Thinning for the linear ramp: accept a burst at t with probability rate(t)/max.
-        t += float(rng.exponential(1.0 / burst_rate))
-        if t >= cfg.duration_s:
+    # Burst k draws the same numbers at every rate (only its time moves), and session j
+    # of burst k has its own generator: a higher rate moves the same sessions earlier
+    # and adds more, so the calibration's request count grows smoothly with the rate
+    # instead of reshuffling every session. Burst times invert the cumulative burst
+    # rate of the piecewise-constant profile.
+    edges = np.arange(len(rates) + 1) * _RATE_BIN_S
+    cum = np.concatenate(([0.0], np.cumsum(np.maximum(rates, _MIN_RATE) * _RATE_BIN_S)))
+    cum /= cfg.burst_mean
+    bursts = np.random.default_rng([cfg.seed, _STREAM_BURSTS])
+    starts: list[tuple[float, int, int]] = []
+    unit = 0.0
+    for k in itertools.count():
+        unit += float(bursts.standard_exponential())
+        size = int(bursts.geometric(1.0 / cfg.burst_mean))
+        spread = bursts.uniform(0, cfg.burst_spread_s, size)
+        if unit >= cum[-1]:
             break
-        if cfg.ramp_s > 0 and t < cfg.ramp_s and rng.uniform() > t / cfg.ramp_s:
-            continue
-        size = int(rng.geometric(1.0 / cfg.burst_mean))
-        starts.extend(t + float(rng.uniform(0, cfg.burst_spread_s)) for _ in range(size))
+        t = float(np.interp(unit, cum, edges))
+        starts.extend((t + float(spread[j]), k, j) for j in range(size))
     out: list[WorkloadRequest] = []
-    for n, start in enumerate(sorted(starts)):
+    for n, (start, k, j) in enumerate(sorted(starts)):
         if start >= cfg.duration_s:
             continue
+        rng = np.random.default_rng([cfg.seed, _STREAM_SESSIONS, k, j])
         if repos and rng.uniform() < cfg.shared_repo_prob:
             repo_blocks, repo_len = repos[int(rng.integers(len(repos)))]
         else:
@@ -218,25 +276,20 @@ def _coding_agent(cfg: CodingAgentConfig, session_rate: float) -> list[WorkloadR
             repo_len -= repo_len % bt  # a repository context is whole blocks (files)
             repo_blocks = [content.fresh() for _ in range(repo_len // bt)]
             repos.append((repo_blocks, repo_len))
-        s = _Session(f"s{n}", system + repo_blocks, system_len + repo_len,
-                     int(rng.geometric(1.0 / cfg.mean_turns)), start)
-        while s.turns_left > 0 and s.next_s < cfg.duration_s:
-            step = int(_loguniform(rng, cfg.step_min_tokens, cfg.step_max_tokens))
-            if s.length + step >= cfg.max_context_tokens:
+        sid = f"s{n}"
+        blocks, length = system + repo_blocks, system_len + repo_len
+        for turn, (offset, step, output) in enumerate(_turns(rng, cfg, length)):
+            if start + offset >= cfg.duration_s:
                 break
             # Fresh blocks for the new content: the last block of the previous prompt
             # is partial and its content id continues (same id = same tokens).
-            s.length = _extend(s.blocks, s.length, step, bt, content)
-            output = int(_loguniform(rng, cfg.output_min_tokens, cfg.output_max_tokens))
+            length = _extend(blocks, length, step, bt, content)
             out.append(WorkloadRequest(
-                request_id=f"{s.sid}-t{s.turn}", arrival_s=s.next_s, session_id=s.sid,
-                prompt_len=s.length, block_ids=tuple(s.blocks[:-(-s.length // bt)]),
-                block_tokens=bt, output_len=output, turn=s.turn))
+                request_id=f"{sid}-t{turn}", arrival_s=start + offset, session_id=sid,
+                prompt_len=length, block_ids=tuple(blocks[:-(-length // bt)]),
+                block_tokens=bt, output_len=output, turn=turn))
             # The answer becomes part of the next prompt (a stand-in for its tokens).
-            s.length = _extend(s.blocks, s.length, output, bt, content)
-            s.turn += 1
-            s.turns_left -= 1
-            s.next_s += cfg.think_min_s + float(rng.exponential(cfg.think_mean_s))
+            length = _extend(blocks, length, output, bt, content)
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
 
