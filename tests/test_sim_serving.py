@@ -8,12 +8,14 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
+from bench.simcluster import SimCluster as BaseSimCluster
 from bench.sweep import (
     BY_LABEL,
     TOPOLOGIES,
@@ -24,8 +26,9 @@ from bench.sweep import (
     make_workload,
 )
 from cpd import subjects, wire
+from cpd.bus import StreamReader
 from cpd.config import load_settings
-from cpd.errors import ConfigError, CpdError, InvalidRequest
+from cpd.errors import ConfigError, CpdError, InvalidRequest, Overloaded
 from cpd.hashing import block_hashes
 from cpd.kvstore import slot_bytes
 from cpd.servedmodel import ServedModel
@@ -139,6 +142,54 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
             load_settings(environ={}, overrides=SIM)).id
     finally:
         await cluster.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_burst_of_dispatches_is_bounded_at_acceptance(tmp_path: Path) -> None:
+    """A worker holding ``max_queued_requests`` refuses the next dispatch up front (the
+    router routes around it) and never fails one it has already accepted: every
+    accepted request counts from its acceptance, not from when its task starts."""
+    cluster = BaseSimCluster({"p0": "prefill", "d0": "decode"}, tmp_path, env={
+        "CPD_WORKER__MAX_QUEUED_REQUESTS": "2", "CPD_SIM__TIME_SCALE": "0.05"})
+    try:
+        await cluster.start()
+        assert cluster.client is not None
+        bus = cluster.client.bus
+        ns = serving.namespace(load_settings(environ={}, overrides=SIM))
+        prompt = block_token_ids(list(range(100, 120)), 256).tolist()  # 5,120 tokens
+        readers = [StreamReader(bus, idle_timeout=30) for _ in range(4)]
+
+        async def dispatch(i: int) -> bool:
+            req = wire.PrefillRequest(
+                request_id=f"burst-{i}", reply_to=await readers[i].open(),
+                tokens=wire.pack_tokens(prompt), namespace=ns.id,
+                sampling=wire.SamplingParams(max_tokens=4, ignore_eos=True),
+                block_hashes=block_hashes(ns, prompt), decode_node="d0",
+                deadline_unix_ms=int(time.time() * 1000) + 60_000)
+            try:
+                await bus.request(subjects.run("prefill", "p0"), req, expect=wire.Accepted)
+                return True
+            except Overloaded:
+                return False
+
+        accepted = await asyncio.gather(*(dispatch(i) for i in range(4)))
+        assert sorted(accepted) == [False, False, True, True]
+        for reader, ok in zip(readers, accepted, strict=True):
+            if ok:  # raises the typed error if the worker failed it after accepting
+                msgs = [m async for m in _until_final(reader)]
+                assert isinstance(msgs[-1], wire.Final)
+            await reader.close()
+    finally:
+        await cluster.stop()
+
+
+async def _until_final(reader: StreamReader) -> AsyncIterator[wire.Message]:
+    while True:
+        msg = await reader.next(timeout=30)
+        assert msg is not None
+        yield msg
+        if isinstance(msg, wire.Final):
+            return
 
 
 @pytest.mark.slow

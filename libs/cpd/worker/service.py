@@ -313,16 +313,15 @@ class WorkerService(Service):
         or a typed refusal it can route around; the stream follows on that inbox. A
         direct caller without one gets the stream on its own request's inbox."""
         _check_ids(reply_to=req.reply_to or r.reply_to, decode_node=req.decode_node)
-        if not req.reply_to:
-            if not r.reply_to:
-                raise InvalidRequest("prefill request without a reply inbox")
-            req.reply_to = r.reply_to
-            self._claim(req.request_id)
-            await self._prefill_stream(req)
-            return None
+        if not (req.reply_to or r.reply_to):
+            raise InvalidRequest("prefill request without a reply inbox")
         self._admit(len(req.tokens) // wire.TOKEN_DTYPE.itemsize, req.sampling.max_tokens,
                     req.deadline_unix_ms)
         self._claim(req.request_id)
+        if not req.reply_to:
+            req.reply_to = r.reply_to
+            await self._prefill_stream(req)
+            return None
         self.spawn(self._prefill_stream(req), f"prefill-{req.request_id}", background=False)
         return wire.Accepted(request_id=req.request_id, node=self.node_id)
 
@@ -368,15 +367,16 @@ class WorkerService(Service):
         if deadline_ms and time.time() * 1000 > deadline_ms:
             raise CpdError("deadline passed before the work started",
                            code=ErrorCode.DEADLINE_EXCEEDED)
-        if self.waiting + self.in_flight >= self.settings.worker.max_queued_requests:
-            raise Overloaded(f"{self.node_id} holds {self.waiting + self.in_flight} requests")
+        # Every accepted request counts from its acceptance (claimed), not only once its
+        # task has started: a burst of dispatches cannot overshoot the bound.
+        if len(self._running) >= self.settings.worker.max_queued_requests:
+            raise Overloaded(f"{self.node_id} holds {len(self._running)} requests")
 
     async def _prefill(self, req: wire.PrefillRequest, out: ReplyStream) -> None:
         t0 = time.perf_counter()
         tokens = wire.unpack_tokens(req.tokens)  # a numpy view: no per-token objects
         self._check_vocab(tokens)
         hashes = wire.split_hashes(req.block_hashes)
-        self._admit(len(tokens), req.sampling.max_tokens, req.deadline_unix_ms)
         if len(hashes) != len(tokens) // self.block_size:
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
         # New tokens as the router planned them (cached ones cost next to nothing); the
