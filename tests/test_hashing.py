@@ -178,3 +178,13 @@ def test_long_prompts_hash_the_same_from_many_threads() -> None:
 def test_a_parent_of_the_wrong_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="parent"):
         block_hashes(NS, list(range(BS)), parent=b"short")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=8), st.text(max_size=8), st.text(max_size=8))
+def test_a_deployment_salt_keeps_its_tenants_apart(base: str, other: str, tenant: str) -> None:
+    a = msgspec.structs.replace(NS, tenant_salt=base)
+    b = msgspec.structs.replace(NS, tenant_salt=other)
+    # Same tenant in two deployments: the same namespace only if the deployments match.
+    assert (a.with_salt(tenant).id == b.with_salt(tenant).id) == (base == other)
+    assert a.with_salt(tenant).id != a.id

@@ -74,6 +74,15 @@ async def _until(probe: Callable[[], Awaitable[T]], ok: Callable[[T], bool],
         await asyncio.sleep(0.05)
 
 
+def test_cache_tenant_salt_salts_the_deployment_namespace() -> None:
+    plain = ServedModel.for_settings(load_settings(environ={}, overrides=SIM))
+    salted = ServedModel.for_settings(load_settings(
+        environ={"CPD_CACHE__TENANT_SALT": "blue"}, overrides=SIM))
+    assert salted.namespace.tenant_salt == "blue"
+    assert salted.namespace.id != plain.namespace.id
+    assert salted.namespace_for("acme").id != plain.namespace_for("acme").id
+
+
 def test_unknown_sim_preset_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="sim preset"):
         load_settings(environ={}, overrides=["sim.preset=b300-imaginary"])

@@ -95,6 +95,8 @@ class CacheSettings(_Section):
     """Block identity and the tenant salt (DESIGN.md §5)."""
 
     block_size: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
+    # Salts this deployment's base namespace: two deployments sharing NATS and kvindex
+    # (or a kvindex snapshot) with different salts never match each other's blocks.
     tenant_salt: str = ""
     adapter_id: str = ""
 

@@ -57,8 +57,12 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
 
         The salt is length-prefixed, so it is never empty (no tenant, not even ``""``,
         shares the unsalted base namespace) and no two (tenant, cache_salt) pairs share
-        one (a separator character inside a tenant name cannot forge another pair)."""
+        one (a separator character inside a tenant name cannot forge another pair). A
+        deployment salt on the base (``cache.tenant_salt``) stays in front, length-
+        prefixed too, so tenants of differently salted deployments never meet."""
         salt = f"{len(tenant)}:{tenant}{cache_salt}"
+        if self.tenant_salt:
+            salt = f"{len(self.tenant_salt)}:{self.tenant_salt}|{salt}"
         return msgspec.structs.replace(self, tenant_salt=salt)
 
     def to_spec(self) -> bytes:

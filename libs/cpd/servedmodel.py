@@ -79,7 +79,8 @@ class ServedModel:
         namespace = Namespace(
             model_id=name, model_revision=f"r{RECIPE_VERSION}",
             tokenizer_hash=tokenizer_hash(folder), kv_dtype=s.model.dtype,
-            block_size=s.cache.block_size, adapter_id=s.cache.adapter_id)
+            block_size=s.cache.block_size, adapter_id=s.cache.adapter_id,
+            tenant_salt=s.cache.tenant_salt)
         cfg = _read_json(folder / "config.json")
         tok_cfg = _read_json(folder / "tokenizer_config.json")
         max_len = int(cfg.get("max_position_embeddings")

@@ -49,7 +49,8 @@ def namespace(settings: Settings) -> Namespace:
     return Namespace(model_id=model_name(settings), model_revision=SIM_REVISION,
                      tokenizer_hash=f"vocab-{s.vocab_size}", kv_dtype=SIM_KV_DTYPE,
                      block_size=settings.cache.block_size,
-                     adapter_id=settings.cache.adapter_id)
+                     adapter_id=settings.cache.adapter_id,
+                     tenant_salt=settings.cache.tenant_salt)
 
 
 def slot_bytes(settings: Settings) -> int:
