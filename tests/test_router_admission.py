@@ -10,6 +10,7 @@ import pytest
 from cpd import wire
 from cpd.errors import CpdError, ErrorCode, Overloaded
 from services.router import Admission, NodeTable
+from services.router.cost import PrefillCost
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -156,6 +157,12 @@ def test_node_table_passes_held_prefills_and_dispatches_to_the_policy() -> None:
     assert live["p0"].prefills == tuple(work) and live["p0"].shares_steps
     assert live["p0"].dispatched_ms == (30.0, 20.0)
     assert live["p1"].prefills is None and not live["p1"].shares_steps
+    # cpd status prices held prefills as the router does: the 100K-token prefill has
+    # 250 ms of its 1,000 done, the 2K-token one has not started, 50 ms were dispatched.
+    cost = PrefillCost(fixed_ms=0.0, per_token_ms=0.01, per_token_ctx_ms=0.0)
+    shown = {s.node: s.est_queue_ms for s in t.status(0.2, cost)}
+    assert shown["p0"] == pytest.approx((1000 - 250) + 20 + 50)
+    assert shown["p1"] == 40.0  # no list: the worker's own estimate
     t.load_report(wire.LoadReport(node="p0", role="prefill", prefills=[]), now=0.3)
     p0 = next(n for n in t.live(0.3) if n.node == "p0")
     assert p0.prefills == () and p0.dispatched_ms == () and not p0.shares_steps

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from cpd import wire
 
+from .cost import PrefillCost
 from .policy import NodeLoad
+from .queueing import remaining_ms
 
 WORKER_ROLES = ("preprefill", "prefill", "decode")
 _MAX_DISPATCHED = 256  # entries kept per node between two of its load reports
@@ -104,16 +106,23 @@ class NodeTable:
                                 shares_steps=bool(r and r.prefill_token_cap)))
         return out
 
-    def status(self, now: float) -> list[wire.NodeStatus]:
-        """Every node ever heard of, alive or not, for ``cpd status``."""
+    def status(self, now: float, cost: PrefillCost | None = None) -> list[wire.NodeStatus]:
+        """Every node ever heard of, alive or not, for ``cpd status``. With ``cost``, a
+        node that lists its held prefills shows what the router prices them at (the
+        compute they still need, plus what it dispatched since), not the worker's own
+        estimate, whose wall ms per token include waiting inside the engine."""
         out = []
         for n in sorted(self._nodes.values(), key=lambda x: (x.role, x.node)):
             r = n.load or wire.LoadReport(node=n.node, role=n.role)  # type: ignore[arg-type]
+            queue_ms = r.est_queue_ms
+            if cost is not None and r.prefills is not None:
+                queue_ms = (sum(remaining_ms(r.prefills, cost, bool(r.prefill_token_cap)))
+                            + sum(n.dispatched_ms))
             out.append(wire.NodeStatus(
                 node=n.node, role=n.role, alive=now - n.last_seen <= n.lease_ttl_s,
                 last_seen_ms=max(0.0, (now - n.last_seen) * 1000),
                 queue_depth=r.queue_depth, queued_new_tokens=r.queued_new_tokens,
-                est_queue_ms=r.est_queue_ms, in_flight=r.in_flight,
+                est_queue_ms=queue_ms, in_flight=r.in_flight,
                 dram_used_bytes=r.dram_used_bytes, dram_total_bytes=r.dram_total_bytes,
                 kv_bandwidth_gbps=r.kv_bandwidth_gbps, capacity_blocks=n.capacity_blocks))
         return out

@@ -195,7 +195,8 @@ class RouterService(Service):
         stats = msgspec.structs.replace(self.stats, in_flight=self.admission.in_flight,
                                         queued=self.admission.queued,
                                         paths=dict(self.stats.paths))
-        return wire.StatusReply(router=stats, nodes=self.nodes.status(time.monotonic()),
+        return wire.StatusReply(router=stats, nodes=self.nodes.status(time.monotonic(),
+                                                                 self.policy.prefill),
                                 kvindex=self.kvindex_state,  # type: ignore[arg-type]
                                 namespace=self.model.namespace.id)
 
