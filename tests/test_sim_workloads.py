@@ -150,6 +150,11 @@ def test_rate_calibration_lands_on_target_with_few_sessions(seed: int) -> None:
     assert abs(got / cfg.qps - 1) <= 0.03
 
 
+def test_a_context_limit_no_session_fits_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        coding_agent(CodingAgentConfig(duration_s=60.0, max_context_tokens=40_000))
+
+
 def test_a_higher_rate_keeps_the_same_sessions_earlier() -> None:
     low = coding_agent(CodingAgentConfig(qps=4.0, duration_s=200.0, seed=3))
     high = coding_agent(CodingAgentConfig(qps=8.0, duration_s=200.0, seed=3))

@@ -40,6 +40,7 @@ SPACE_POISSON = 3
 # The coding-agent generator rescales its session rate until the post-ramp request rate
 # is within this share of the target (a few rounds: the count is nearly linear in it).
 _CALIBRATION_ROUNDS = 8
+_CALIBRATION_TOLERANCE = 0.02
 # Independent random streams of one seed (numpy seeds with [seed, stream, ...]).
 _STREAM_BURSTS = 0
 _STREAM_SESSIONS = 1
@@ -50,7 +51,6 @@ _RATE_BIN_S = 2.0
 _KERNEL_SESSIONS = 4_000
 # A bin's rate floor: keeps the cumulative rate strictly increasing for its inverse.
 _MIN_RATE = 1e-9
-_CALIBRATION_TOLERANCE = 0.02
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -229,6 +229,8 @@ def _session_start_rates(cfg: CodingAgentConfig) -> np.ndarray:
                 break
             kernel[m] += 1
     kernel /= _KERNEL_SESSIONS
+    if kernel[0] <= 0:
+        raise ValueError("no session's first turn fits max_context_tokens")
     mid = (np.arange(n) + 0.5) * w
     target = cfg.qps * w * (np.minimum(mid / cfg.ramp_s, 1.0) if cfg.ramp_s > 0 else 1.0)
     starts = np.zeros(n)  # expected session starts per bin
