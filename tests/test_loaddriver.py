@@ -137,6 +137,16 @@ def test_report_counts_only_good_work_in_the_window() -> None:
     assert not out["sustainable"]
 
 
+def test_the_settle_phase_runs_but_is_not_measured() -> None:
+    phases = Phases(ramp_s=10.0, steady_s=10.0, settle_s=5.0)
+    assert phases.window == (15.0, 25.0) and phases.duration_s == 25.0
+    results = [_result("settling", 12.0, 4.0, 5.0, path="cold"),  # the ramp's backlog
+               _result("steady", 16.0, 0.5, 1.0, path="warm")]
+    out = report(results, target_qps=0.1, gpus=1, ttft_slo_s=3.0, phases=phases)
+    assert out["requests"] == 1 and out["paths"] == {"warm": 1}
+    assert out["ttft_p90_s"] == pytest.approx(0.5)
+
+
 def test_report_of_an_empty_window_is_json_safe() -> None:
     out = report([], target_qps=1.0, gpus=1, ttft_slo_s=3.0, phases=Phases(1.0, 1.0))
     assert out["requests"] == 0 and out["ttft_p50_s"] is None

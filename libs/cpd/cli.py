@@ -71,6 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = config_for(s, quick=args.quick, workload=args.workload, trace=args.trace,
                          preset_name=args.preset, time_scale=args.time_scale, qps=args.qps,
                          steady_s=args.steady_s, ramp_s=args.ramp_s,
+                         settle_s=args.settle_s,
                          topologies=args.topologies, stop_after=args.stop_after)
         out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
         partial = Path(f"{args.json}.partial") if args.json else None
@@ -289,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(default 0.4,0.6,...,1.6)")
     bench.add_argument("--ramp-s", type=float, help="sweep: ramp phase, simulated s (30)")
     bench.add_argument("--steady-s", type=float, help="sweep: steady phase, simulated s (600)")
+    bench.add_argument("--settle-s", type=float,
+                       help="sweep: unmeasured phase at the target rate between ramp and "
+                            "steady, simulated s (60)")
     bench.add_argument("--topologies", help="sweep: comma-separated, e.g. '2P1D pd-rr,CPD-1D'")
     bench.add_argument("--stop-after", type=int,
                        help="sweep: skip a topology's higher loads after N unsustainable "
