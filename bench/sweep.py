@@ -59,7 +59,8 @@ from cpd.sim.workloads import (
 
 Workload = Literal["coding-agent", "mooncake"]
 
-# The paper's protocol: 0.4-1.6 QPS/GPU in steps of 0.2, 30 s ramp, 600 s steady.
+# The paper's protocol: 0.4-1.6 QPS/GPU in steps of 0.2, 30 s ramp, 600 s steady; and
+# an unmeasured settle phase for the ramp's cold first turns (docs/sim.md).
 FULL_QPS_PER_GPU = (0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6)
 FULL_PHASES = Phases(ramp_s=30.0, steady_s=600.0, settle_s=60.0)
 QUICK_QPS_PER_GPU = (0.4, 0.8)
@@ -156,8 +157,8 @@ def config_for(settings: Settings, *, quick: bool = False, workload: Workload = 
                trace: str | None = None, preset_name: str | None = None,
                time_scale: float | None = None, qps: str | None = None,
                steady_s: float | None = None, ramp_s: float | None = None,
-               settle_s: float | None = None, topologies: str | None = None, progress: bool = True,
-               stop_after: int | None = None) -> SweepConfig:
+               settle_s: float | None = None, topologies: str | None = None,
+               progress: bool = True, stop_after: int | None = None) -> SweepConfig:
     """The sweep of the CLI options (``None``: the quick or full protocol's value)."""
     if workload == "mooncake" and not trace:
         raise CpdError("--workload mooncake needs --trace FILE (a Mooncake JSONL trace)")
