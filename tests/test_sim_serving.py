@@ -204,7 +204,7 @@ async def _until_final(reader: StreamReader) -> AsyncIterator[wire.Message]:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_quick_sweep_writes_the_documented_keys(tmp_path: Path) -> None:
-    out = tmp_path / "sweep.json"
+    out = tmp_path / "new" / "sweep.json"  # a folder that does not exist yet
     proc = subprocess.run([sys.executable, "-m", "cpd.cli", "bench", "sweep", "--quick",
                            "--json", str(out)], capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]

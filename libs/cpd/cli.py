@@ -75,6 +75,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          topologies=args.topologies, stop_after=args.stop_after)
         out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
         partial = Path(f"{args.json}.partial") if args.json else None
+        if partial is not None:  # before an hour of load, not after it
+            partial.parent.mkdir(parents=True, exist_ok=True)
         result = run_sweep(s, cfg, out, on_topology=(
             None if partial is None else
             lambda r: partial.write_text(json.dumps(r, indent=2, default=str))))
