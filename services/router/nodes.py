@@ -9,7 +9,7 @@ from cpd import wire
 
 from .cost import PrefillCost
 from .policy import NodeLoad
-from .queueing import remaining_ms
+from .queueing import ahead_ms
 
 WORKER_ROLES = ("preprefill", "prefill", "decode")
 _MAX_DISPATCHED = 256  # entries kept per node between two of its load reports
@@ -116,8 +116,8 @@ class NodeTable:
             r = n.load or wire.LoadReport(node=n.node, role=n.role)  # type: ignore[arg-type]
             queue_ms = r.est_queue_ms
             if cost is not None and r.prefills is not None:
-                queue_ms = (sum(remaining_ms(r.prefills, cost, bool(r.prefill_token_cap)))
-                            + sum(n.dispatched_ms))
+                queue_ms = sum(ahead_ms(r.prefills, n.dispatched_ms, cost,
+                                        bool(r.prefill_token_cap)))
             out.append(wire.NodeStatus(
                 node=n.node, role=n.role, alive=now - n.last_seen <= n.lease_ttl_s,
                 last_seen_ms=max(0.0, (now - n.last_seen) * 1000),

@@ -29,7 +29,7 @@ from cpd import wire
 from cpd.errors import CpdError, ErrorCode
 
 from .cost import LoadCost, PrefillCost
-from .queueing import remaining_ms, wait_ms
+from .queueing import ahead_ms, wait_ms
 
 PolicyName = Literal["cpd", "pd-kv", "pd-rr"]
 PREFILL_ROLES = ("preprefill", "prefill")
@@ -237,9 +237,8 @@ class Router:
             return node.queue_ms
         cached = self._ahead.get(id(node))
         if cached is None or cached[0] is not node:
-            cached = self._ahead[id(node)] = (node, [
-                *remaining_ms(node.prefills, self.prefill, node.shares_steps),
-                *node.dispatched_ms])
+            cached = self._ahead[id(node)] = (node, ahead_ms(
+                node.prefills, node.dispatched_ms, self.prefill, node.shares_steps))
         return wait_ms(cached[1], own_ms, node.shares_steps)
 
     def _bandwidth(self, src: str, dst: NodeLoad) -> float:

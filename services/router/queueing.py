@@ -44,6 +44,13 @@ def remaining_ms(works: Sequence[PrefillWork], cost: PrefillCost,
     return out
 
 
+def ahead_ms(works: Sequence[PrefillWork], dispatched_ms: Sequence[float],
+             cost: PrefillCost, shares_steps: bool) -> list[float]:
+    """The work ahead of a new prefill on a node (ms each): what its held prefills still
+    need, then what the router dispatched there since the node's last report."""
+    return [*remaining_ms(works, cost, shares_steps), *dispatched_ms]
+
+
 def wait_ms(ahead: Sequence[float], own_ms: float, shares_steps: bool) -> float:
     """Delay a new prefill of ``own_ms`` sees from the work ``ahead`` (ms each): all of
     it first-come first-served; at most ``own_ms`` from each when steps are shared."""
