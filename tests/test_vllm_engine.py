@@ -50,3 +50,24 @@ def test_long_prefill_cap_reaches_vllm(model_cache: Path) -> None:
     assert AsyncEngineArgs(**capped).long_prefill_token_threshold == 2048
     plain = VllmEngine(folder, block_size=256, arena=None).engine_args()
     assert "long_prefill_token_threshold" not in plain
+
+
+def test_async_kv_load_reaches_the_connector(model_cache: Path) -> None:
+    """worker.async_kv_load picks, per role, whether the connector loads off the step."""
+    from cpd.config import load_settings
+    from cpd.engine import ArenaSpec
+    from cpd.engine.vllm_engine import VllmEngine
+    from cpd.modelbuild import build
+
+    worker = load_settings(environ={}).worker
+    assert worker.async_kv_load == "decode"
+    assert worker.loads_async("decode") and not worker.loads_async("prefill")
+    assert not worker.loads_async("preprefill")
+    every = load_settings(environ={}, overrides=["worker.async_kv_load=all"]).worker
+    assert every.loads_async("preprefill") and every.loads_async("decode")
+    folder = build("tiny", model_cache)
+    arena = ArenaSpec("/dev/shm/unused", 4, 4096)
+    for flag in (True, False):
+        args = VllmEngine(folder, block_size=256, arena=arena,
+                          async_kv_load=flag).engine_args()
+        assert args["kv_transfer_config"].kv_connector_extra_config["async_load"] is flag

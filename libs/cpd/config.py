@@ -344,6 +344,17 @@ class WorkerSettings(_Section):
     # long cold prompt leaves step budget for the short warm suffixes behind it (0: off,
     # vLLM's default: a running prefill takes the whole budget until it is done).
     long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Which engines load arena KV off the step, for either engine: the request waits for
+    # its KV (vLLM's WAITING_FOR_REMOTE_KVS; the sim's KV link) while the batch keeps
+    # stepping, instead of the copy stalling the step that first schedules it. "decode":
+    # decode workers, whose prompts arrive whole while they decode (as every P/D
+    # framework receives KV); "all": prefill tiers too; "none": every load in the step.
+    async_kv_load: Literal["none", "decode", "all"] = "decode"
+
+    def loads_async(self, role: str) -> bool:
+        """Whether a worker of ``role`` loads arena KV off the engine step."""
+        return self.async_kv_load == "all" or (self.async_kv_load == "decode"
+                                               and role == "decode")
 
 
 class SimSettings(_Section):
@@ -365,12 +376,6 @@ class SimSettings(_Section):
     gpu_cache_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_num_batched_tokens: PositiveInt = 8192
     max_num_seqs: PositiveInt = 256
-    # Which engines load arena KV off the step, on their KV link, while the batch runs
-    # (cpd.sim.scheduler): "decode" models the paper's decode node, whose KV arrives over
-    # RDMA while it decodes, as every P/D framework receives it; "all" also lets the
-    # prefill side load host-DRAM KV that way (vLLM's offloading connector); "none"
-    # copies inside the step, as CPD's vLLM connector does today (docs/sim.md).
-    async_kv_load: Literal["none", "decode", "all"] = "decode"
     # Sustainable load needs TTFT p90 within this (client queue included). The paper does
     # not publish its SLO; `cpd bench sweep` reports its keys at 2 s and at 3 s as well
     # (3 s: the analytic 2P1D saturation at the paper's 0.75-0.8 QPS/GPU, docs/sim.md).

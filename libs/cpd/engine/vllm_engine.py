@@ -27,8 +27,12 @@ class VllmEngine:
                  arena: ArenaSpec | None, dtype: str = "float32",
                  prefix_caching: bool = True, max_model_len: int | None = None,
                  kv_cache_gib: int = 1, kv_events_endpoint: str = "",
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0,
+                 async_kv_load: bool = False) -> None:
         self.model_dir = Path(model_dir)
+        # Arena loads off the step (the request waits in WAITING_FOR_REMOTE_KVS while the
+        # batch runs; cpd.engine.connector) instead of inside the step that schedules it.
+        self.async_kv_load = async_kv_load
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.block_size = block_size
         self.arena = arena
@@ -64,7 +68,8 @@ class VllmEngine:
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config={"arena_path": self.arena.path,
                                            "num_slots": self.arena.num_slots,
-                                           "slot_bytes": self.arena.slot_bytes})
+                                           "slot_bytes": self.arena.slot_bytes,
+                                           "async_load": self.async_kv_load})
         if self.kv_events_endpoint:
             from vllm.config import KVEventsConfig
 

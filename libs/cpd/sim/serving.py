@@ -77,8 +77,7 @@ def build_engine(settings: Settings, role: str, arena: ArenaSpec | None) -> SimE
             max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
             block_size=bs,
             long_prefill_token_threshold=settings.worker.long_prefill_token_threshold,
-            async_kv_load=s.async_kv_load == "all" or (s.async_kv_load == "decode"
-                                                       and role == "decode")),
+            async_kv_load=settings.worker.loads_async(role)),
         max_model_len=s.max_model_len, vocab_size=s.vocab_size,
         gpu_cache_blocks=s.gpu_cache_blocks or None)
 

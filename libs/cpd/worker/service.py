@@ -153,7 +153,8 @@ class WorkerService(Service):
                                      kv_cache_gib=s.worker.engine_kv_cache_gib,
                                      kv_events_endpoint=self._kv_events_endpoint,
                                      long_prefill_token_threshold=(
-                                         s.worker.long_prefill_token_threshold))
+                                         s.worker.long_prefill_token_threshold),
+                                     async_kv_load=s.worker.loads_async(self.role))
         await self.engine.start()
 
     async def setup(self) -> None:
