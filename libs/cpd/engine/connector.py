@@ -31,6 +31,7 @@ Engine block size must equal CPD's cache block size (one engine block = one CPD 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -291,14 +292,14 @@ class CpdConnector(KVConnectorBase_V1):
     def _load_off_step(self, loads: list[_Load]) -> set[int]:
         # The loader thread. On a GPU the copies go to a side stream so the model's
         # kernels on the compute stream are not serialised behind them.
-        if self._layers and self._layers[0].is_cuda:
-            if self._load_stream is None:
-                self._load_stream = torch.cuda.Stream(device=self._layers[0].device)
-            with torch.cuda.stream(self._load_stream):
-                bad = self._load(loads)
+        on_gpu = bool(self._layers) and self._layers[0].is_cuda
+        if on_gpu and self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(device=self._layers[0].device)
+        with torch.cuda.stream(self._load_stream) if on_gpu else contextlib.nullcontext():
+            bad = self._load(loads)
+        if on_gpu:
             self._load_stream.synchronize()
-            return bad
-        return self._load(loads)
+        return bad
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
