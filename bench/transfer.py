@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,9 @@ SIZES_QUICK = (64 * KIB, 1 * MIB, 8 * MIB)
 CAP_FULL = 512 * MIB  # bytes per case: 256 × 8 MiB would be 2 GiB
 CAP_QUICK = 64 * MIB
 REPS_FULL, REPS_QUICK = 5, 3
+# Each way is also repeated until it has measured this long: a small case takes well
+# under a millisecond, and its first few repetitions after the warm-up still run cold.
+MIN_SECONDS_FULL, MIN_SECONDS_QUICK = 0.3, 0.1
 HEADLINE = (16, 1 * MIB)  # 16 blocks of the tiny model = a 4K-token prefix
 NATS_CHUNK = 900 * KIB  # the bus limit, headers included, is 900 KiB (DESIGN.md §4)
 NATS_WINDOW = 16  # chunks requested at a time (flow control under the slow-consumer limit)
@@ -164,18 +168,22 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-async def _measure(fn: Any, reps: int) -> list[float]:
-    await fn()  # warm-up: connections, page faults, caches
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        await fn()
-        out.append(time.perf_counter() - t0)
+async def _measure(fns: Sequence[Any], reps: int, min_seconds: float) -> list[list[float]]:
+    """Seconds per repetition of each of ``fns``, taken in turns (one of each per round),
+    so that a noisy moment of a shared host hits every way alike."""
+    for fn in fns:
+        await fn()  # warm-up: connections, page faults, caches
+    out: list[list[float]] = [[] for _ in fns]
+    while any(len(o) < reps or sum(o) < min_seconds for o in out):
+        for fn, o in zip(fns, out, strict=True):
+            t0 = time.perf_counter()
+            await fn()
+            o.append(time.perf_counter() - t0)
     return out
 
 
 async def _case(peer: _PeerProc, client: TransferClient, nc: Any, size: int, count: int,
-                reps: int, raw_ep: Any) -> dict[str, Any]:
+                reps: int, min_seconds: float, raw_ep: Any) -> dict[str, Any]:
     nbytes = size * count
     hashes = [_hash(size, i) for i in range(count)]
     local = KvStore(BlockStore(size, count, node="bench-client"), None)
@@ -224,13 +232,12 @@ async def _case(peer: _PeerProc, client: TransferClient, nc: Any, size: int, cou
             if not np.array_equal(local.store.data(hashes[i]), dests[i]):
                 raise AssertionError(f"CPD and {how} moved different bytes")
 
-    cpd_s = await _measure(cpd_pull, reps)
-    raw_s = await _measure(raw, reps)
+    cpd_s, raw_s = await _measure([cpd_pull, raw], reps, min_seconds)
     same_bytes("raw UCX")
     dests.fill(0)
-    nats_s = await _measure(via_nats, reps)
+    (nats_s,) = await _measure([via_nats], reps, min_seconds)
     same_bytes("NATS")
-    mem_s = await _measure(memcpy, reps)
+    (mem_s,) = await _measure([memcpy], reps, min_seconds)
     gbps, raw_gbps = _median_gbps(nbytes, cpd_s), _median_gbps(nbytes, raw_s)
     nats_gbps = _median_gbps(nbytes, nats_s)
     return {
@@ -252,6 +259,7 @@ async def _run(quick: bool) -> dict[str, Any]:
     sizes = SIZES_QUICK if quick else SIZES_FULL
     cap = CAP_QUICK if quick else CAP_FULL
     reps = REPS_QUICK if quick else REPS_FULL
+    min_seconds = MIN_SECONDS_QUICK if quick else MIN_SECONDS_FULL
     settings = _settings(max(BATCHES))
     init_ucx(settings)
     cases: list[dict[str, Any]] = []
@@ -269,7 +277,8 @@ async def _run(quick: bool) -> dict[str, Any]:
                     host, _ = decode_address(peer.address)
                     raw_ep = await ucxx.create_endpoint(host, peer.raw_port)
                     for count in counts:
-                        cases.append(await _case(peer, client, nc, size, count, reps, raw_ep))
+                        cases.append(await _case(peer, client, nc, size, count, reps,
+                                                   min_seconds, raw_ep))
                         print(json.dumps(cases[-1]), file=sys.stderr, flush=True)
                     await raw_ep.close()
                 finally:
@@ -291,7 +300,8 @@ async def _run(quick: bool) -> dict[str, Any]:
         "ucx": {"options": ucx_options(settings), "progress_mode": settings.ucx_progress_mode,
                 "active_transports": sorted(active_transports()),
                 "version": ".".join(map(str, ucxx.get_ucx_version()))},
-        "reps": reps, "cap_bytes_per_case": cap, "nats_chunk_bytes": NATS_CHUNK,
+        "reps": reps, "min_seconds_per_way": min_seconds, "cap_bytes_per_case": cap,
+        "nats_chunk_bytes": NATS_CHUNK,
         "seconds": round(time.perf_counter() - t_start, 1),
         "host_cpus": os.cpu_count(),
     }

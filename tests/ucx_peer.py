@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -75,12 +76,15 @@ class StallingServer(TransferServer):
         self.stall_after = stall_after
         self.sent = 0
 
-    async def _send_block(self, ep: Any, tag: int, view: np.ndarray) -> None:
-        if self.sent >= self.stall_after:
+    def _post_block(self, batch: Any, tag: int, view: np.ndarray,
+                    then: Callable[[], None] | None = None) -> None:
+        if self.sent == self.stall_after:
             print(json.dumps({"stalled": True}), flush=True)
-            await asyncio.Event().wait()
+        if self.sent >= self.stall_after:
+            self.sent += 1
+            return  # never posted: the client waits for it until killed or timed out
         self.sent += 1
-        await super()._send_block(ep, tag, view)
+        super()._post_block(batch, tag, view, then)
 
 
 async def main(argv: list[str] | None = None) -> None:

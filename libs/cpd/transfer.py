@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import struct
@@ -70,7 +71,7 @@ from .errors import (
     WrongKind,
     error_from_wire,
 )
-from .kvstore import BlockStore, KvStore, checksum
+from .kvstore import BlockState, BlockStore, KvStore, checksum
 
 log = telemetry.get_logger("cpd.transfer")
 
@@ -360,8 +361,11 @@ async def _recv_idle(ep: Any, buf: bytearray, tag: int) -> None:
 _IDLE_LINGER_S = 0.005
 _IDLE_RECHECK_S = 0.001
 _IDLE_RECHECK_MAX_S = 0.008
+# The longest a busy _Batch.wait runs without yielding to the event loop.
+_BATCH_YIELD_S = 0.001
 
 
+@functools.cache
 def _request_api() -> tuple[Any, Any, Any, Any] | None:
     try:
         from ucxx._lib.arr import Array
@@ -370,6 +374,85 @@ def _request_api() -> tuple[Any, Any, Any, Any] | None:
     except ImportError:
         return None
     return Array, Tag, TagMaskFull, hash64bits
+
+
+class _Batch:
+    """The UCX requests of one exchange, posted at once and awaited by one coroutine.
+
+    ucxx awaits each request in a coroutine of its own that yields on every event-loop
+    turn until the request completes. With one per block, a loop turn costs a coroutine
+    step per pending block, the worker is progressed once per turn, and a completion is
+    noticed late: a batch's blocks were all seen to land together at its end, so every
+    checksum ran after the last byte arrived, on bytes already out of cache. Here one
+    loop progresses the worker and handles each completion as it happens (``then``: check
+    a block while it is in cache, pack and post the next coalesced run), which lets the
+    checks overlap the bytes still in flight.
+
+    On an error (raised by :meth:`wait`) the caller aborts the endpoint: that is what
+    cancels the requests still aimed at its buffers.
+    """
+
+    def __init__(self, ep: Any) -> None:
+        api = _request_api()
+        if api is None:
+            raise RuntimeError("this ucxx build lacks the request API cpd.transfer needs")
+        if ep.closed:
+            from ucxx.exceptions import UCXCloseError
+
+            raise UCXCloseError("Endpoint closed")
+        ep._ep.raise_on_error()  # as ucxx's own send/recv do before posting
+        self._array, self._tag, self._mask, hash64 = api
+        self._ucp = ep._ep
+        self._send_key = lambda tag: hash64(ep._tags["msg_send"], hash(tag))
+        self._recv_key = lambda tag: hash64(ep._tags["msg_recv"], hash(tag))
+        driver = _drivers.get(asyncio.get_running_loop())
+        # Thread progress modes progress the worker elsewhere; then completions are only
+        # polled here.
+        self._progress = driver.worker.progress if driver is not None else None
+        # (request, then, buffer): the buffer object stays referenced while UCX uses it.
+        self._pending: list[tuple[Any, Callable[[], None] | None, Any]] = []
+
+    def recv(self, buf: Any, tag: int, then: Callable[[], None] | None = None) -> Any:
+        """Post a tagged receive into ``buf``; ``then`` runs once it completed."""
+        req = self._ucp.tag_recv(self._array(buf), self._tag(self._recv_key(tag)), self._mask)
+        self._pending.append((req, then, buf))
+        return req
+
+    def send(self, buf: Any, tag: int, then: Callable[[], None] | None = None) -> Any:
+        """Post a tagged send of ``buf``; ``then`` runs once it completed."""
+        req = self._ucp.tag_send(self._array(buf), self._tag(self._send_key(tag)))
+        self._pending.append((req, then, buf))
+        return req
+
+    async def wait(self, until: Any = None) -> None:
+        """Progress until every request posted (callbacks may post more meanwhile) has
+        completed, or just until ``until`` (a request of this batch) has. Raises the
+        first failed request's error."""
+        awaited = until
+        yielded = time.perf_counter()
+        while self._pending:
+            if self._progress is not None:
+                self._progress()
+            pending, self._pending = self._pending, []
+            completed = 0
+            for item in pending:
+                req, then, _ = item
+                if not req.completed:
+                    self._pending.append(item)
+                    continue
+                completed += 1
+                req.check_error()
+                if then is not None:
+                    then()
+                if req is awaited:
+                    awaited = None
+            if until is not None and awaited is None:
+                return
+            # Nothing done: let the rest of the loop run. Busy: still yield now and then,
+            # so timers (deadlines included) and other connections are not starved.
+            if not completed or time.perf_counter() - yielded > _BATCH_YIELD_S:
+                await asyncio.sleep(0)
+                yielded = time.perf_counter()
 
 
 def active_transports() -> set[str]:
@@ -406,26 +489,6 @@ def _unframe(buf: bytearray, expect: type[wire.T]) -> wire.T:
 def _abort(ep: Any, settings: DataPlaneSettings) -> None:
     with contextlib.suppress(Exception):
         ep.abort(period=int(settings.abort_wait_s * _NS_PER_S), max_attempts=1)
-
-
-async def _all_or_abort(coros: Sequence[Awaitable[Any]], on_error: Callable[[], None]
-                        ) -> list[Any]:
-    """Run ``coros`` together; on the first failure call ``on_error`` (abort the
-    endpoint, which cancels the UCX requests), then reap the rest and re-raise."""
-    if not coros:
-        return []
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in done if not t.cancelled() and t.exception()), None)
-        if failed is None:
-            return [t.result() for t in tasks]
-        on_error()
-        raise failed.exception()  # type: ignore[misc]
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ----------------------------------------------------------------------------- bandwidth
@@ -689,61 +752,66 @@ class TransferServer:
                     raise err
                 if self.audit is not None:
                     self._audit_get(next(iter(namespaces)), entries)
-                await self._reply(ep, x, 0, wire.BlockReply(
+                # The reply and every block are posted at once (the reply first: the
+                # client needs its seals to check the blocks).
+                batch = _Batch(ep)
+                batch.send(_frame(wire.BlockReply(
                     xfer_id=x, namespace=namespaces.pop(), blocks=[e.ref for e in entries],
-                    seals=[e.seal for e in entries], coalesced=bool(runs)))
+                    seals=[e.seal for e in entries], coalesced=bool(runs))), xfer_tag(x, 0))
                 if runs:
-                    await self._send_runs(ep, x, entries, runs)
+                    await self._send_runs(batch, ep, x, entries, runs)
                 else:
-                    await _all_or_abort(
-                        [self._send_block(ep, xfer_tag(x, 2 + i),
-                                          self.store.arena[e.slot, :e.nbytes])
-                         for i, e in enumerate(entries)],
-                        lambda: _abort(ep, self.settings))
+                    for i, e in enumerate(entries):
+                        self._post_block(batch, xfer_tag(x, 2 + i),
+                                         self.store.arena[e.slot, :e.nbytes])
+                    await batch.wait()
             finally:
                 self.store.unpin(lease)
         return sum(e.nbytes for e in entries)
 
     def _audit_get(self, namespace: str, entries: list[Any]) -> None:
         """Record what is about to leave: unsealed or corrupt blocks must never do."""
-        from .kvstore import BlockState
-
         sealed = [e for e in entries if e.state is BlockState.SEALED]
         corrupt = sum(not self.store.intact(e.hash) for e in sealed)
         self.audit.served(namespace, [e.hash for e in entries],
                           unsealed=len(entries) - len(sealed), corrupt=corrupt)
 
     def _servable(self, block_hash: bytes, namespace: str) -> bool:
-        from .kvstore import BlockState
-
         entry = self.store.get(block_hash)
         return (entry is not None and entry.state is BlockState.SEALED
                 and (not namespace or entry.namespace == namespace))
 
-    async def _send_block(self, ep: Any, tag: int, view: np.ndarray) -> None:
-        """Send one message of block bytes (a view into the arena or a staging buffer)."""
-        await ep.send(view, tag=tag)
+    def _post_block(self, batch: _Batch, tag: int, view: np.ndarray,
+                    then: Callable[[], None] | None = None) -> None:
+        """Post one message of block bytes (a view into the arena or a staging buffer)."""
+        batch.send(view, tag, then)
 
-    async def _send_runs(self, ep: Any, xfer_id: int, entries: list[Any],
+    async def _send_runs(self, batch: _Batch, ep: Any, xfer_id: int, entries: list[Any],
                          runs: list[tuple[int, int]]) -> None:
         """Send a coalesced get's blocks: a run of one block zero-copy from its slot, as
         usual; longer runs packed one after another into this transfer's staging buffer
-        (one at a time: the client copies a run out while the next is packed here)."""
+        (the next once the previous has left: the client copies a run out while the next
+        is packed here)."""
         arena = self.store.arena
         staging = self._staging.pop()  # one per slot of _slots, which this transfer holds
+        packed = iter([run for run in runs if run[1] > 1])
 
-        async def send_packed() -> None:
-            for start, count in runs:
-                if count > 1:
-                    size = _pack(staging, arena, entries[start:start + count])
-                    await self._send_block(ep, xfer_tag(xfer_id, 2 + start), staging[:size])
+        def post_next_packed() -> None:
+            run = next(packed, None)
+            if run is not None:
+                start, count = run
+                size = _pack(staging, arena, entries[start:start + count])
+                self._post_block(batch, xfer_tag(xfer_id, 2 + start), staging[:size],
+                                 post_next_packed)
 
         try:
-            await _all_or_abort(
-                [*(self._send_block(ep, xfer_tag(xfer_id, 2 + start),
-                                    arena[entries[start].slot, :entries[start].nbytes])
-                   for start, count in runs if count == 1), send_packed()],
-                lambda: _abort(ep, self.settings))
+            for start, count in runs:
+                if count == 1:
+                    e = entries[start]
+                    self._post_block(batch, xfer_tag(xfer_id, 2 + start),
+                                     arena[e.slot, :e.nbytes])
+            post_next_packed()
+            await batch.wait()
         except BaseException:
             # A send may still be reading the staging buffer (a deadline hit it): abort
             # the endpoint, which cancels it, before the buffer serves another transfer.
@@ -776,12 +844,17 @@ class TransferServer:
                 new = [(i, e) for i, e in enumerate(entries) if e is not None]
                 await self.kv.begin_write([e.hash for _, e in new])
                 accepted = bytes(int(e is not None) for e in entries)
-                await self._reply(ep, x, 0, wire.BlockReply(xfer_id=x, accepted=accepted))
-                digests = await _all_or_abort(
-                    [self._recv_block(ep, xfer_tag(x, 2 + i),
-                                      self.store.arena[e.slot, :req.seals[i].nbytes])
-                     for i, e in new],
-                    lambda: _abort(ep, self.settings))
+                # The receives are posted before the go-ahead leaves, so the blocks land
+                # as soon as they come; each is checked as it lands, while in cache.
+                batch = _Batch(ep)
+                digests = [0] * len(new)
+                for k, (i, e) in enumerate(new):
+                    view = self.store.arena[e.slot, :req.seals[i].nbytes]
+                    batch.recv(view, xfer_tag(x, 2 + i), functools.partial(
+                        _store_checksum, digests, k, view))
+                batch.send(_frame(wire.BlockReply(xfer_id=x, accepted=accepted)),
+                           xfer_tag(x, 0))
+                await batch.wait()
                 items = [(e.hash, req.seals[i].nbytes, req.seals[i].checksum, d)
                          for (i, e), d in zip(new, digests, strict=True)]
                 received = sum(req.seals[i].nbytes for i, _ in new)
@@ -796,11 +869,6 @@ class TransferServer:
             if new:
                 await self.kv.fail([e.hash for _, e in new], "transfer aborted")
         return received
-
-    @staticmethod
-    async def _recv_block(ep: Any, tag: int, view: np.ndarray) -> int:
-        await ep.recv(view, tag=tag)
-        return checksum(view)  # while the bytes are still in cache
 
 
 # -------------------------------------------------------------------------------- client
@@ -1014,15 +1082,34 @@ class TransferClient:
 
     async def _exchange_header(self, conn: _Conn, buf: bytearray, msg: wire.Message,
                                xfer_id: int) -> wire.BlockReply:
-        reply_recv = asyncio.ensure_future(conn.ep.recv(buf, tag=xfer_tag(xfer_id, 0)))
+        batch = _Batch(conn.ep)
+        batch.recv(buf, xfer_tag(xfer_id, 0))
+        batch.send(_frame(msg), CTRL_TAG)
         try:
-            await conn.ep.send(_frame(msg), tag=CTRL_TAG)
-            await reply_recv
-        finally:
-            if not reply_recv.done():
-                reply_recv.cancel()
-                await asyncio.gather(reply_recv, return_exceptions=True)
+            await batch.wait()
+        except BaseException:
+            self._drop(conn)  # the reply's receive still points at buf
+            raise
         return _check_reply(_unframe(buf, wire.BlockReply), xfer_id)
+
+    @staticmethod
+    def _vet_get_reply(address: bytes, buf: bytearray, xfer_id: int, hashes: Sequence[bytes],
+                       landing: Sequence[np.ndarray], counts: list[int]) -> wire.BlockReply:
+        """The get reply in ``buf``, if it answers the request; else a typed error."""
+        reply = _check_reply(_unframe(buf, wire.BlockReply), xfer_id)
+        if not reply.ok:
+            raise _reply_error(reply)
+        if counts and not reply.coalesced:
+            # Its per-block messages are not what our receives wait for.
+            raise MalformedMessage(
+                f"{address.decode()} ignored the coalesced layout of a get (a build "
+                "before coalescing?); dataplane.coalesce_below_bytes = 0 turns it off")
+        if reply.coalesced and not counts:
+            raise MalformedMessage("get reply coalesced, which was not asked for")
+        if ([r.hash for r in reply.blocks] != list(hashes) or len(reply.seals) != len(hashes)
+                or any(s.nbytes > v.nbytes for s, v in zip(reply.seals, landing, strict=True))):
+            raise MalformedMessage("get reply does not match the request")
+        return reply
 
     async def _guarded(self, op: str, address: bytes, timeout: float,
                        body: Callable[[_PermitBuffers, Callable[[], _Conn]], Awaitable[Any]]
@@ -1096,65 +1183,65 @@ class TransferClient:
             # The bandwidth estimate times the bytes, not the connection set-up before.
             t0 = time.perf_counter()
             x = next(conn.ids)
-            header: asyncio.Future[wire.BlockReply] = asyncio.get_running_loop().create_future()
+            batch = _Batch(conn.ep)
             digests = [0] * len(landing)
+            seals: list[wire.BlockSeal] = []  # the reply's, once it was vetted
+            waiting: list[Callable[[], None]] = []  # landed before the reply was vetted
 
-            async def land(i: int, view: np.ndarray) -> None:
-                await conn.ep.recv(view, tag=xfer_tag(x, 2 + i))
-                reply = await header
-                digests[i] = checksum(view[:reply.seals[i].nbytes])  # while still in cache
+            def once_vetted(fn: Callable[[], None]) -> None:
+                if seals:
+                    fn()
+                else:
+                    waiting.append(fn)
 
-            async def land_runs(lane: list[tuple[int, int]], staging: np.ndarray) -> None:
-                # The runs of one staging buffer in turn: the next run's receive is posted
-                # once the previous run was copied out (the peer sends them in order).
-                for start, count in lane:
-                    end = start + count
-                    size = sum(v.nbytes for v in landing[start:end])
-                    await conn.ep.recv(staging[:size], tag=xfer_tag(x, 2 + start))
-                    reply = await header
-                    digests[start:end] = _unpack(staging, reply.seals[start:end],
-                                                 landing[start:end])
+            def check(i: int) -> None:  # a block of its own landed
+                digests[i] = checksum(landing[i][:seals[i].nbytes])  # while still in cache
 
-            async def exchange() -> None:
-                req = wire.BlockGet(xfer_id=x, hashes=wire.join_hashes(list(hashes)),
-                                    namespace=namespace, timeout_ms=int(timeout * 1000),
-                                    capability=capability, runs=counts)
-                reply = await self._exchange_header(conn, bufs.header, req, x)
-                if not reply.ok:
-                    raise _reply_error(reply)  # nothing follows: keep the connection
-                if counts and not reply.coalesced:
-                    # Its per-block messages are not what our receives wait for.
-                    raise MalformedMessage(
-                        f"{address.decode()} ignored the coalesced layout of a get (a build "
-                        "before coalescing?); dataplane.coalesce_below_bytes = 0 turns it off")
-                if reply.coalesced and not counts:
-                    raise MalformedMessage("get reply coalesced, which was not asked for")
-                if ([r.hash for r in reply.blocks] != list(hashes)
-                        or len(reply.seals) != len(hashes)
-                        or any(s.nbytes > v.nbytes for s, v in zip(reply.seals, landing,
-                                                                    strict=True))):
-                    raise MalformedMessage("get reply does not match the request")
-                await accept(reply)
-                header.set_result(reply)
+            def post_run(lane: list[tuple[int, int]], k: int, staging: np.ndarray) -> None:
+                # The runs of one staging buffer in turn: run k+1's receive is posted once
+                # run k was copied out (the peer sends a lane's runs in order).
+                start, count = lane[k]
+                end = start + count
 
-            packed = [r for r in runs if r[1] > 1]
-            lanes = [packed[j::len(bufs.staging)] for j in range(len(bufs.staging))]
-            receives = [asyncio.ensure_future(land(start, landing[start]))
-                        for start, count in runs if count == 1]
-            receives += [asyncio.ensure_future(land_runs(lane, staging))
-                         for lane, staging in zip(lanes, bufs.staging, strict=True) if lane]
+                def landed() -> None:
+                    digests[start:end] = _unpack(staging, seals[start:end], landing[start:end])
+                    if k + 1 < len(lane):
+                        post_run(lane, k + 1, staging)
+
+                size = sum(v.nbytes for v in landing[start:end])
+                batch.recv(staging[:size], xfer_tag(x, 2 + start),
+                           lambda: once_vetted(landed))
+
+            header = batch.recv(bufs.header, xfer_tag(x, 0))
             try:
-                await exchange()
+                # The request leaves first, so the peer looks its blocks up while the
+                # receives are posted here; UCX matches a message that comes before its
+                # receive once that is posted (a large one waits at the sender).
+                batch.send(_frame(wire.BlockGet(
+                    xfer_id=x, hashes=wire.join_hashes(list(hashes)), namespace=namespace,
+                    timeout_ms=int(timeout * 1000), capability=capability, runs=counts)),
+                    CTRL_TAG)
+                for start, count in runs:
+                    if count == 1:
+                        batch.recv(landing[start], xfer_tag(x, 2 + start),
+                                   functools.partial(once_vetted, functools.partial(check, start)))
+                packed = [r for r in runs if r[1] > 1]
+                for j, staging in enumerate(bufs.staging):
+                    if lane := packed[j::len(bufs.staging)]:
+                        post_run(lane, 0, staging)
+                await batch.wait(until=header)
+                reply = self._vet_get_reply(address, bufs.header, x, hashes, landing, counts)
+                await accept(reply)
+                seals[:] = reply.seals
+                for fn in waiting:
+                    fn()
+                await batch.wait()
             except BaseException:
                 # Even after a clean refusal the posted receives still point at our
                 # buffers: aborting the endpoint is what cancels them in UCX.
                 self._drop(conn)
-                for r in receives:
-                    r.cancel()
-                await asyncio.gather(*receives, return_exceptions=True)
                 raise
-            await _all_or_abort(receives, lambda: self._drop(conn))
-            return header.result(), digests
+            return reply, digests
 
         reply, digests = await self._guarded("get", address, timeout, body)
         nbytes = sum(s.nbytes for s in reply.seals)
@@ -1183,18 +1270,16 @@ class TransferClient:
                 raise _reply_error(ready)
             if len(ready.accepted) != len(entries):
                 raise MalformedMessage("put go-ahead does not match the request")
-            final_recv = asyncio.ensure_future(conn.ep.recv(buf, tag=xfer_tag(x, 1)))
+            batch = _Batch(conn.ep)
+            batch.recv(buf, xfer_tag(x, 1))  # the final status
+            send = [i for i, flag in enumerate(ready.accepted) if flag]
+            for i in send:
+                batch.send(store.arena[entries[i].slot, :entries[i].nbytes], xfer_tag(x, 2 + i))
             try:
-                send = [i for i, flag in enumerate(ready.accepted) if flag]
-                await _all_or_abort(
-                    [conn.ep.send(store.arena[entries[i].slot, :entries[i].nbytes],
-                                  tag=xfer_tag(x, 2 + i)) for i in send],
-                    lambda: self._drop(conn))
-                await final_recv
-            finally:
-                if not final_recv.done():
-                    final_recv.cancel()
-                    await asyncio.gather(final_recv, return_exceptions=True)
+                await batch.wait()
+            except BaseException:
+                self._drop(conn)
+                raise
             final = _check_reply(_unframe(buf, wire.BlockReply), x)
             if not final.ok:
                 raise _reply_error(final)
@@ -1205,6 +1290,10 @@ class TransferClient:
         self.meter.record(sent, time.perf_counter() - t0)
         self._metrics.bytes.add(sent, {"op": "put"})
         return count
+
+
+def _store_checksum(digests: list[int], index: int, view: np.ndarray) -> None:
+    digests[index] = checksum(view)
 
 
 def _pack(staging: np.ndarray, arena: np.ndarray, entries: Sequence[Any]) -> int:
