@@ -220,6 +220,17 @@ class SimCluster(BaseSimCluster):
 # ------------------------------------------------------------------------- the sweep
 
 
+def floor_load(first_qps_per_gpu: float, sustained: bool, floor: float | None
+               ) -> float | None:
+    """The load to measure below the ladder after a topology's first point, if any: only
+    when that point was the ladder's lowest (or lower) and was not sustained, so "not even
+    its lowest load" becomes a measured number instead of 0 (and a ratio against it is
+    defined). A sweep asked to start higher up (a point to check) does not look below."""
+    if sustained or floor is None or not floor < first_qps_per_gpu <= FULL_QPS_PER_GPU[0]:
+        return None
+    return floor
+
+
 async def run_topology(topology: Topology, cfg: SweepConfig, tmp: Path,
                        workloads: dict[float, list[WorkloadRequest]]) -> dict:
     """Every offered load on one topology; returns its points and sustainable QPS/GPU."""
@@ -239,11 +250,9 @@ async def run_topology(topology: Topology, cfg: SweepConfig, tmp: Path,
             points.append(await _measure(cluster, topology, cfg, gpus, q, workloads[q],
                                          len(points)))
             misses = 0 if points[-1]["sustainable"] else misses + 1
-            floor = cfg.floor_qps_per_gpu
-            if (len(points) == 1 and misses and floor is not None and floor < q
-                    and floor in workloads):
-                # Below the ladder, so "not even its lowest load" becomes a measured
-                # number instead of 0 (and a ratio against it is defined).
+            floor = (floor_load(q, points[-1]["sustainable"], cfg.floor_qps_per_gpu)
+                     if len(points) == 1 else None)
+            if floor is not None and floor in workloads:
                 points.insert(0, await _measure(cluster, topology, cfg, gpus, floor,
                                                 workloads[floor], len(points)))
     finally:

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.sweep import MAX_CONTEXT_TOKENS
+from bench.sweep import FLOOR_QPS_PER_GPU, MAX_CONTEXT_TOKENS, floor_load
 from cpd.sim.analysis import (
     PAPER_TTFT_SLO_S,
     RequestRecord,
@@ -140,3 +140,14 @@ def test_paper_preset_saturates_2p1d_near_the_paper() -> None:
     # Blind round robin over node-local caches recomputes prefixes: far less capacity.
     rr = analytic_bound(reqs, cost, prefill_nodes=2, total_gpus=12, caches=2)
     assert rr.qps_per_gpu < 0.8 * full.qps_per_gpu
+
+
+def test_the_floor_load_is_measured_only_below_a_failed_lowest_ladder_point() -> None:
+    floor = FLOOR_QPS_PER_GPU
+    assert floor_load(0.4, sustained=False, floor=floor) == floor
+    assert floor_load(0.4, sustained=True, floor=floor) is None
+    # A sweep that starts higher up checks points there, not the floor.
+    assert floor_load(1.4, sustained=False, floor=floor) is None
+    assert floor_load(0.3, sustained=False, floor=floor) == floor
+    assert floor_load(floor, sustained=False, floor=floor) is None
+    assert floor_load(0.4, sustained=False, floor=None) is None  # --quick: no floor

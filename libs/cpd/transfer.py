@@ -758,13 +758,19 @@ class TransferServer:
                 batch.send(_frame(wire.BlockReply(
                     xfer_id=x, namespace=namespaces.pop(), blocks=[e.ref for e in entries],
                     seals=[e.seal for e in entries], coalesced=bool(runs))), xfer_tag(x, 0))
-                if runs:
-                    await self._send_runs(batch, ep, x, entries, runs)
-                else:
-                    for i, e in enumerate(entries):
-                        self._post_block(batch, xfer_tag(x, 2 + i),
-                                         self.store.arena[e.slot, :e.nbytes])
-                    await batch.wait()
+                try:
+                    if runs:
+                        await self._send_runs(batch, ep, x, entries, runs)
+                    else:
+                        for i, e in enumerate(entries):
+                            self._post_block(batch, xfer_tag(x, 2 + i),
+                                             self.store.arena[e.slot, :e.nbytes])
+                        await batch.wait()
+                except BaseException:
+                    # Sends may still be reading the slots (a deadline hit them): abort
+                    # the endpoint, which cancels them, before the slots are unpinned.
+                    _abort(ep, self.settings)
+                    raise
             finally:
                 self.store.unpin(lease)
         return sum(e.nbytes for e in entries)
@@ -854,7 +860,13 @@ class TransferServer:
                         _store_checksum, digests, k, view))
                 batch.send(_frame(wire.BlockReply(xfer_id=x, accepted=accepted)),
                            xfer_tag(x, 0))
-                await batch.wait()
+                try:
+                    await batch.wait()
+                except BaseException:
+                    # Receives may still be writing into the slots: abort the endpoint,
+                    # which cancels them, before the slots are failed and reused.
+                    _abort(ep, self.settings)
+                    raise
                 items = [(e.hash, req.seals[i].nbytes, req.seals[i].checksum, d)
                          for (i, e), d in zip(new, digests, strict=True)]
                 received = sum(req.seals[i].nbytes for i, _ in new)
