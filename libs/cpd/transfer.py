@@ -1175,12 +1175,12 @@ class TransferClient:
                    accept: Callable[[wire.BlockReply], Awaitable[None]],
                    capability: bytes = b"") -> tuple[wire.BlockReply, list[int]]:
         """One get exchange. The receives are posted into ``landing`` (one view per block,
-        a block's bytes fill its prefix) *before* the request goes out, so the blocks
-        flow as soon as the peer sends them; runs of small blocks (:func:`coalesce_runs`)
-        land in the permit's staging buffers instead, one receive per run, and are copied
-        into their views once the reply gave their lengths. ``accept`` vets the reply
-        before any result is used. Returns the reply and the xxh3-64 of each received
-        block (as it lies in its landing view)."""
+        a block's bytes fill its prefix) while the peer looks the blocks up, all awaited by
+        one :class:`_Batch`: each block is checksummed as it lands; runs of small blocks
+        (:func:`coalesce_runs`) land in the permit's staging buffers instead, one receive
+        per run, and are copied into their views once the reply gave their lengths.
+        ``accept`` vets the reply before any result is used. Returns the reply and the
+        xxh3-64 of each received block (as it lies in its landing view)."""
         if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
             raise InvalidRequest(f"{len(hashes)} blocks in one get; "
                                  f"1..{self.settings.max_blocks_per_transfer}")
