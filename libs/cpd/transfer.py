@@ -200,6 +200,10 @@ def init_ucx(settings: DataPlaneSettings) -> None:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
+    if _request_api() is None:  # at start-up, not at a worker's first transfer
+        raise RuntimeError(f"ucxx {ucxx.__version__} lacks the request API that "
+                           "cpd.transfer drives directly (ucxx._lib.arr.Array, ucxx.types.Tag)")
+
     try:
         ucxx.init(options=options, progress_mode=settings.ucx_progress_mode,
                   enable_python_future=settings.ucx_progress_mode.startswith("thread"),
