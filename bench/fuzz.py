@@ -61,6 +61,7 @@ CONCURRENCY = 128
 SETTLE_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 30.0
 HEALTH_MAX_TOKENS = 4
+HEALTH_RETRY_S = 0.5
 HEALTH_PROMPT_BLOCKS = 3
 # Real UCX connections are slow to open after each refused header: a few hundred cases
 # go over the wire, the rest of the volume through the server's decoder in-process.
@@ -303,10 +304,20 @@ class FuzzCluster:
         return [n for n, p in self.procs.items() if not p.alive()]
 
     async def _generate_ok(self) -> None:
+        """A real generate completes. Requests a flood got accepted may still hold the
+        workers, so a retryable refusal (overloaded) is retried for HEALTH_TIMEOUT_S."""
         assert self.client is not None
-        done = await asyncio.wait_for(self.client.generate(
-            self.health_tokens, max_tokens=HEALTH_MAX_TOKENS, temperature=0),
-            HEALTH_TIMEOUT_S)
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while True:
+            try:
+                done = await asyncio.wait_for(self.client.generate(
+                    self.health_tokens, max_tokens=HEALTH_MAX_TOKENS, temperature=0),
+                    max(deadline - time.monotonic(), 1.0))
+                break
+            except CpdError as e:
+                if not e.retryable or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(HEALTH_RETRY_S)
         if done.usage.completion_tokens != HEALTH_MAX_TOKENS:
             raise CpdError(f"health generate made {done.usage.completion_tokens} tokens, "
                            f"not {HEALTH_MAX_TOKENS}")

@@ -44,7 +44,7 @@ from cpd.servedmodel import Detokenizer, ServedModel
 from .admission import Admission
 from .cost import LoadCost, PrefillCost
 from .nodes import NodeTable
-from .policy import Decision, Hits, PolicyConfig, Router
+from .policy import Decision, Hits, NoCapacity, PolicyConfig, Router
 
 # Poll interval while a single-flight request waits for another node's prefix.
 _SINGLE_FLIGHT_POLL_S = 0.05
@@ -366,8 +366,16 @@ class RouterService(Service):
         deterministic = req.sampling.temperature == 0 or req.sampling.seed is not None
         exclude: set[str] = set()
         failovers = 0
+        failed: CpdError | None = None  # the last try's error, once one failed
         for attempt in range(1, self.cfg.max_attempts + 1):
-            decision, lookup_ms = await self._route(req, len(tokens), ns, hashes, exclude)
+            try:
+                decision, lookup_ms = await self._route(req, len(tokens), ns, hashes, exclude)
+            except NoCapacity:
+                if failed is None:
+                    raise
+                # Every node that could take it has failed this request already: say why
+                # the last one did (e.g. overloaded), not that none is up.
+                raise failed from None
             self._m_decision.record(hash_ms + lookup_ms, {"policy": self.cfg.policy})
             if attempt == 1:
                 self._m_queue.record(decision.plan.queue_ms, {"role": decision.plan.role})
@@ -383,6 +391,7 @@ class RouterService(Service):
                 if not retry:
                     raise f.error from None
                 exclude |= f.nodes
+                failed = f.error
                 failovers += 1
                 self.stats.failovers += 1
                 self._m_failovers.add(1)

@@ -1,0 +1,87 @@
+"""What the router says when every node that could take a request has failed it: the
+reason the last one gave, not "no node is up". A real router on a real NATS server; the
+workers are stand-ins that heartbeat and answer ``run`` with a refusal, because the
+refusal is what is under test (the end-to-end failover paths run on vLLM workers in
+tests/test_router_e2e.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cpd import subjects, wire
+from cpd.bus import Bus
+from cpd.client import Client
+from cpd.config import load_settings
+from cpd.errors import ErrorCode, Overloaded, Unavailable
+from cpd.natsserver import NatsServer
+from services.router import RouterService
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+async def router(nats_server: NatsServer, model_cache: Path) -> AsyncIterator[RouterService]:
+    s = load_settings(environ={}, overrides=[
+        f"nats.url={nats_server.url}", "node.node_id=router-failover",
+        f"model.cache_dir={model_cache}", "nats.drain_timeout_s=2"])
+    r = RouterService(s)
+    await r.start()
+    yield r
+    await r.stop()
+
+
+@contextlib.asynccontextmanager
+async def _stand_in_workers(bus: Bus, namespace: str, refusals: list[str]
+                            ) -> AsyncIterator[None]:
+    """A prefill node p0 that refuses every run as overloaded, and a decode node d0."""
+
+    async def refuse(msg: object) -> None:
+        refusals.append("p0")
+        await msg.respond(wire.encode(wire.Error(  # type: ignore[attr-defined]
+            code=ErrorCode.OVERLOADED.value, message="p0: queue full", retryable=True)))
+
+    async def heartbeats() -> None:
+        started = int(time.time() * 1000)
+        while True:
+            for node, role in (("p0", "prefill"), ("d0", "decode")):
+                await bus.publish(subjects.heartbeat(node), wire.Heartbeat(
+                    node=node, role=role, started_unix_ms=started, lease_ttl_ms=5000,
+                    namespace=namespace))
+            await asyncio.sleep(0.2)
+
+    sub = await bus.nc.subscribe(subjects.run("prefill", "p0"), cb=refuse)
+    beat = asyncio.create_task(heartbeats())
+    try:
+        yield
+    finally:
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
+        await sub.unsubscribe()
+
+
+async def test_the_only_prefill_node_overloaded_is_reported_as_overloaded(
+        router: RouterService, bus: Bus) -> None:
+    refusals: list[str] = []
+    async with _stand_in_workers(bus, router.model.namespace.id, refusals):
+        for _ in range(50):  # the heartbeats introduce both nodes
+            if len(router.nodes.live(time.monotonic())) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        client = Client(bus, default_timeout_s=30)
+        with pytest.raises(Overloaded) as exc:
+            await client.generate(list(range(10, 310)), max_tokens=4)
+        assert exc.value.retryable and "queue full" in str(exc.value)
+        assert refusals == ["p0"]  # tried once, then nothing else could take it
+    # With no prefill node at all the router still says exactly that.
+    for _ in range(100):
+        if not any(n.role == "prefill" for n in router.nodes.live(time.monotonic())):
+            break
+        await asyncio.sleep(0.1)
+    with pytest.raises(Unavailable):
+        await Client(bus, default_timeout_s=30).generate(list(range(10, 310)), max_tokens=4)
