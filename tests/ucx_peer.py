@@ -69,7 +69,7 @@ class LegacyServer(TransferServer):
 
 
 class StallingServer(TransferServer):
-    """Sends ``stall_after`` blocks in total, then never completes another send."""
+    """Sends ``stall_after`` block messages in total, then never posts another."""
 
     def __init__(self, *args: Any, stall_after: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -78,13 +78,12 @@ class StallingServer(TransferServer):
 
     def _post_block(self, batch: Any, tag: int, view: np.ndarray,
                     then: Callable[[], None] | None = None) -> None:
-        if self.sent == self.stall_after:
-            print(json.dumps({"stalled": True}), flush=True)
-        if self.sent >= self.stall_after:
-            self.sent += 1
-            return  # never posted: the client waits for it until killed or timed out
         self.sent += 1
-        super()._post_block(batch, tag, view, then)
+        if self.sent <= self.stall_after:
+            super()._post_block(batch, tag, view, then)
+        elif self.sent == self.stall_after + 1:
+            # Never posted: the client waits for it until the test kills or pauses us.
+            print(json.dumps({"stalled": True}), flush=True)
 
 
 async def main(argv: list[str] | None = None) -> None:
