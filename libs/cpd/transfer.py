@@ -200,9 +200,11 @@ def init_ucx(settings: DataPlaneSettings) -> None:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
-    if _request_api() is None:  # at start-up, not at a worker's first transfer
+    try:  # at start-up, not at a worker's first transfer
+        _request_api()
+    except ImportError as e:
         raise RuntimeError(f"ucxx {ucxx.__version__} lacks the request API that "
-                           "cpd.transfer drives directly (ucxx._lib.arr.Array, ucxx.types.Tag)")
+                           "cpd.transfer drives directly") from e
 
     try:
         ucxx.init(options=options, progress_mode=settings.ucx_progress_mode,
@@ -333,11 +335,10 @@ async def _recv_idle(ep: Any, buf: bytearray, tag: int) -> None:
     ucxx's request API is not available (thread progress modes, another ucxx layout).
     """
     driver = _drivers.get(asyncio.get_running_loop())
-    api = _request_api()
-    if driver is None or api is None:
+    if driver is None:
         await ep.recv(buf, tag=tag)
         return
-    array, tag_type, mask, hash64 = api
+    array, tag_type, mask, hash64 = _request_api()
     ep._ep.raise_on_error()
     req = ep._ep.tag_recv(array(buf), tag_type(hash64(ep._tags["msg_recv"], hash(tag))), mask)
     # Right after traffic, the next request tends to follow at once: wait as ucxx does
@@ -370,13 +371,13 @@ _BATCH_YIELD_S = 0.001
 
 
 @functools.cache
-def _request_api() -> tuple[Any, Any, Any, Any] | None:
-    try:
-        from ucxx._lib.arr import Array
-        from ucxx._lib_async.utils import hash64bits
-        from ucxx.types import Tag, TagMaskFull
-    except ImportError:
-        return None
+def _request_api() -> tuple[Any, Any, Any, Any]:
+    """ucxx's request-level pieces this module drives directly (:func:`init_ucx` checks
+    that they exist)."""
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.utils import hash64bits
+    from ucxx.types import Tag, TagMaskFull
+
     return Array, Tag, TagMaskFull, hash64bits
 
 
@@ -392,20 +393,19 @@ class _Batch:
     a block while it is in cache, pack and post the next coalesced run), which lets the
     checks overlap the bytes still in flight.
 
-    On an error (raised by :meth:`wait`) the caller aborts the endpoint: that is what
-    cancels the requests still aimed at its buffers.
+    ``on_error`` aborts the endpoint: :meth:`wait` calls it on any failure (a request's
+    error, a missed deadline, a cancel) before re-raising, because aborting is what
+    cancels the requests still aimed at buffers about to be reused.
     """
 
-    def __init__(self, ep: Any) -> None:
-        api = _request_api()
-        if api is None:
-            raise RuntimeError("this ucxx build lacks the request API cpd.transfer needs")
+    def __init__(self, ep: Any, on_error: Callable[[], None]) -> None:
         if ep.closed:
             from ucxx.exceptions import UCXCloseError
 
             raise UCXCloseError("Endpoint closed")
         ep._ep.raise_on_error()  # as ucxx's own send/recv do before posting
-        self._array, self._tag, self._mask, hash64 = api
+        self._array, self._tag, self._mask, hash64 = _request_api()
+        self._on_error = on_error
         self._ucp = ep._ep
         self._send_key = lambda tag: hash64(ep._tags["msg_send"], hash(tag))
         self._recv_key = lambda tag: hash64(ep._tags["msg_recv"], hash(tag))
@@ -431,7 +431,14 @@ class _Batch:
     async def wait(self, until: Any = None) -> None:
         """Progress until every request posted (callbacks may post more meanwhile) has
         completed, or just until ``until`` (a request of this batch) has. Raises the
-        first failed request's error."""
+        first failed request's error (after ``on_error``)."""
+        try:
+            await self._wait(until)
+        except BaseException:
+            self._on_error()
+            raise
+
+    async def _wait(self, until: Any) -> None:
         awaited = until
         yielded = time.perf_counter()
         while self._pending:
@@ -758,23 +765,25 @@ class TransferServer:
                     self._audit_get(next(iter(namespaces)), entries)
                 # The reply and every block are posted at once (the reply first: the
                 # client needs its seals to check the blocks).
-                batch = _Batch(ep)
+                # A failure aborts the endpoint before the slots are unpinned and the
+                # staging buffer reused: sends may still be reading them.
+                batch = _Batch(ep, lambda: _abort(ep, self.settings))
                 batch.send(_frame(wire.BlockReply(
                     xfer_id=x, namespace=namespaces.pop(), blocks=[e.ref for e in entries],
                     seals=[e.seal for e in entries], coalesced=bool(runs))), xfer_tag(x, 0))
+                # One staging buffer per slot of _slots, which this transfer holds.
+                staging = self._staging.pop() if runs else None
                 try:
-                    if runs:
-                        await self._send_runs(batch, ep, x, entries, runs)
+                    if staging is not None:
+                        self._post_runs(batch, x, entries, runs, staging)
                     else:
                         for i, e in enumerate(entries):
                             self._post_block(batch, xfer_tag(x, 2 + i),
                                              self.store.arena[e.slot, :e.nbytes])
-                        await batch.wait()
-                except BaseException:
-                    # Sends may still be reading the slots (a deadline hit them): abort
-                    # the endpoint, which cancels them, before the slots are unpinned.
-                    _abort(ep, self.settings)
-                    raise
+                    await batch.wait()
+                finally:
+                    if staging is not None:
+                        self._staging.append(staging)
             finally:
                 self.store.unpin(lease)
         return sum(e.nbytes for e in entries)
@@ -796,14 +805,12 @@ class TransferServer:
         """Post one message of block bytes (a view into the arena or a staging buffer)."""
         batch.send(view, tag, then)
 
-    async def _send_runs(self, batch: _Batch, ep: Any, xfer_id: int, entries: list[Any],
-                         runs: list[tuple[int, int]]) -> None:
-        """Send a coalesced get's blocks: a run of one block zero-copy from its slot, as
-        usual; longer runs packed one after another into this transfer's staging buffer
-        (the next once the previous has left: the client copies a run out while the next
-        is packed here)."""
+    def _post_runs(self, batch: _Batch, xfer_id: int, entries: list[Any],
+                   runs: list[tuple[int, int]], staging: np.ndarray) -> None:
+        """Post a coalesced get's blocks: a run of one block zero-copy from its slot, as
+        usual; longer runs packed one after another into ``staging`` (the next once the
+        previous has left: the client copies a run out while the next is packed here)."""
         arena = self.store.arena
-        staging = self._staging.pop()  # one per slot of _slots, which this transfer holds
         packed = iter([run for run in runs if run[1] > 1])
 
         def post_next_packed() -> None:
@@ -814,21 +821,11 @@ class TransferServer:
                 self._post_block(batch, xfer_tag(xfer_id, 2 + start), staging[:size],
                                  post_next_packed)
 
-        try:
-            for start, count in runs:
-                if count == 1:
-                    e = entries[start]
-                    self._post_block(batch, xfer_tag(xfer_id, 2 + start),
-                                     arena[e.slot, :e.nbytes])
-            post_next_packed()
-            await batch.wait()
-        except BaseException:
-            # A send may still be reading the staging buffer (a deadline hit it): abort
-            # the endpoint, which cancels it, before the buffer serves another transfer.
-            _abort(ep, self.settings)
-            raise
-        finally:
-            self._staging.append(staging)
+        for start, count in runs:
+            if count == 1:
+                e = entries[start]
+                self._post_block(batch, xfer_tag(xfer_id, 2 + start), arena[e.slot, :e.nbytes])
+        post_next_packed()
 
     async def _handle_put(self, ep: Any, conn_id: int, req: wire.BlockPut) -> int:
         x = req.xfer_id
@@ -856,7 +853,9 @@ class TransferServer:
                 accepted = bytes(int(e is not None) for e in entries)
                 # The receives are posted before the go-ahead leaves, so the blocks land
                 # as soon as they come; each is checked as it lands, while in cache.
-                batch = _Batch(ep)
+                # A failure aborts the endpoint before the slots are failed and reused:
+                # receives may still be writing into them.
+                batch = _Batch(ep, lambda: _abort(ep, self.settings))
                 digests = [0] * len(new)
                 for k, (i, e) in enumerate(new):
                     view = self.store.arena[e.slot, :req.seals[i].nbytes]
@@ -864,13 +863,7 @@ class TransferServer:
                         _store_checksum, digests, k, view))
                 batch.send(_frame(wire.BlockReply(xfer_id=x, accepted=accepted)),
                            xfer_tag(x, 0))
-                try:
-                    await batch.wait()
-                except BaseException:
-                    # Receives may still be writing into the slots: abort the endpoint,
-                    # which cancels them, before the slots are failed and reused.
-                    _abort(ep, self.settings)
-                    raise
+                await batch.wait()
                 items = [(e.hash, req.seals[i].nbytes, req.seals[i].checksum, d)
                          for (i, e), d in zip(new, digests, strict=True)]
                 received = sum(req.seals[i].nbytes for i, _ in new)
@@ -1098,14 +1091,10 @@ class TransferClient:
 
     async def _exchange_header(self, conn: _Conn, buf: bytearray, msg: wire.Message,
                                xfer_id: int) -> wire.BlockReply:
-        batch = _Batch(conn.ep)
+        batch = _Batch(conn.ep, lambda: self._drop(conn))
         batch.recv(buf, xfer_tag(xfer_id, 0))
         batch.send(_frame(msg), CTRL_TAG)
-        try:
-            await batch.wait()
-        except BaseException:
-            self._drop(conn)  # the reply's receive still points at buf
-            raise
+        await batch.wait()
         return _check_reply(_unframe(buf, wire.BlockReply), xfer_id)
 
     @staticmethod
@@ -1199,7 +1188,7 @@ class TransferClient:
             # The bandwidth estimate times the bytes, not the connection set-up before.
             t0 = time.perf_counter()
             x = next(conn.ids)
-            batch = _Batch(conn.ep)
+            batch = _Batch(conn.ep, lambda: self._drop(conn))
             digests = [0] * len(landing)
             seals: list[wire.BlockSeal] = []  # the reply's, once it was vetted
             waiting: list[Callable[[], None]] = []  # landed before the reply was vetted
@@ -1286,16 +1275,12 @@ class TransferClient:
                 raise _reply_error(ready)
             if len(ready.accepted) != len(entries):
                 raise MalformedMessage("put go-ahead does not match the request")
-            batch = _Batch(conn.ep)
+            batch = _Batch(conn.ep, lambda: self._drop(conn))
             batch.recv(buf, xfer_tag(x, 1))  # the final status
             send = [i for i, flag in enumerate(ready.accepted) if flag]
             for i in send:
                 batch.send(store.arena[entries[i].slot, :entries[i].nbytes], xfer_tag(x, 2 + i))
-            try:
-                await batch.wait()
-            except BaseException:
-                self._drop(conn)
-                raise
+            await batch.wait()
             final = _check_reply(_unframe(buf, wire.BlockReply), x)
             if not final.ok:
                 raise _reply_error(final)
