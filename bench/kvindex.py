@@ -18,6 +18,11 @@ schedule instead cut that lag to 0.1 ms but, waking the loop once per lookup, ra
 CPU per lookup of all three processes by a third and the p99 with it.
 ``cpu_us_per_lookup`` is each process's CPU time over the open-loop run divided by the
 lookups sent.
+
+The open loop alternates 1 s rounds between kvindex and ``bench.echo``, a bare nats-py
+responder that sends kvindex's own reply bytes back without decoding anything. Its
+``floor_p50_ms``/``floor_p99_ms`` are what NATS, nats-py and this host cost a lookup
+with no service behind the subject; ``lookup_p99_over_floor`` is kvindex's share.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from bench.proccpu import cpu_seconds_all, cpu_used_since
 from cpd import kvevents, subjects, wire
 from cpd.bus import Bus
 from cpd.config import load_settings
+from cpd.errors import CpdError
 from cpd.hashing import Namespace
 from cpd.natsserver import NatsServer
 from services.kvindex.index import Index
@@ -161,6 +167,7 @@ async def _over_nats(snap: bytes, events: list[wire.KvEvent], queries: list[byte
         hb_task = asyncio.create_task(_heartbeats(bus))
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "services.kvindex"], env=env)
+        echo: subprocess.Popen[bytes] | None = None
         try:
             probe = wire.LookupRequest(namespace=NS.id, block_hashes=queries[0])
             while True:
@@ -179,13 +186,20 @@ async def _over_nats(snap: bytes, events: list[wire.KvEvent], queries: list[byte
             out.update(await _stream_ingest(bus, js))
             out.update(await _closed_loop(bus, queries + misses, seconds))
             assert server.proc is not None
+            # The floor answers with kvindex's own reply to a hit: the same bytes back.
+            hit = await bus.nc.request(subjects.KVINDEX_LOOKUP, wire.encode(probe), timeout=5)
+            echo = subprocess.Popen([sys.executable, "-m", "bench.echo", server.url,
+                                     hit.data.hex()], env=env)
+            await _wait_for_echo(bus, probe)
             out.update(await _open_loop(bus, queries + misses, rate, seconds,
                                         {"client": os.getpid(), "nats_server": server.proc.pid,
-                                         "kvindex": proc.pid}))
+                                         "kvindex": proc.pid}, echo.pid))
         finally:
             hb_task.cancel()
-            proc.terminate()
-            proc.wait(30)
+            for p in (proc, echo):
+                if p is not None:
+                    p.terminate()
+                    p.wait(30)
             await bus.close()
     return out
 
@@ -226,6 +240,18 @@ async def _stream_ingest(bus: Bus, js: Any, n_chains: int = 200) -> dict:
             "stream_ingest_messages_per_s": round(len(events) / dt)}
 
 
+async def _wait_for_echo(bus: Bus, probe: wire.LookupRequest) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await bus.request(subjects.BENCH_ECHO, probe, expect=wire.LookupReply, timeout=1)
+            return
+        except CpdError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def _heartbeats(bus: Bus) -> None:
     while True:
         for node in NODES + INGEST_NODES:
@@ -252,45 +278,88 @@ async def _closed_loop(bus: Bus, qs: list[bytes], seconds: float, workers: int =
 
 
 async def _open_loop(bus: Bus, qs: list[bytes], rate: int, seconds: float,
-                     pids: dict[str, int]) -> dict:
-    lat: list[float] = []  # send -> reply
-    lag: list[float] = []  # schedule -> send
-    errors = 0
-    tasks = set()
+                     pids: dict[str, int], echo_pid: int) -> dict:
+    """Open loop at ``rate``, alternating 1 s rounds between kvindex and the echo
+    responder (the floor) so both see the same moments of a noisy host."""
+    rounds = max(1, round(seconds))
+    per_round = max(1, int(rate * seconds / rounds))
+    runs = {"kvindex": _Run(subjects.KVINDEX_LOOKUP, pids),
+            "floor": _Run(subjects.BENCH_ECHO,
+                          {**{k: v for k, v in pids.items() if k != "kvindex"},
+                           "echo": echo_pid})}
+    for _ in range(rounds):
+        for run in runs.values():
+            await run.round(bus, qs, rate, per_round)
+    kvi, floor = runs["kvindex"], runs["floor"]
+    total = [a + b for a, b in zip(kvi.lat, kvi.lag, strict=True)]
+    out = {"offered_per_s": rate, "achieved_per_s": round(kvi.achieved()),
+           "lookup_p50_ms": _ms(statistics.median(kvi.lat)) if kvi.lat else None,
+           "lookup_p99_ms": _ms(_pct(kvi.lat, 0.99)) if kvi.lat else None,
+           "lookup_p99_from_schedule_ms": _ms(_pct(total, 0.99)) if kvi.lat else None,
+           "send_lag_p99_ms": _ms(_pct(kvi.lag, 0.99)) if kvi.lag else None,
+           "cpu_us_per_lookup": kvi.cpu_us(),
+           "lookup_errors": kvi.errors,
+           "floor_p50_ms": _ms(statistics.median(floor.lat)) if floor.lat else None,
+           "floor_p99_ms": _ms(_pct(floor.lat, 0.99)) if floor.lat else None,
+           "floor_cpu_us_per_lookup": floor.cpu_us(),
+           "floor_errors": floor.errors}
+    if kvi.lat and floor.lat:
+        out["lookup_p99_over_floor"] = round(_pct(kvi.lat, 0.99) / _pct(floor.lat, 0.99), 2)
+    return out
 
-    async def one(q: bytes, t_sched: float) -> None:
-        nonlocal errors
-        t_send = time.perf_counter()
-        try:
-            await bus.request(subjects.KVINDEX_LOOKUP,
-                              wire.LookupRequest(namespace=NS.id, block_hashes=q),
-                              expect=wire.LookupReply, timeout=5)
-            lat.append((time.perf_counter() - t_send) * 1e3)
-            lag.append((t_send - t_sched) * 1e3)
-        except Exception:
-            errors += 1
 
-    cpu0 = cpu_seconds_all(pids)
-    t0 = time.perf_counter()
-    n = int(rate * seconds)
-    for i in range(n):
-        t_sched = t0 + i / rate
-        delay = t_sched - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.create_task(one(qs[i % len(qs)], t_sched))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    await asyncio.gather(*tasks)
-    achieved = len(lat) / (time.perf_counter() - t0)
-    cpu = cpu_used_since(cpu0, pids)
-    total = [a + b for a, b in zip(lat, lag, strict=True)]
-    return {"offered_per_s": rate, "achieved_per_s": round(achieved),
-            "lookup_p50_ms": round(statistics.median(lat), 3) if lat else None,
-            "lookup_p99_ms": round(_pct(lat, 0.99), 3) if lat else None,
-            "lookup_p99_from_schedule_ms": round(_pct(total, 0.99), 3) if lat else None,
-            "send_lag_p99_ms": round(_pct(lag, 0.99), 3) if lag else None,
-            "cpu_us_per_lookup": {name: round(used / n * 1e6, 1)
-                                  for name, used in cpu.items() if used is not None},
-            "lookup_errors": errors}
+def _ms(x: float) -> float:
+    return round(x, 3)
 
+
+class _Run:
+    """One target of the open loop: its latencies and its processes' CPU, summed over
+    the rounds it was driven in."""
+
+    def __init__(self, subject: str, pids: dict[str, int]) -> None:
+        self.subject = subject
+        self.pids = pids
+        self.lat: list[float] = []  # send -> reply, ms
+        self.lag: list[float] = []  # schedule -> send, ms
+        self.errors = 0
+        self.sent = 0
+        self.seconds = 0.0
+        self.cpu: dict[str, float] = {}
+
+    async def round(self, bus: Bus, qs: list[bytes], rate: int, n: int) -> None:
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(q: bytes, t_sched: float) -> None:
+            t_send = time.perf_counter()
+            try:
+                await bus.request(self.subject,
+                                  wire.LookupRequest(namespace=NS.id, block_hashes=q),
+                                  expect=wire.LookupReply, timeout=5)
+                self.lat.append((time.perf_counter() - t_send) * 1e3)
+                self.lag.append((t_send - t_sched) * 1e3)
+            except Exception:
+                self.errors += 1
+
+        cpu0 = cpu_seconds_all(self.pids)
+        t0 = time.perf_counter()
+        for i in range(n):
+            t_sched = t0 + i / rate
+            delay = t_sched - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(qs[(self.sent + i) % len(qs)], t_sched))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+        self.seconds += time.perf_counter() - t0
+        self.sent += n
+        for name, used in cpu_used_since(cpu0, self.pids).items():
+            if used is not None:
+                self.cpu[name] = self.cpu.get(name, 0.0) + used
+
+    def achieved(self) -> float:
+        return len(self.lat) / self.seconds if self.seconds else 0.0
+
+    def cpu_us(self) -> dict[str, float]:
+        """Each process's CPU time per lookup sent, µs."""
+        return {name: round(used / self.sent * 1e6, 1) for name, used in self.cpu.items()}

@@ -113,6 +113,44 @@ async def test_request_reply(bus: Bus, echo: EchoService) -> None:
     assert reply.num_blocks == 3 and reply.request_id == "r"
 
 
+async def test_concurrent_requests_each_get_their_own_reply(settings: Settings,
+                                                           echo: EchoService) -> None:
+    # A fresh connection: the first requests race to make the shared reply subscription.
+    client = await Bus.open(settings, "concurrent-client")
+    try:
+        asks = [wire.LookupRequest(request_id=f"r{i}", namespace="ns",
+                                   block_hashes=b"\x01" * 16 * (i % 7 + 1))
+                for i in range(300)]
+        replies = await asyncio.gather(*(
+            client.request(f"{echo.prefix}.lookup", a, expect=wire.LookupReply)
+            for a in asks))
+        assert [(r.request_id, r.num_blocks) for r in replies] == \
+            [(a.request_id, len(a.block_hashes) // 16) for a in asks]
+        assert client._replies.pending == 0
+        reply_subs = [s for s in client.nc._subs.values() if s.subject.startswith("_INBOX")]
+        assert len(reply_subs) == 1
+    finally:
+        await client.close()
+
+
+async def test_timed_out_and_cancelled_requests_leave_nothing_behind(
+        bus: Bus, echo: EchoService) -> None:
+    with pytest.raises(RequestTimeout):
+        await bus.request(f"{echo.prefix}.lookup", _lookup("slow"), expect=wire.LookupReply,
+                          timeout=0.2)
+    task = asyncio.create_task(bus.request(f"{echo.prefix}.lookup", _lookup("slow"),
+                                           expect=wire.LookupReply))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert bus._replies.pending == 0
+    # The late replies to both land on a token no one waits for, and are dropped.
+    await asyncio.sleep(1.2)
+    r = await bus.request(f"{echo.prefix}.lookup", _lookup(n=5), expect=wire.LookupReply)
+    assert r.num_blocks == 5 and bus._replies.pending == 0
+
+
 async def test_stream_in_order_ends_with_final(bus: Bus, echo: EchoService) -> None:
     msgs = [m async for m in bus.stream(f"{echo.prefix}.generate",
                                         wire.GenerateRequest(request_id="g", prompt="abc"),

@@ -125,3 +125,8 @@ def test_bench_kvindex_quick_writes_the_documented_keys(tmp_path: Path) -> None:
     assert result["send_lag_p99_ms"] >= 0
     assert set(result["cpu_us_per_lookup"]) == {"client", "nats_server", "kvindex"}
     assert all(v > 0 for v in result["cpu_us_per_lookup"].values())
+    # The floor: the same lookups, in alternating rounds, to a responder doing nothing.
+    assert result["floor_errors"] == 0 and result["floor_p99_ms"] > 0
+    assert set(result["floor_cpu_us_per_lookup"]) == {"client", "nats_server", "echo"}
+    assert result["lookup_p99_over_floor"] == pytest.approx(
+        result["lookup_p99_ms"] / result["floor_p99_ms"], abs=0.01)

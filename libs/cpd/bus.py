@@ -51,6 +51,7 @@ from .errors import (
     StreamGap,
     error_from_wire,
 )
+from .replymux import ReplyMux
 
 __all__ = [
     "Bus",
@@ -289,6 +290,7 @@ class Bus:
     def __init__(self, nc: NatsClient, settings: BusSettings | None = None) -> None:
         self.nc = nc
         self.settings = settings or BusSettings()
+        self._replies = ReplyMux(nc)
 
     @classmethod
     async def open(cls, settings: Settings, name: str, *, url: str | None = None) -> Bus:
@@ -323,13 +325,9 @@ class Bus:
                       timeout: float | None = None) -> T:
         """One request, one reply of kind ``expect`` (a ``wire.Error`` reply is raised)."""
         payload, hdrs = self._prepare(msg, None)
-        timeout = timeout or self.settings.request_timeout_s
-        try:
-            reply = await self.nc.request(subject, payload, timeout=timeout, headers=hdrs)
-        except nats.errors.NoRespondersError:
-            raise NoResponders(f"no responders on {subject}") from None
-        except nats.errors.TimeoutError:
-            raise RequestTimeout(f"no reply on {subject} within {timeout}s") from None
+        reply = await self._replies.request(
+            subject, payload, timeout=timeout or self.settings.request_timeout_s,
+            headers=hdrs)
         answer = wire.decode(reply.data)
         if isinstance(answer, wire.Error):
             raise error_from_wire(answer.code, answer.message, answer.retryable)

@@ -21,6 +21,9 @@ KV_INVALIDATE: Final = f"{PREFIX}.kv.invalidate"
 KV_DEADLETTER: Final = f"{PREFIX}.kv.deadletter"
 HEARTBEAT_ALL: Final = f"{PREFIX}.node.heartbeat.>"
 LOAD_ALL: Final = f"{PREFIX}.load.>"
+BENCH_ECHO: Final = f"{PREFIX}.bench.echo"
+"""A responder that only replies (``bench.echo``): the floor a benchmark measures a
+service's request/reply latency against, side by side."""
 
 # JetStream stream holding block lifecycle events.
 KV_STREAM: Final = "CPD_KV"

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ _NS_ID = re.compile(r"^[0-9a-f]{32}\Z")
 SNAPSHOT_VERSION = 1
 
 
+@functools.lru_cache(maxsize=1024)  # every lookup asks; a cluster has a few namespaces
 def valid_namespace(ns: str) -> bool:
     """Whether ``ns`` is a namespace id as :attr:`cpd.hashing.Namespace.id` makes them."""
     return bool(_NS_ID.match(ns))
