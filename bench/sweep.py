@@ -69,8 +69,8 @@ QUICK_QPS_PER_GPU = (0.4, 0.8)
 REPORTED_SLOS_S = (2.0, 3.0)
 # Below the paper's ladder: run only for a topology that cannot sustain 0.4.
 FLOOR_QPS_PER_GPU = 0.2
-QUICK_PHASES = Phases(ramp_s=2.0, steady_s=6.0)
-QUICK_TIME_SCALE = 2.0
+QUICK_PHASES = Phases(ramp_s=1.0, steady_s=4.0)
+QUICK_TIME_SCALE = 3.0
 # A prompt travels as packed uint32 in one NATS message (≤ 900 KiB with its block
 # hashes and headers): sessions end before outgrowing this many tokens.
 MAX_CONTEXT_TOKENS = 200_000

@@ -246,7 +246,7 @@ def test_sweep_workloads_and_options() -> None:
     assert reqs and all(r.block_tokens == 512 for r in reqs)
     assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
     quick = config_for(s, quick=True)
-    assert quick.time_scale == 2.0 and len(quick.topologies) == 2
+    assert quick.time_scale == 3.0 and len(quick.topologies) == 2
     agent = make_workload(quick, 4.8, 256)
     assert max(r.prompt_len for r in agent) < 200_000
 
