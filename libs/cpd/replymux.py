@@ -38,7 +38,7 @@ class ReplyMux:
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
         self._prefix = ""
-        self._starting: asyncio.Future[None] | None = None
+        self._starting = asyncio.Lock()
         self._pending: dict[str, asyncio.Future[Msg]] = {}
         self._next = 0
 
@@ -49,20 +49,11 @@ class ReplyMux:
 
     async def _start(self) -> None:
         # Concurrent first requests must share one subscription, not race to make two.
-        if self._starting is None:
-            self._starting = asyncio.get_running_loop().create_future()
-            try:
+        async with self._starting:
+            if not self._prefix:
                 prefix = self._nc.new_inbox() + "."
                 await self._nc.subscribe(prefix + "*", cb=self._on_reply)
-            except BaseException as e:
-                self._starting.set_exception(e)
-                self._starting.exception()  # retrieved: later callers re-raise it
-                self._starting = None
-                raise
-            self._prefix = prefix
-            self._starting.set_result(None)
-        else:
-            await asyncio.shield(self._starting)
+                self._prefix = prefix
 
     async def _on_reply(self, msg: Msg) -> None:
         fut = self._pending.pop(msg.subject[len(self._prefix):], None)
