@@ -51,7 +51,7 @@ from .errors import (
     StreamGap,
     error_from_wire,
 )
-from .replymux import ReplyMux
+from .replymux import ReplyMux, is_no_responders
 
 __all__ = [
     "Bus",
@@ -64,8 +64,6 @@ __all__ = [
 
 T = TypeVar("T", bound=wire.Message)
 
-_STATUS = "Status"
-_NO_RESPONDERS = "503"
 _HEADER_PREAMBLE = len(b"NATS/1.0\r\n") + len(b"\r\n")
 
 log = telemetry.get_logger("cpd.bus")
@@ -474,7 +472,7 @@ class StreamReader:
             except nats.errors.TimeoutError:
                 continue
             self._heard = time.monotonic()
-            if raw.headers and raw.headers.get(_STATUS) == _NO_RESPONDERS:
+            if is_no_responders(raw):
                 raise NoResponders(f"no responders on {self.subject or self.inbox}")
             reply = wire.decode(raw.data)
             if isinstance(reply, wire.TokenChunk) and reply.keepalive_ms:

@@ -18,10 +18,15 @@ from nats.aio.msg import Msg
 
 from .errors import NoResponders, RequestTimeout
 
-__all__ = ["ReplyMux"]
+__all__ = ["ReplyMux", "is_no_responders"]
 
 _STATUS = "Status"
 _NO_RESPONDERS = "503"
+
+
+def is_no_responders(msg: Msg) -> bool:
+    """Whether ``msg`` is the server's 503 status: nothing subscribes to the subject."""
+    return bool(msg.headers) and msg.headers.get(_STATUS) == _NO_RESPONDERS
 
 
 def _expire(fut: asyncio.Future[Msg]) -> None:
@@ -84,6 +89,6 @@ class ReplyMux:
         finally:
             timer.cancel()
             self._pending.pop(token, None)
-        if msg.headers and msg.headers.get(_STATUS) == _NO_RESPONDERS:
+        if is_no_responders(msg):
             raise NoResponders(f"no responders on {subject}")
         return msg
