@@ -18,7 +18,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY native native
 COPY libs libs
 COPY services services
-COPY bench bench
+COPY tools tools
 # The registry's torchvision/torchaudio/torchcodec are CUDA builds that break
 # `import transformers` next to the CPU torch; nothing in CPD needs them.
 RUN pip install ".[cpu]" \

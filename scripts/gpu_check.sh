@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The prepared GPU check (docs/benchmarks.md, "GPU check (H200)"): CUDA vLLM on the locally
+# The prepared GPU check (docs/benchmarks/gpu-check.md): CUDA vLLM on the locally
 # built `small` model through CPD's engine and KV connector, in one command that fits a
 # device lease. The report goes to $OUT/gpu_check.json (else out/gpu_check.json) and the
 # whole log to gpu_check.log beside it.
 #
-#   bash scripts/gpu_check.sh [--dry-run] [more bench/gpu_check.py options]
-#       On the GPU machine. Exit codes are bench/gpu_check.py's (0 = passed; its module
+#   bash scripts/gpu_check.sh [--dry-run] [more tools/bench/gpu_check.py options]
+#       On the GPU machine. Exit codes are tools/bench/gpu_check.py's (0 = passed; its module
 #       docstring lists the others); 124 = killed by the hard limit below.
 #   bash scripts/gpu_check.sh --fetch-wheels
 #       Here, where pip reaches an index: wheels (CPython 3.12, x86-64) of CPD's Python
@@ -16,7 +16,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHEELS="$ROOT/out/gpu-wheels"
 PY="${PYTHON:-python3}"
-# The device allows 600 s per command; bench/gpu_check.py reports by itself after its
+# The device allows 600 s per command; tools/bench/gpu_check.py reports by itself after its
 # --budget (480 s), this only catches a check that cannot even do that.
 HARD_LIMIT_S=540
 SITE=/tmp/cpd-gpu-check-site
@@ -57,6 +57,6 @@ fi
 export PYTHONPATH="$ROOT/libs:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 echo "gpu_check: $("$PY" --version 2>&1) at $(command -v "$PY"); report in $OUTDIR" >&2
-timeout -k 15 "$HARD_LIMIT_S" "$PY" -m bench.gpu_check --json "$OUTDIR/gpu_check.json" "$@" \
+timeout -k 15 "$HARD_LIMIT_S" "$PY" -m tools.bench.gpu_check --json "$OUTDIR/gpu_check.json" "$@" \
   2>&1 | tee "$OUTDIR/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -21,7 +21,7 @@ def test_quick_router_bench_reports_latency_throughput_and_breakdown(
     # A process of its own: the benchmark configures telemetry and runs its own loop.
     env = {**os.environ, "CPD_MODEL__CACHE_DIR": str(model_cache)}
     proc = subprocess.run(
-        [sys.executable, "-m", "cpd.cli", "bench", "router", "--quick", "--blocks", "20000",
+        [sys.executable, "-m", "tools.cli", "bench", "router", "--quick", "--blocks", "20000",
          "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())

@@ -11,13 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.ttft import (
-    Sample,
-    check_route,
-    prompt_lengths,
-    summarize,
-)
-from cpd import wire
+from cpd.protocol import wire
+from tools.bench.ttft import Sample, check_route, prompt_lengths, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 256
@@ -107,10 +102,10 @@ def test_check_route_accepts_each_intended_path_and_names_what_differs() -> None
 
 
 def test_gpu_check_dry_run_reports_no_cuda_with_its_own_exit_code(tmp_path: Path) -> None:
-    from bench.gpu_check import EXIT_NO_CUDA
+    from tools.bench.gpu_check import EXIT_NO_CUDA
 
     env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.gpu_check", "--dry-run"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_NO_CUDA, proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -16,10 +16,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cpd import telemetry, wire
 from cpd.bus import Bus, Request, Service, encoded_size
-from cpd.config import Settings, load_settings
-from cpd.errors import (
+from cpd.ops import telemetry
+from cpd.ops.config import Settings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import wire
+from cpd.protocol.errors import (
     ErrorCode,
     MalformedMessage,
     NoResponders,
@@ -29,7 +31,6 @@ from cpd.errors import (
     RequestTimeout,
     StreamGap,
 )
-from cpd.natsserver import NatsServer
 
 pytestmark = pytest.mark.timeout(60)
 

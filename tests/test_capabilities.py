@@ -1,27 +1,23 @@
-"""Data-plane capabilities (cpd.capability): the keyring's MACs, their flow through the
-block store's sealed events, and a real UCX peer (tests/ucx_peer.py, its own process)
+"""Data-plane capabilities (cpd.protocol.capability): the keyring's MACs, their flow through the
+block store's sealed events, and a real UCX peer (tests/helpers/ucx_peer.py, its own process)
 that serves a block only against the capability of its namespace: a client that knows or
 guesses block hashes reads nothing, not even whether the blocks exist."""
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cpd import wire
-from cpd.capability import CAPABILITY_BYTES, Keyring
-from cpd.errors import BlockEvicted, CapabilityDenied, error_from_wire
 from cpd.kvstore import BlockStore
+from cpd.protocol import wire
+from cpd.protocol.capability import CAPABILITY_BYTES, Keyring
+from cpd.protocol.errors import BlockEvicted, CapabilityDenied, error_from_wire
 from cpd.transfer import TransferClient
-
-sys.path.insert(0, str(Path(__file__).parent))
-from ucx_harness import Peer, local_store, new_client, peer
-from ucx_peer import NAMESPACE, block_payload, block_refs
+from tests.helpers.ucx_harness import Peer, local_store, new_client, peer
+from tests.helpers.ucx_peer import NAMESPACE, block_payload, block_refs
 
 SECRET = bytes(range(32))
 

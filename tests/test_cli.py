@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cpd.cli import main
+from tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +56,7 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     env = {**os.environ, "CPD_NATS__EMBEDDED_STORE_DIR": str(tmp_path / "nats"),
            "CPD_TELEMETRY__LOG_JSON": "false", "CPD_GATEWAY__PORT": str(port),
            "CPD_MODEL__CACHE_DIR": str(model_cache)}
-    proc = subprocess.Popen([sys.executable, "-m", "cpd.cli", "up", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--port", "0",
                              "--only", "kvindex", "--only", "router", "--only", "gateway"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -86,7 +86,7 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     cli_env = {**env, "CPD_NATS__URL": url}
 
     def cpd(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cpd.cli", *args], env=cli_env,
+        return subprocess.run([sys.executable, "-m", "tools.cli", *args], env=cli_env,
                               capture_output=True, text=True, timeout=60)
 
     status = cpd("status", "--json")

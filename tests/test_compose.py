@@ -11,10 +11,11 @@ from pathlib import Path
 
 import yaml
 
-from cpd import security, subjects
-from cpd.cli import build_parser, main
-from cpd.cluster import SERVICE_ORDER
-from cpd.config import env_var_names, load_settings
+from cpd.ops import security
+from cpd.ops.config import env_var_names, load_settings
+from cpd.protocol import subjects
+from tools.cli import build_parser, main
+from tools.supervisor import SERVICE_ORDER
 
 ROOT = Path(__file__).resolve().parent.parent
 

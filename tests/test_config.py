@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cpd import subjects
-from cpd.config import Settings, env_var_names, load_settings
-from cpd.errors import ConfigError
+from cpd.ops.config import Settings, env_var_names, load_settings
+from cpd.protocol import subjects
+from cpd.protocol.errors import ConfigError
 
 
 def test_defaults() -> None:

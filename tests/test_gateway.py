@@ -21,10 +21,12 @@ import msgspec
 import openai
 import pytest
 
-from cpd import subjects, wire
 from cpd.bus import Request, Service
-from cpd.config import Settings, load_settings
-from cpd.errors import (
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops.config import Settings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import (
     CpdError,
     ErrorCode,
     Overloaded,
@@ -32,8 +34,6 @@ from cpd.errors import (
     Unavailable,
     UnknownNamespace,
 )
-from cpd.natsserver import NatsServer
-from cpd.servedmodel import ServedModel
 from services.gateway import GatewayService
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,12 +16,12 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from cpd import subjects, wire
 from cpd.bus import Request, Service
-from cpd.config import Settings, api_key_digest, load_settings
-from cpd.errors import ConfigError
-from cpd.natsserver import NatsServer
-from cpd.servedmodel import ServedModel
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops.config import Settings, api_key_digest, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import ConfigError
 from services.gateway import GatewayService
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.ratelimit import RateLimiter, TokenBucket, retry_after_header

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd import hashing
-from cpd.hashing import ROOT_PARENT, Namespace, block_hashes, num_full_blocks
-from cpd.wire import HASH_BYTES
+from cpd.protocol import hashing
+from cpd.protocol.hashing import ROOT_PARENT, Namespace, block_hashes, num_full_blocks
+from cpd.protocol.wire import HASH_BYTES
 
 BS = 16
 NS = Namespace(model_id="cpd-tiny", model_revision="r1", tokenizer_hash="abc",
@@ -102,7 +102,7 @@ def test_bad_tokens_are_rejected() -> None:
 
 _SCRIPT = """
 import json, sys
-from cpd.hashing import Namespace, block_hashes
+from cpd.protocol.hashing import Namespace, block_hashes
 ns = Namespace(model_id="cpd-tiny", model_revision="r1", tokenizer_hash="abc",
                kv_dtype="float32", block_size=16)
 print(json.dumps({"id": ns.id, "h": block_hashes(ns, list(range(100))).hex()}))
@@ -134,7 +134,8 @@ _GOLDEN_HASHES = (
 
 
 def _definition(ns: Namespace, tokens: np.ndarray, parent: bytes = ROOT_PARENT) -> bytes:
-    # DESIGN.md §5 spelled out with the blake3 package: one keyed hash per full block.
+    # docs/architecture.md, "Block identity" spelled out with the blake3 package: one keyed hash
+    # per full block.
     data, step = tokens.astype("<u4").tobytes(), ns.block_size * 4
     out, prev = [], parent
     for i in range(len(data) // step):

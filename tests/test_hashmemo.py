@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd import hashmemo, wire
-from cpd.config import load_settings
-from cpd.hashing import Namespace, block_hashes
-from cpd.hashmemo import PrefixHashMemo
-from cpd.wire import HASH_BYTES
+from cpd.ops.config import load_settings
+from cpd.protocol import hashmemo, wire
+from cpd.protocol.hashing import Namespace, block_hashes
+from cpd.protocol.hashmemo import PrefixHashMemo
+from cpd.protocol.wire import HASH_BYTES
 from services.router import RouterService
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd import wire
-from cpd.hashing import Namespace, block_hashes
-from cpd.lifecycle import State, can_transition
+from cpd.protocol import wire
+from cpd.protocol.hashing import Namespace, block_hashes
+from cpd.protocol.lifecycle import BlockState, can_transition
 from services.kvindex.index import Index
 
 NS = "0" * 31 + "1"
@@ -34,7 +34,7 @@ def ref(name: str) -> wire.BlockRef:
 
 
 class Writer:
-    """A well-behaved node: numbers its events like cpd.kvevents does."""
+    """A well-behaved node: numbers its events like cpd.kvstore.events does."""
 
     def __init__(self, node: str, epoch: int = 1) -> None:
         self.node, self.epoch, self.seq = node, epoch, 0
@@ -66,12 +66,12 @@ def chain_hashes(*names: str) -> bytes:
 
 
 def test_state_machine() -> None:
-    assert can_transition(State.ALLOCATED, State.WRITING)
-    assert can_transition(State.ALLOCATED, State.SEALED)
-    assert can_transition(State.SEALED, State.VISIBLE)
-    assert not can_transition(State.ALLOCATED, State.VISIBLE)
-    assert not can_transition(State.EVICTED, State.ALLOCATED)
-    assert not can_transition(State.VISIBLE, State.SEALED)
+    assert can_transition(BlockState.ALLOCATED, BlockState.WRITING)
+    assert can_transition(BlockState.ALLOCATED, BlockState.SEALED)
+    assert can_transition(BlockState.SEALED, BlockState.VISIBLE)
+    assert not can_transition(BlockState.ALLOCATED, BlockState.VISIBLE)
+    assert not can_transition(BlockState.EVICTED, BlockState.ALLOCATED)
+    assert not can_transition(BlockState.VISIBLE, BlockState.SEALED)
 
 
 def test_only_sealed_blocks_with_visible_parents_become_visible() -> None:
@@ -105,7 +105,7 @@ def test_dram_blocks_without_bytes_never_become_visible() -> None:
     idx.heartbeat(hb("n0"), 0)
     idx.apply(w.alloc("A0"))
     idx.apply(w.seal("A0", nbytes=0))
-    assert idx.location(NS, H("A0"), "n0", DRAM).state is State.SEALED
+    assert idx.location(NS, H("A0"), "n0", DRAM).state is BlockState.SEALED
 
 
 def test_eviction_is_prefix_closed_and_invalidates() -> None:
@@ -321,25 +321,25 @@ def _visible_truth(truth: dict) -> set[tuple[str, wire.Tier, str]]:
 def _visible_index(idx: Index) -> set[tuple[str, wire.Tier, str]]:
     names = {H(n): n for n in TREE}
     return {(node, tier, names[h]) for ns, h, node, tier, loc in idx.iter_locations()
-            if ns == NS and loc.state is State.VISIBLE}
+            if ns == NS and loc.state is BlockState.VISIBLE}
 
 
 def _check_structure(idx: Index, now: float) -> None:
     for ns, h, node, tier, loc in idx.iter_locations():
-        if loc.state is not State.VISIBLE:
+        if loc.state is not BlockState.VISIBLE:
             continue
         if tier is DRAM:
             assert loc.checksum is not None and loc.nbytes > 0
         parent = idx.blocks[ns][h].parent
         if parent:
             ploc = idx.location(ns, parent, node, tier)
-            assert ploc is not None and ploc.state is State.VISIBLE, "orphan visible"
+            assert ploc is not None and ploc.state is BlockState.VISIBLE, "orphan visible"
     for chain in CHAINS:
         r = idx.lookup(NS, chain_hashes(*chain), now)
         for m in r.matches:
             for name in chain[: m.num_blocks]:
                 loc = idx.location(NS, H(name), m.node, m.tier)
-                assert loc is not None and loc.state is State.VISIBLE
+                assert loc is not None and loc.state is BlockState.VISIBLE
             assert idx.nodes[m.node].alive(now)
 
 

@@ -16,12 +16,13 @@ import msgspec
 import pytest
 from nats.js import api
 
-from cpd import kvevents, subjects, wire
 from cpd.bus import Bus
-from cpd.config import Settings, load_settings
-from cpd.errors import InvalidRequest
-from cpd.hashing import Namespace, block_hashes
-from cpd.natsserver import NatsServer
+from cpd.kvstore import events as kvevents
+from cpd.ops.config import Settings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import InvalidRequest
+from cpd.protocol.hashing import Namespace, block_hashes
 from services.kvindex import Index, KvIndexService
 
 pytestmark = pytest.mark.timeout(90)

@@ -14,12 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js import api
 
-from cpd import kvevents, subjects, wire
-from cpd.config import load_settings
-from cpd.errors import ArenaFull, BlockEvicted, ChecksumMismatch
-from cpd.kvevents import MAX_BLOCKS_PER_EVENT, KvEventPublisher
-from cpd.kvstore import BlockState, BlockStore, KvStore, as_byte_array, checksum, slot_bytes
+from cpd.engines.profile import engine_profile
+from cpd.kvstore import BlockStore, KvStore, as_byte_array, checksum
+from cpd.kvstore import events as kvevents
+from cpd.kvstore.events import MAX_BLOCKS_PER_EVENT, KvEventPublisher
 from cpd.modelbuild import PRESETS
+from cpd.ops.config import load_settings
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import ArenaFull, BlockEvicted, ChecksumMismatch
+from cpd.protocol.lifecycle import BlockState
 
 NS = "ns1"
 
@@ -62,12 +65,13 @@ def test_slot_bytes_derive_from_the_model() -> None:
     s = load_settings(environ={})
     tiny = PRESETS["tiny"]
     # 4 layers × (K, V) × 256 tokens × 2 KV heads × 64 × fp32 = 1 MiB
-    assert slot_bytes(s) == 4 * 2 * 256 * 2 * 64 * 4 == tiny.kv_bytes_per_token() * 256 == 1 << 20
+    assert (engine_profile(s).slot_bytes == 4 * 2 * 256 * 2 * 64 * 4
+            == tiny.kv_bytes_per_token() * 256 == 1 << 20)
     half = load_settings(environ={}, overrides=["model.dtype=bfloat16", "cache.block_size=128"])
-    assert slot_bytes(half) == 1 << 18
+    assert engine_profile(half).slot_bytes == 1 << 18
     fixed = load_settings(environ={}, overrides=["dataplane.block_bytes=4096",
                                                  "dataplane.arena_bytes=65536"])
-    store = BlockStore.from_settings(fixed, node="n1")
+    store = BlockStore.from_settings(fixed, engine_profile(fixed).slot_bytes, node="n1")
     assert (store.slot_bytes, store.num_slots, store.total_bytes) == (4096, 16, 65536)
 
 

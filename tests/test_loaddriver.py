@@ -10,11 +10,11 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from bench.loaddriver import UNFINISHED, Phases, Result, drive, fresh_content, report
-from cpd import wire
 from cpd.client import Client
-from cpd.errors import Overloaded, Unavailable
+from cpd.protocol import wire
+from cpd.protocol.errors import Overloaded, Unavailable
 from cpd.sim.workloads import WorkloadRequest, poisson
+from tools.bench.loaddriver import UNFINISHED, Phases, Result, drive, fresh_content, report
 
 pytestmark = pytest.mark.timeout(30)
 

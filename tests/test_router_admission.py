@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from cpd import wire
-from cpd.errors import CpdError, ErrorCode, Overloaded
+from cpd.protocol import wire
+from cpd.protocol.errors import CpdError, ErrorCode, Overloaded
 from services.router import Admission, NodeTable
 from services.router.cost import PrefillCost
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from cpd import subjects, wire
 from cpd.bus import Bus
 from cpd.client import Client
-from cpd.config import load_settings
-from cpd.errors import ErrorCode, Overloaded, Unavailable
-from cpd.natsserver import NatsServer
+from cpd.ops.config import load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import ErrorCode, Overloaded, Unavailable
 from services.router import RouterService
 
 pytestmark = pytest.mark.timeout(90)

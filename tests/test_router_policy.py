@@ -1,4 +1,5 @@
-"""Routing policy, table-driven: each rule of DESIGN.md §8 and the §10 rows the router
+"""Routing policy, table-driven: each rule of docs/architecture.md, "Routing" and the §10 rows the
+router
 handles (kvindex unavailable → miss; pre-prefill queue too long → overflow)."""
 
 from __future__ import annotations
@@ -7,16 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cpd import wire
+from cpd.protocol import wire
 from services.router.cost import LoadCost, PrefillCost
-from services.router.policy import (
-    Hits,
-    NoCapacity,
-    NodeLoad,
-    PolicyConfig,
-    Router,
-    choose_decode,
-)
+from services.router.policy import Hits, NoCapacity, NodeLoad, PolicyConfig, Router, choose_decode
 from services.router.queueing import remaining_ms, wait_ms
 
 BS = 256

@@ -1,4 +1,4 @@
-"""Least-privilege NATS (cpd.security): a real nats-server started with the generated
+"""Least-privilege NATS (cpd.ops.security): a real nats-server started with the generated
 config (auth, TLS, per-identity permissions, JetStream). Each identity can do exactly its
 job and is refused outside it; wrong credentials and plain TCP are refused; a service
 holding another's credentials cannot start; a secure ``cpd up`` with sim workers serves
@@ -23,12 +23,14 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from cpd import kvevents, security, subjects, wire
 from cpd.bus import EXIT_REFUSED, connect, flush_all, permission_denials, wait_denied
 from cpd.client import Client
-from cpd.config import NatsSettings, load_settings
-from cpd.errors import CpdError, NatsAuthFailed, PermissionDenied
-from cpd.natsserver import NatsServer
+from cpd.kvstore import events as kvevents
+from cpd.ops import security
+from cpd.ops.config import NatsSettings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError, NatsAuthFailed, PermissionDenied
 from cpd.sim.workloads import block_token_ids
 from services.kvindex import KvIndexService
 
@@ -351,7 +353,7 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
            "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1"}
     only = [a for s in ("kvindex", "preprefill", "prefill", "decode", "router")
             for a in ("--only", s)]
-    proc = subprocess.Popen([sys.executable, "-m", "cpd.cli", "up", "--secure", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--secure", "--port", "0",
                              *only], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)
@@ -423,7 +425,7 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
 async def test_cpd_up_stops_waiting_for_a_service_nats_refused(tmp_path: Path) -> None:
     """A service that exited as refused (its credentials cannot work) fails the start at
     once with its log, instead of a readiness wait and a restart loop."""
-    from cpd.cluster import Proc, _ready_or_refused, _restart
+    from tools.supervisor import Proc, _ready_or_refused, _restart
 
     log = tmp_path / "kvindex-0.log"
     log.write_text("kvindex: refused by NATS: (the reason)\n")

@@ -8,8 +8,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from cpd.config import load_settings
-from cpd.servedmodel import ServedModel
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops.config import load_settings
 
 
 @pytest.fixture(scope="module")

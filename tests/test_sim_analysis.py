@@ -1,5 +1,6 @@
 """Analysis: TTFT/TPOT/goodput from records, sustainable QPS/GPU, prefix reuse, the
-analytic bounds, and the calibration of the paper preset (DESIGN.md §9, seed §6)."""
+analytic bounds, and the calibration of the paper preset (docs/architecture.md, "Engines", seed
+§6)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 import numpy as np
 import pytest
 
-from bench.sweep import FLOOR_QPS_PER_GPU, MAX_CONTEXT_TOKENS, floor_load
 from cpd.sim.analysis import (
     PAPER_TTFT_SLO_S,
     RequestRecord,
@@ -24,6 +24,7 @@ from cpd.sim.analysis import (
 )
 from cpd.sim.costmodel import B200_TP4_8B
 from cpd.sim.workloads import CodingAgentConfig, WorkloadRequest, coding_agent
+from tools.bench.sweep import FLOOR_QPS_PER_GPU, MAX_CONTEXT_TOKENS, floor_load
 
 pytestmark = pytest.mark.timeout(30)
 

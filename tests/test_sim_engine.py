@@ -1,4 +1,4 @@
-"""SimEngine honours the engine contract (cpd.engine.protocol) like VllmEngine does:
+"""SimEngine honours the engine contract (cpd.engines.protocol) like VllmEngine does:
 streamed deltas ending in a finished step, abort, deterministic tokens, arena
 write-through and verified loads (a bad checksum recomputes, tokens unchanged)."""
 
@@ -12,10 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpd import wire
-from cpd.engine import ArenaSpec, EngineRequest, EngineStep
-from cpd.sim.costmodel import B200_TP4_8B
-from cpd.sim.engine import (
+from cpd.engines import ArenaSpec, EngineRequest, EngineStep
+from cpd.engines.sim.engine import (
     CacheCleared,
     CacheEvent,
     CacheRemoved,
@@ -24,6 +22,8 @@ from cpd.sim.engine import (
     block_bytes,
     checksum,
 )
+from cpd.protocol import wire
+from cpd.sim.costmodel import B200_TP4_8B
 from cpd.sim.prefixcache import chain_hashes
 from cpd.sim.scheduler import SchedulerConfig
 

@@ -8,13 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpd.sim.costmodel import B200_TP4_8B
-from cpd.sim.scheduler import (
-    Admission,
-    Scheduler,
-    SchedulerConfig,
-    StepPlan,
-    estimate_queue_s,
-)
+from cpd.sim.scheduler import Admission, Scheduler, SchedulerConfig, StepPlan, estimate_queue_s
 
 pytestmark = pytest.mark.timeout(30)
 COST = B200_TP4_8B

@@ -15,8 +15,17 @@ from typing import TypeVar
 
 import pytest
 
-from bench.simcluster import SimCluster as BaseSimCluster
-from bench.sweep import (
+from cpd.bus import StreamReader
+from cpd.engines.profile import engine_profile, served_model
+from cpd.ops.config import load_settings
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import ConfigError, CpdError, InvalidRequest, Overloaded
+from cpd.protocol.hashing import block_hashes
+from cpd.sim.costmodel import preset
+from cpd.sim.workloads import block_token_ids
+from services.router.service import prefill_cost
+from tools.bench.simcluster import SimCluster as BaseSimCluster
+from tools.bench.sweep import (
     BY_LABEL,
     TOPOLOGIES,
     SimCluster,
@@ -25,17 +34,6 @@ from bench.sweep import (
     headline,
     make_workload,
 )
-from cpd import subjects, wire
-from cpd.bus import StreamReader
-from cpd.config import load_settings
-from cpd.errors import ConfigError, CpdError, InvalidRequest, Overloaded
-from cpd.hashing import block_hashes
-from cpd.kvstore import slot_bytes
-from cpd.servedmodel import ServedModel
-from cpd.sim import serving
-from cpd.sim.costmodel import preset
-from cpd.sim.workloads import block_token_ids
-from services.router.service import _prefill_cost
 
 SIM = ["worker.engine=sim"]
 T = TypeVar("T")
@@ -45,18 +43,18 @@ MOONCAKE_HEAD = (Path(__file__).parent / "data" / "mooncake"
 
 def test_sim_settings_give_one_namespace_slot_size_and_cost_seeds() -> None:
     s = load_settings(environ={}, overrides=[*SIM, "sim.time_scale=4"])
-    model = ServedModel.for_settings(s)
-    assert model.namespace == serving.namespace(s)
+    model = served_model(s)
+    assert model.namespace == engine_profile(s).namespace()
     assert model.max_model_len == s.sim.max_model_len and model.vocab_size == 32_000
     # 8B preset: 128 KiB of KV per token, 256-token blocks, scaled down 8192 times.
-    assert slot_bytes(s) == 128 * 1024 * 256 // 8192
+    assert engine_profile(s).slot_bytes == 128 * 1024 * 256 // 8192
     fixed, per_token, per_ctx = preset(s.sim.preset).prefill_coefficients_ms()
-    cost = _prefill_cost(s)
+    cost = prefill_cost(engine_profile(s))
     assert cost.per_token_ms == pytest.approx(per_token / 4)
     assert cost.fixed_ms == pytest.approx(fixed / 4)
     assert cost.per_token_ctx_ms == pytest.approx(per_ctx / 4)
     other = load_settings(environ={}, overrides=[*SIM, "sim.preset=h200-tp4-llama-3.1-8b"])
-    assert serving.namespace(other).id != model.namespace.id
+    assert engine_profile(other).namespace().id != model.namespace.id
     with pytest.raises(InvalidRequest):
         model.encode("text needs a tokenizer")
     assert model.detokenizer().push([1, 2, 3]) == ""
@@ -75,8 +73,8 @@ async def _until(probe: Callable[[], Awaitable[T]], ok: Callable[[T], bool],
 
 
 def test_cache_tenant_salt_salts_the_deployment_namespace() -> None:
-    plain = ServedModel.for_settings(load_settings(environ={}, overrides=SIM))
-    salted = ServedModel.for_settings(load_settings(
+    plain = served_model(load_settings(environ={}, overrides=SIM))
+    salted = served_model(load_settings(
         environ={"CPD_CACHE__TENANT_SALT": "blue"}, overrides=SIM))
     assert salted.namespace.tenant_salt == "blue"
     assert salted.namespace.id != plain.namespace.id
@@ -90,8 +88,8 @@ def test_unknown_sim_preset_is_a_config_error() -> None:
 
 def test_decode_workers_may_use_their_own_preset() -> None:
     s = load_settings(environ={}, overrides=[*SIM, "sim.decode_preset=b200-dp4-llama-3.1-8b"])
-    assert serving.cost_model(s, "decode").name == "b200-dp4-llama-3.1-8b"
-    assert serving.cost_model(s, "prefill").name == s.sim.preset
+    assert engine_profile(s).cost_model("decode").name == "b200-dp4-llama-3.1-8b"
+    assert engine_profile(s).cost_model("prefill").name == s.sim.preset
 
 
 @pytest.mark.timeout(90)
@@ -122,7 +120,7 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
         assert cold.route.tokens_computed == len(prompt) and cold.route.decode_node == "d0"
         assert len(cold.token_ids) == 8
         # Like vLLM's KV events, the engine's GPU prefix cache reaches kvindex.
-        ns = serving.namespace(load_settings(environ={}, overrides=SIM))
+        ns = engine_profile(load_settings(environ={}, overrides=SIM)).namespace()
         hashes = block_hashes(ns, prompt)
 
         async def gpu_blocks() -> dict[str, int]:
@@ -147,8 +145,8 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
         status = await client.status()
         assert {n.node for n in status.nodes} == {"pp0", "p0", "d0"}
         assert all(n.alive and n.dram_total_bytes for n in status.nodes)
-        assert status.namespace == serving.namespace(
-            load_settings(environ={}, overrides=SIM)).id
+        assert status.namespace == engine_profile(
+            load_settings(environ={}, overrides=SIM)).namespace().id
     finally:
         await cluster.stop()
 
@@ -164,7 +162,7 @@ async def test_a_burst_of_dispatches_is_bounded_at_acceptance(tmp_path: Path) ->
         await cluster.start()
         assert cluster.client is not None
         bus = cluster.client.bus
-        ns = serving.namespace(load_settings(environ={}, overrides=SIM))
+        ns = engine_profile(load_settings(environ={}, overrides=SIM)).namespace()
         prompt = block_token_ids(list(range(100, 120)), 256).tolist()  # 5,120 tokens
         readers = [StreamReader(bus, idle_timeout=30) for _ in range(4)]
 
@@ -205,7 +203,7 @@ async def _until_final(reader: StreamReader) -> AsyncIterator[wire.Message]:
 @pytest.mark.timeout(150)
 def test_quick_sweep_writes_the_documented_keys(tmp_path: Path) -> None:
     out = tmp_path / "new" / "sweep.json"  # a folder that does not exist yet
-    proc = subprocess.run([sys.executable, "-m", "cpd.cli", "bench", "sweep", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "sweep", "--quick",
                            "--json", str(out)], capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -9,10 +9,10 @@ import sys
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cpd import telemetry
+from cpd.ops import telemetry
 
 _SCRIPT = """
-from cpd import telemetry
+from cpd.ops import telemetry
 from opentelemetry import trace
 telemetry.setup("probe")
 log = telemetry.get_logger("probe")
@@ -55,7 +55,7 @@ _SERVER_SPAN_SCRIPT = """
 import json
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from cpd import telemetry
+from cpd.ops import telemetry
 telemetry.setup("probe")
 caller = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
 seen = []

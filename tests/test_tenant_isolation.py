@@ -1,4 +1,5 @@
-"""Tenant isolation of the cache (DESIGN.md §5): blocks of different tenants, cache salts,
+"""Tenant isolation of the cache (docs/architecture.md, "Block identity"): blocks of different
+tenants, cache salts,
 model revisions, tokenizers or adapters never match (hypothesis properties over
 cpd.hashing and kvindex's pure index), and kvindex carries each node's data-plane
 capability from its sealed events to lookup replies, across a restart (snapshot + stream
@@ -17,13 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpd import kvevents, subjects, wire
 from cpd.bus import Bus
-from cpd.capability import Keyring
-from cpd.config import Settings, load_settings
-from cpd.hashing import Namespace, block_hashes
 from cpd.kvstore import BlockStore, KvStore
-from cpd.natsserver import NatsServer
+from cpd.kvstore import events as kvevents
+from cpd.ops.config import Settings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.capability import Keyring
+from cpd.protocol.hashing import Namespace, block_hashes
 from services.kvindex import Index, KvIndexService
 
 BS = 4

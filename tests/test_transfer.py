@@ -1,5 +1,5 @@
 """The UCX data plane between real processes: each peer is a separate Python process
-(tests/ucx_peer.py) serving deterministic blocks from its own arena; this process pulls,
+(tests/helpers/ucx_peer.py) serving deterministic blocks from its own arena; this process pulls,
 gets and puts over UCX and checks every byte, deadline and typed error. The fault cases
 (killed, paused, vanished peers) run in processes of their own: tests/test_transfer_faults.py."""
 
@@ -7,27 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cpd import wire
-from cpd.config import load_settings
-from cpd.errors import (
-    BlockEvicted,
-    ChecksumMismatch,
-    ConfigError,
-    MalformedMessage,
-)
 from cpd.kvstore import BlockStore, KvStore, checksum
+from cpd.ops.config import load_settings
+from cpd.protocol import wire
+from cpd.protocol.errors import BlockEvicted, ChecksumMismatch, ConfigError, MalformedMessage
 from cpd.transfer import BandwidthMeter, TransferClient, decode_address, encode_address
-
-sys.path.insert(0, str(Path(__file__).parent))
-from ucx_harness import MIXED, Peer, local_store, new_client, peer
-from ucx_peer import NAMESPACE, block_payload, block_refs
+from tests.helpers.ucx_harness import MIXED, Peer, local_store, new_client, peer
+from tests.helpers.ucx_peer import NAMESPACE, block_payload, block_refs
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""Coalesced gets (issue 4): runs of small blocks travel as one UCX message each.
+"""Coalesced gets: runs of small blocks travel as one UCX message each.
 
 The run layout (:func:`cpd.transfer.coalesce_runs`) is pure and tested here directly; the
-rest runs against real peer processes (tests/ucx_peer.py) like tests/test_transfer.py:
+rest runs against real peer processes (tests/helpers/ucx_peer.py) like tests/test_transfer.py:
 byte-exact results across block sizes, batch sizes and message limits, checksums of
 blocks inside a run, and what peers of other builds or settings answer. The killed and
-paused peer cases of a coalesced get are in tests/ucx_fault_cases.py.
+paused peer cases of a coalesced get are in tests/helpers/ucx_fault_cases.py.
 """
 
 from __future__ import annotations
@@ -12,29 +12,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
-from cpd import wire
-from cpd.config import DataPlaneSettings
-from cpd.errors import ChecksumMismatch, InvalidRequest, MalformedMessage
 from cpd.kvstore import BlockStore, KvStore
-from cpd.transfer import (
-    TransferClient,
-    _runs_field,
-    _runs_from_field,
-    coalesce_runs,
-)
-
-sys.path.insert(0, str(Path(__file__).parent))
-from ucx_harness import Peer, local_store, peer
-from ucx_peer import NAMESPACE, block_refs
+from cpd.ops.config import DataPlaneSettings
+from cpd.protocol import wire
+from cpd.protocol.errors import ChecksumMismatch, InvalidRequest, MalformedMessage
+from cpd.transfer import TransferClient, coalesce_runs
+from cpd.transfer.framing import runs_field, runs_from_field
+from tests.helpers.ucx_harness import Peer, local_store, peer
+from tests.helpers.ucx_peer import NAMESPACE, block_refs
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -86,7 +78,7 @@ def test_large_blocks_keep_a_message_of_their_own() -> None:
 def test_either_setting_at_zero_turns_coalescing_off(below: int, message: int) -> None:
     runs = coalesce_runs([4 * KIB] * 6, _settings(below, message))
     assert runs == [(i, 1) for i in range(6)]
-    assert _runs_field(runs) == []  # the request is the one of builds without coalescing
+    assert runs_field(runs) == []  # the request is the one of builds without coalescing
 
 
 @pytest.mark.timeout(10)
@@ -110,8 +102,8 @@ def test_runs_cover_every_block_once_in_order_within_the_limits() -> None:
             grown = caps[a:b + 1]
             if all(c < s.coalesce_below_bytes for c in grown):
                 assert sum(grown) > s.coalesce_message_bytes
-        if _runs_field(runs):
-            assert _runs_from_field(_runs_field(runs), len(caps)) == runs
+        if runs_field(runs):
+            assert runs_from_field(runs_field(runs), len(caps)) == runs
 
 
 @pytest.mark.timeout(10)
@@ -119,7 +111,7 @@ def test_runs_cover_every_block_once_in_order_within_the_limits() -> None:
 def test_a_layout_that_does_not_cover_the_request_is_refused(counts: list[int],
                                                               n: int) -> None:
     with pytest.raises(InvalidRequest):
-        _runs_from_field(counts, n)
+        runs_from_field(counts, n)
 
 
 @pytest.mark.timeout(10)
@@ -166,7 +158,7 @@ async def test_coalesced_gets_are_byte_exact(small: Peer, below: int, message: i
             # Landing views larger than the blocks (slack): the run layout goes by the
             # views, the packing by the blocks' real lengths.
             dests = [np.full(small.sizes[i] + slack, 0xAB, np.uint8) for i in batch]
-            coalesced += bool(_runs_field(coalesce_runs([d.nbytes for d in dests],
+            coalesced += bool(runs_field(coalesce_runs([d.nbytes for d in dests],
                                                         settings)))
             # A reply that did not coalesce what was asked would raise MalformedMessage.
             got = await client.get_into(small.address, small.hashes(batch), dests,
@@ -186,7 +178,7 @@ async def test_pull_of_blocks_shorter_than_the_slots_is_byte_exact(
         small: Peer, client: TransferClient) -> None:
     kv = local_store(50, 8 * KIB)  # 4 KiB and 4097 B blocks in 8 KiB slots: coalesced
     idx = list(range(44))
-    assert _runs_field(coalesce_runs([8 * KIB] * len(idx), client.settings)) == [44]
+    assert runs_field(coalesce_runs([8 * KIB] * len(idx), client.settings)) == [44]
     seals = await client.pull(small.address, small.hashes(idx), kv, namespace=NAMESPACE)
     assert len(seals) == len(idx)
     for i in idx:
@@ -220,7 +212,7 @@ async def test_concurrent_coalesced_gets_share_the_staging_buffers_correctly(
 async def test_a_corrupted_block_inside_a_run_is_detected_by_checksum(
         client: TransferClient) -> None:
     with peer("--corrupt", "5", seed=62, sizes="4096x12") as p:
-        assert _runs_field(coalesce_runs([4096] * 12, client.settings)) == [12]
+        assert runs_field(coalesce_runs([4096] * 12, client.settings)) == [12]
         dests = [np.empty(4096, np.uint8) for _ in range(12)]
         with pytest.raises(ChecksumMismatch, match="1 of 12"):
             await client.get_into(p.address, p.hashes(range(12)), dests)

@@ -1,4 +1,4 @@
-"""The UCX fault cases (tests/ucx_fault_cases.py), each in a fresh Python process."""
+"""The UCX fault cases (tests/helpers/ucx_fault_cases.py), each in a fresh Python process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-CASES = Path(__file__).with_name("ucx_fault_cases.py")
+CASES = Path(__file__).parent / "helpers" / "ucx_fault_cases.py"
 
 
 @pytest.mark.timeout(120)

@@ -40,7 +40,7 @@ def test_long_prefill_cap_reaches_vllm(model_cache: Path) -> None:
     left out at 0, vLLM's default); vLLM's engine arguments accept it."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from cpd.engine.vllm_engine import VllmEngine
+    from cpd.engines.vllm.engine import VllmEngine
     from cpd.modelbuild import build
 
     folder = build("tiny", model_cache)
@@ -54,10 +54,10 @@ def test_long_prefill_cap_reaches_vllm(model_cache: Path) -> None:
 
 def test_async_kv_load_reaches_the_connector(model_cache: Path) -> None:
     """worker.async_kv_load picks, per role, whether the connector loads off the step."""
-    from cpd.config import load_settings
-    from cpd.engine import ArenaSpec
-    from cpd.engine.vllm_engine import VllmEngine
+    from cpd.engines import ArenaSpec
+    from cpd.engines.vllm.engine import VllmEngine
     from cpd.modelbuild import build
+    from cpd.ops.config import load_settings
 
     worker = load_settings(environ={}).worker
     assert worker.async_kv_load == "decode"

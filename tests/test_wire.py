@@ -11,8 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd import wire
-from cpd.errors import CpdError, MalformedMessage, SchemaVersionError, UnknownKind, WrongKind
+from cpd.protocol import wire
+from cpd.protocol.errors import (
+    CpdError,
+    MalformedMessage,
+    SchemaVersionError,
+    UnknownKind,
+    WrongKind,
+)
 
 H = bytes(range(16))
 SAMPLES: list[wire.Message] = [

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import VllmCluster, reference_outputs
 
-from cpd import subjects, wire
-from cpd.errors import PromptTooLong
-from cpd.hashing import Namespace, block_hashes
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import PromptTooLong
+from cpd.protocol.hashing import Namespace, block_hashes
+from tests.helpers.cluster import VllmCluster, reference_outputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,5 +1,5 @@
 """The async Python client of CPD: requests go to the router on ``cpd.v1.generate`` and
-the reply streams back (DESIGN.md §3-4).
+the reply streams back (docs/architecture.md, "Services", "Subjects").
 
     async with await Client.connect("nats://127.0.0.1:4222") as cpd:
         async for chunk in cpd.stream("def fib(n):", max_tokens=32):
@@ -7,9 +7,9 @@ the reply streams back (DESIGN.md §3-4).
         done = await cpd.generate([1, 2, 3], max_tokens=8)   # token ids work too
         print(done.token_ids, done.route.path, done.timings.ttft_ms)
 
-Failures are typed :mod:`cpd.errors` exceptions with a ``retryable`` flag (for example
-:class:`~cpd.errors.Overloaded` when admission control refuses the request, or
-:class:`~cpd.errors.RouterGone` when the router serving a stream stopped sending even its
+Failures are typed :mod:`cpd.protocol.errors` exceptions with a ``retryable`` flag (for example
+:class:`~cpd.protocol.errors.Overloaded` when admission control refuses the request, or
+:class:`~cpd.protocol.errors.RouterGone` when the router serving a stream stopped sending even its
 keep-alives).
 """
 
@@ -22,10 +22,10 @@ from types import TracebackType
 
 import msgspec
 
-from . import subjects, wire
-from .bus import Bus
-from .config import RouterSettings, Settings, load_settings
-from .errors import InvalidRequest
+from cpd.bus import Bus
+from cpd.ops.config import RouterSettings, Settings, load_settings
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import InvalidRequest
 
 # Past the request's own deadline, how long the client waits for the router's typed
 # deadline error before giving up on its own.
@@ -85,7 +85,7 @@ class Client:
                 priority: int = 0, model: str = "", timeout_s: float | None = None,
                 request_id: str | None = None) -> wire.GenerateRequest:
         """The wire request for a prompt given as text (the router tokenizes it) or as
-        token ids. Raises :class:`~cpd.errors.InvalidRequest` for bad sampling values."""
+        token ids. Raises :class:`~cpd.protocol.errors.InvalidRequest` for bad sampling values."""
         try:
             sampling = msgspec.convert(
                 {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
@@ -119,12 +119,12 @@ class Client:
 
     async def stream_request(self, req: wire.GenerateRequest
                              ) -> AsyncGenerator[wire.TokenChunk | wire.Final, None]:
-        """Stream a prepared :class:`~cpd.wire.GenerateRequest`.
+        """Stream a prepared :class:`~cpd.protocol.wire.GenerateRequest`.
 
-        Raises :class:`~cpd.errors.RouterGone` (retryable) when nothing at all comes
+        Raises :class:`~cpd.protocol.errors.RouterGone` (retryable) when nothing at all comes
         from the router, its keep-alives included, for ``keepalive_misses`` keep-alive
         intervals: it died mid-request (or before it began handling the request) or is
-        cut off; and :class:`~cpd.errors.StreamGap` (retryable) when a message of the
+        cut off; and :class:`~cpd.protocol.errors.StreamGap` (retryable) when a message of the
         stream was lost (the keep-alives after it prove it) and does not come within that
         limit. The interval is this client's ``router.keepalive_interval_s`` until the
         router announces its own (every keep-alive does), so a router must send

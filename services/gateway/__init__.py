@@ -5,7 +5,7 @@ Completions, streaming or not), a thin layer over :class:`cpd.client.Client`.
 ``metrics`` the instruments, ``app`` the endpoints and ``service`` the process.
 """
 
-from .app import create_app
-from .service import GatewayService
+from services.gateway.app import create_app
+from services.gateway.service import GatewayService
 
 __all__ = ["GatewayService", "create_app"]

@@ -3,11 +3,10 @@ SIGTERM/SIGINT (address in ``gateway.host``/``gateway.port``)."""
 
 from __future__ import annotations
 
-from cpd import telemetry
 from cpd.bus import run_service
-from cpd.config import load_settings
-
-from .service import GatewayService
+from cpd.ops import telemetry
+from cpd.ops.config import load_settings
+from services.gateway.service import GatewayService
 
 
 def main() -> None:

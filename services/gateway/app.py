@@ -37,17 +37,17 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from cpd import telemetry, wire
 from cpd.client import Client
-from cpd.config import Settings
-from cpd.errors import CpdError, ErrorCode
-from cpd.servedmodel import ServedModel
-
-from . import protocol
-from .errors import ApiError, http_exception_handler
-from .metrics import GatewayMetrics, Progress
-from .ratelimit import RateLimiter, retry_after_header
-from .tenants import AuthError, Tenant, TenantTable
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops import telemetry
+from cpd.ops.config import Settings
+from cpd.protocol import wire
+from cpd.protocol.errors import CpdError, ErrorCode
+from services.gateway import protocol
+from services.gateway.errors import ApiError, http_exception_handler
+from services.gateway.metrics import GatewayMetrics, Progress
+from services.gateway.ratelimit import RateLimiter, retry_after_header
+from services.gateway.tenants import AuthError, Tenant, TenantTable
 
 __all__ = ["create_app"]
 

@@ -3,7 +3,7 @@
 Every failure reaches the client as ``{"error": {"message", "type", "code", "param"}}``
 with an HTTP status the OpenAI SDKs map to their exception classes (400
 ``BadRequestError``, 404 ``NotFoundError``, 429 ``RateLimitError``, 5xx
-``InternalServerError``). CPD's typed errors keep their :class:`~cpd.errors.ErrorCode`
+``InternalServerError``). CPD's typed errors keep their :class:`~cpd.protocol.errors.ErrorCode`
 as ``code``, so a client can tell an overloaded router from a lost node.
 """
 
@@ -17,7 +17,7 @@ import msgspec
 from fastapi import Request, Response
 from starlette.exceptions import HTTPException
 
-from cpd.errors import CpdError, ErrorCode
+from cpd.protocol.errors import CpdError, ErrorCode
 
 RETRY_AFTER_S = 1
 """``Retry-After`` of an overloaded reply: admission queues turn over within seconds."""

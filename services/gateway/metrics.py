@@ -1,4 +1,5 @@
-"""The gateway's metrics (DESIGN.md §11), as OpenTelemetry instruments of the process
+"""The gateway's metrics (docs/architecture.md, "Observability"), as OpenTelemetry instruments of
+the process
 meter; ``python -m services.gateway`` exports them for Prometheus on ``/metrics``.
 
 Latencies are the client's view from the gateway: TTFT runs from the request's arrival
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry.metrics import Meter
 
-from cpd import telemetry, wire
+from cpd.ops import telemetry
+from cpd.protocol import wire
 
 # Bucket bounds (ms): from a warm hit on a short prompt to a cold prefill of ~100K
 # tokens, and from a fast decode step to a stalled one.

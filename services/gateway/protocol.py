@@ -17,10 +17,9 @@ from typing import Any
 
 import msgspec
 
-from cpd import wire
-from cpd.servedmodel import ServedModel
-
-from .errors import ApiError, field_of
+from cpd.engines.servedmodel import ServedModel
+from cpd.protocol import wire
+from services.gateway.errors import ApiError, field_of
 
 DEFAULT_MAX_TOKENS = 16
 """Completions API default when ``max_tokens`` is absent (OpenAI's)."""

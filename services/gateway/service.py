@@ -18,10 +18,9 @@ import uvicorn
 
 from cpd.bus import Service
 from cpd.client import Client
-from cpd.config import Settings
-from cpd.servedmodel import ServedModel
-
-from .app import create_app
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops.config import Settings
+from services.gateway.app import create_app
 
 # Past uvicorn's own graceful-shutdown limit, how long stopping waits for it to return.
 _SHUTDOWN_MARGIN_S = 1.0

@@ -5,9 +5,9 @@
 * Tenants configured: every request needs ``Authorization: Bearer <key>`` with a key
   whose SHA-256 digest one tenant lists; a missing or unknown key is a 401. The tenant's
   name then goes into the request (``GenerateRequest.tenant``), which puts its KV blocks in
-  its own namespace (DESIGN.md §5).
+  its own namespace (docs/architecture.md, "Block identity").
 
-Configured in TOML (digests from ``cpd.config.api_key_digest(key)``, e.g.
+Configured in TOML (digests from ``cpd.ops.config.api_key_digest(key)``, e.g.
 ``python -c "import hashlib; print(hashlib.sha256(b'sk-...').hexdigest())"``)::
 
     [gateway.tenants.acme]
@@ -29,9 +29,8 @@ import hashlib
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from cpd.config import GatewaySettings, TenantSettings
-
-from .errors import ApiError
+from cpd.ops.config import GatewaySettings, TenantSettings
+from services.gateway.errors import ApiError
 
 DEFAULT_TENANT = "default"
 """The tenant of every request when no tenants are configured (the base namespace)."""

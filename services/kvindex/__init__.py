@@ -1,7 +1,8 @@
 """kvindex: the single source of truth for KV block lifecycle, leases and
-longest-prefix lookups (DESIGN.md §6). ``index`` holds the rules, ``service`` the I/O."""
+longest-prefix lookups (docs/architecture.md, "Lifecycle and visibility"). ``index`` holds the
+rules, ``service`` the I/O."""
 
-from .index import Changes, Index
-from .service import KvIndexService
+from services.kvindex.index import Changes, Index
+from services.kvindex.service import KvIndexService
 
 __all__ = ["Changes", "Index", "KvIndexService"]

@@ -1,7 +1,8 @@
-"""kvindex's state and rules, without I/O: every decision of DESIGN.md §5-6 lives here.
+"""kvindex's state and rules, without I/O: every decision of docs/architecture.md, "Block
+identity", "Lifecycle and visibility" lives here.
 
 * Blocks are keyed by (namespace id, 16-byte hash); each has per-location records keyed
-  by (node, tier) with a lifecycle :class:`~cpd.lifecycle.State`.
+  by (node, tier) with a lifecycle :class:`~cpd.protocol.lifecycle.State`.
 * Only this index makes a location VISIBLE: sealed, checksum present (DRAM), namespace
   well formed, parent VISIBLE at the same location (so each location's chain is
   prefix-closed), in the writer's current epoch. Leases are applied at lookup time: a
@@ -9,8 +10,9 @@
   rebuilds the same state.
 * Eviction, failure, a node clearing its tier, a new node epoch or a lease-expiry event
   remove locations, always with their descendants at that location (prefix-closed).
-* Lookups binary-search the longest visible prefix per location (DESIGN.md §5).
-* Each node's read capability per namespace (:mod:`cpd.capability`, from its sealed
+* Lookups binary-search the longest visible prefix per location (docs/architecture.md,
+  "Block identity").
+* Each node's read capability per namespace (:mod:`cpd.protocol.capability`, from its sealed
   events) is kept for its current epoch and returned with its DRAM locations; a lookup in
   one namespace only ever sees that namespace's blocks and capabilities.
 """
@@ -25,9 +27,9 @@ from typing import Any
 
 import msgspec
 
-from cpd import wire
-from cpd.hashing import ROOT_PARENT, Namespace, block_hashes
-from cpd.lifecycle import PENDING, State, can_transition
+from cpd.protocol import wire
+from cpd.protocol.hashing import ROOT_PARENT, Namespace, block_hashes
+from cpd.protocol.lifecycle import PENDING, BlockState, can_transition
 
 Tier = wire.Tier
 LocKey = str
@@ -38,7 +40,7 @@ SNAPSHOT_VERSION = 1
 
 @functools.lru_cache(maxsize=1024)  # every lookup asks; a cluster has a few namespaces
 def valid_namespace(ns: str) -> bool:
-    """Whether ``ns`` is a namespace id as :attr:`cpd.hashing.Namespace.id` makes them."""
+    """Whether ``ns`` is a namespace id as :attr:`cpd.protocol.hashing.Namespace.id` makes them."""
     return bool(_NS_ID.match(ns))
 
 
@@ -56,7 +58,7 @@ def _split(key: LocKey) -> tuple[str, Tier]:
 class Location(msgspec.Struct, array_like=True, gc=False):
     """One copy of a block at (node, tier)."""
 
-    state: State
+    state: BlockState
     epoch: int
     nbytes: int = 0
     checksum: int | None = None
@@ -182,7 +184,7 @@ class Index:
             # Pending coverage is about blocks being written into a node's DRAM store;
             # the engine's GPU tier never has unsealed states, and a GPU-visible prefix
             # must not hide DRAM blocks still being written (single-flight waits on them).
-            if loc.state is not State.VISIBLE:
+            if loc.state is not BlockState.VISIBLE:
                 if tier is Tier.DRAM:
                     seen_nodes.setdefault(node, 0)
                 continue
@@ -310,12 +312,12 @@ class Index:
                 self._allocate(ns, ref.hash, ref.parent, ref.num_tokens, key, ev.epoch, ch)
         elif isinstance(ev, wire.BlocksWriting):
             for h in ev.hashes:
-                self._step(ns, h, key, State.WRITING, ch)
+                self._step(ns, h, key, BlockState.WRITING, ch)
         elif isinstance(ev, wire.BlocksSealed):
             if ev.capability and ev.tier is Tier.DRAM:
                 info.caps[ns] = ev.capability
             for seal in ev.seals:
-                loc = self._step(ns, seal.hash, key, State.SEALED, ch)
+                loc = self._step(ns, seal.hash, key, BlockState.SEALED, ch)
                 if loc is not None:
                     loc.nbytes, loc.checksum = seal.nbytes, seal.checksum
                     self._try_visible(ns, seal.hash, key, ch)
@@ -346,13 +348,14 @@ class Index:
         if old is not None:
             ch.illegal.append(f"{key}: allocate {h.hex()} while {old.state.name}")
             return
-        block.locs[key] = Location(State.ALLOCATED, epoch)
+        block.locs[key] = Location(BlockState.ALLOCATED, epoch)
         node, tier = _split(key)
         self._by_node.setdefault(node, set()).add((ns, h, tier))
         self.num_locations += 1
         ch.transitions += 1
 
-    def _step(self, ns: str, h: bytes, key: LocKey, new: State, ch: Changes) -> Location | None:
+    def _step(self, ns: str, h: bytes, key: LocKey, new: BlockState,
+              ch: Changes) -> Location | None:
         block = self.blocks.get(ns, {}).get(h)
         loc = block.locs.get(key) if block else None
         if loc is None or not can_transition(loc.state, new):
@@ -371,16 +374,16 @@ class Index:
             h = todo.pop()
             block = table.get(h)
             loc = block.locs.get(key) if block else None
-            if block is None or loc is None or loc.state is not State.SEALED:
+            if block is None or loc is None or loc.state is not BlockState.SEALED:
                 continue
             if key.endswith("/dram") and (loc.checksum is None or loc.nbytes <= 0):
                 continue
             if block.parent:
                 parent = table.get(block.parent)
                 ploc = parent.locs.get(key) if parent else None
-                if ploc is None or ploc.state is not State.VISIBLE:
+                if ploc is None or ploc.state is not BlockState.VISIBLE:
                     continue  # becomes visible when its parent does
-            loc.state = State.VISIBLE
+            loc.state = BlockState.VISIBLE
             ch.transitions += 1
             ch.visible.append((ns, *_split(key), h))
             if block.children:
@@ -404,7 +407,7 @@ class Index:
             self._by_node[node].discard((ns, cur, tier))
             self.num_locations -= 1
             ch.transitions += 1
-            if loc.state is State.VISIBLE:
+            if loc.state is BlockState.VISIBLE:
                 ch.invalidated.append((ns, node, tier, cur))
             if block.children:
                 todo.extend(block.children)
@@ -474,8 +477,8 @@ class Index:
                 self._allocate(spec.id, done, b"" if parent == ROOT_PARENT else parent,
                                spec.block_size, key, ev.epoch, ch)
                 loc = self.location(spec.id, done, ev.node, Tier.GPU)
-                if loc is not None and loc.state is State.ALLOCATED:
-                    loc.state = State.SEALED
+                if loc is not None and loc.state is BlockState.ALLOCATED:
+                    loc.state = BlockState.SEALED
                     self._try_visible(spec.id, done, key, ch)
             info.engine[_ehash(eh)] = _EngineBlock(spec.id, parent, b"" if done else acc, done)
             if done:
@@ -584,13 +587,13 @@ def _prefix(table: dict[bytes, Block], hashes: bytes, n: int, ok: Any) -> int:
 
 def _visible_at(block: Block, key: LocKey) -> bool:
     loc = block.locs.get(key)
-    return loc is not None and loc.state is State.VISIBLE
+    return loc is not None and loc.state is BlockState.VISIBLE
 
 
 def _coming_at(block: Block, prefix: str, epoch: int) -> bool:
     """Visible or being written at the node of key ``prefix`` (any tier), live epoch."""
     return any(k.startswith(prefix) and loc.epoch == epoch
-               and (loc.state in PENDING or loc.state is State.VISIBLE)
+               and (loc.state in PENDING or loc.state is BlockState.VISIBLE)
                for k, loc in block.locs.items())
 
 

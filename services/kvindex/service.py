@@ -1,4 +1,5 @@
-"""The kvindex service: consumes ``CPD_KV``, tracks leases, answers lookups (DESIGN.md §6).
+"""The kvindex service: consumes ``CPD_KV``, tracks leases, answers lookups (docs/architecture.md,
+"Lifecycle and visibility").
 
 I/O only; every decision is in :mod:`services.kvindex.index`.
 
@@ -25,12 +26,13 @@ from nats.aio.msg import Msg
 from nats.js import api
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cpd import kvevents, subjects, telemetry, wire
 from cpd.bus import Request, Service
-from cpd.config import Settings
-from cpd.errors import CpdError, InvalidRequest
-
-from .index import Changes, Index, valid_namespace
+from cpd.kvstore import events as kvevents
+from cpd.ops import telemetry
+from cpd.ops.config import Settings
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError, InvalidRequest
+from services.kvindex.index import Changes, Index, valid_namespace
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -1,2 +1,2 @@
 """Pre-prefill worker: full prefill of cold prompts, sealing every full block
-(DESIGN.md §2). Built by the workers issue."""
+(docs/architecture.md, "Services")."""

@@ -1,6 +1,7 @@
 """``python -m services.preprefill``: one preprefill worker until SIGTERM/SIGINT."""
 
-from cpd.worker import run_worker
+from cpd.protocol.roles import Role
+from services.worker import run_worker
 
 if __name__ == "__main__":
-    run_worker("preprefill")
+    run_worker(Role.PREPREFILL)

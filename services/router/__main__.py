@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from cpd import telemetry
 from cpd.bus import run_service
-from cpd.config import load_settings
-
-from .service import RouterService
+from cpd.ops import telemetry
+from cpd.ops.config import load_settings
+from services.router.service import RouterService
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
-"""Admission control (DESIGN.md §8): at most ``max_inflight`` requests run, at most
+"""Admission control (docs/architecture.md, "Routing"): at most ``max_inflight`` requests run, at
+most
 ``max_queue`` wait for a slot (higher priority first, then arrival order), and the rest
-are refused at once with a typed, retryable :class:`~cpd.errors.Overloaded` — never left
+are refused at once with a typed, retryable :class:`~cpd.protocol.errors.Overloaded` — never left
 waiting in silence."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 
-from cpd.errors import DeadlineExceeded, Overloaded
+from cpd.protocol.errors import DeadlineExceeded, Overloaded
 
 
 class Admission:

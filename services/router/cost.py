@@ -1,4 +1,5 @@
-"""The router's cost model: how long a prefill and a KV load take (DESIGN.md §7-8).
+"""The router's cost model: how long a prefill and a KV load take (docs/architecture.md, "KV tiers
+and the data plane", "Routing").
 
 Pure functions. Prefill time is linear in new tokens plus an attention term that grows
 with the context each new token attends to:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cpd import wire
+from cpd.protocol import wire
+from cpd.protocol.roles import WORKER_ROLES
+from services.router.cost import PrefillCost
+from services.router.policy import NodeLoad
+from services.router.queueing import ahead_ms
 
-from .cost import PrefillCost
-from .policy import NodeLoad
-from .queueing import ahead_ms
-
-WORKER_ROLES = ("preprefill", "prefill", "decode")
 _MAX_DISPATCHED = 256  # entries kept per node between two of its load reports
 
 

@@ -1,4 +1,4 @@
-"""Routing decisions, without I/O (DESIGN.md §8).
+"""Routing decisions, without I/O (docs/architecture.md, "Routing").
 
 Three policies share every input and differ only in the decision, so an A/B between
 them is honest:
@@ -25,14 +25,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cpd import wire
-from cpd.errors import CpdError, ErrorCode
-
-from .cost import LoadCost, PrefillCost
-from .queueing import ahead_ms, wait_ms
+from cpd.protocol import wire
+from cpd.protocol.errors import CpdError, ErrorCode
+from cpd.protocol.roles import PREFILL_ROLES, Role
+from services.router.cost import LoadCost, PrefillCost
+from services.router.queueing import ahead_ms, wait_ms
 
 PolicyName = Literal["cpd", "pd-kv", "pd-rr"]
-PREFILL_ROLES = ("preprefill", "prefill")
 
 
 class NoCapacity(CpdError):
@@ -87,7 +86,7 @@ class Hits:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Knobs of the routing policies (from :class:`cpd.config.RouterSettings`)."""
+    """Knobs of the routing policies (from :class:`cpd.ops.config.RouterSettings`)."""
 
     name: PolicyName = "cpd"
     # Reuse below this share of the prompt makes a request cold.
@@ -250,8 +249,8 @@ class Router:
     def _cpd(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
              decode: str) -> Decision:
         cfg = self.config
-        warm_nodes = [x for x in nodes if x.role == "prefill"]
-        cold_nodes = [x for x in nodes if x.role == "preprefill"]
+        warm_nodes = [x for x in nodes if x.role == Role.PREFILL]
+        cold_nodes = [x for x in nodes if x.role == Role.PREPREFILL]
         if not warm_nodes and not cold_nodes:
             raise NoCapacity("no prefill or pre-prefill node is up")
         warm = [self.plan(x, n, bs, hits) for x in warm_nodes]
@@ -350,7 +349,7 @@ class Router:
 
 def choose_decode(nodes: Iterable[NodeLoad]) -> str:
     """The least-loaded decode node (queue, then requests in flight, then name)."""
-    best = min((x for x in nodes if x.role == "decode"),
+    best = min((x for x in nodes if x.role == Role.DECODE),
                key=lambda x: (x.queue_ms, x.in_flight, x.node), default=None)
     if best is None:
         raise NoCapacity("no decode node is up")

@@ -1,6 +1,6 @@
 """How long a new prefill waits behind the prefills a worker already holds (pure).
 
-Workers report each prefill they hold (:class:`cpd.wire.PrefillWork`): its new tokens,
+Workers report each prefill they hold (:class:`cpd.protocol.wire.PrefillWork`): its new tokens,
 its cached context and how long it has been in the engine. The router prices them with
 the same :class:`~services.router.cost.PrefillCost` it prices the new request with, so
 queue and compute estimates are in one unit and one model.
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cpd.wire import PrefillWork
-
-from .cost import PrefillCost
+from cpd.protocol.wire import PrefillWork
+from services.router.cost import PrefillCost
 
 
 def remaining_ms(works: Sequence[PrefillWork], cost: PrefillCost,

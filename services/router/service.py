@@ -1,4 +1,5 @@
-"""The router process (DESIGN.md §3, §8, §10): the client-facing ``cpd.v1.generate`` API.
+"""The router process (docs/architecture.md, "Services", "Routing", "Failure handling"): the
+client-facing ``cpd.v1.generate`` API.
 
 Per request: validate and tokenize, wait for an admission slot (or refuse with a typed,
 retryable ``overloaded``), hash the prompt's blocks (a memo reuses the hashes of a
@@ -23,10 +24,13 @@ import msgspec
 import numpy as np
 from nats.aio.msg import Msg
 
-from cpd import subjects, telemetry, wire
 from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader
-from cpd.config import Settings
-from cpd.errors import (
+from cpd.engines.profile import EngineProfile, engine_profile
+from cpd.engines.servedmodel import Detokenizer, ServedModel
+from cpd.ops import telemetry
+from cpd.ops.config import Settings
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import (
     CpdError,
     DeadlineExceeded,
     ErrorCode,
@@ -36,15 +40,12 @@ from cpd.errors import (
     Unavailable,
     UnknownNamespace,
 )
-from cpd.hashing import Namespace
-from cpd.hashmemo import PrefixHashMemo
-from cpd.kvstore import slot_bytes
-from cpd.servedmodel import Detokenizer, ServedModel
-
-from .admission import Admission
-from .cost import LoadCost, PrefillCost
-from .nodes import NodeTable
-from .policy import Decision, Hits, NoCapacity, PolicyConfig, Router
+from cpd.protocol.hashing import Namespace
+from cpd.protocol.hashmemo import PrefixHashMemo
+from services.router.admission import Admission
+from services.router.cost import LoadCost, PrefillCost
+from services.router.nodes import NodeTable
+from services.router.policy import Decision, Hits, NoCapacity, PolicyConfig, Router
 
 # Poll interval while a single-flight request waits for another node's prefix.
 _SINGLE_FLIGHT_POLL_S = 0.05
@@ -87,8 +88,8 @@ class RouterService(Service):
     # ------------------------------------------------------------------ lifecycle
 
     async def setup(self) -> None:
-        self.model = self._model or await asyncio.to_thread(ServedModel.for_settings,
-                                                            self.settings)
+        profile = engine_profile(self.settings)
+        self.model = self._model or await asyncio.to_thread(profile.served_model)
         self.block_size = self.settings.cache.block_size
         self.nodes.namespace = self.model.namespace.id
         c = self.cfg
@@ -100,8 +101,8 @@ class RouterService(Service):
                          host_bandwidth_gbps=c.host_bandwidth_gbps,
                          single_flight=c.single_flight,
                          max_single_flight_wait_ms=c.max_single_flight_wait_ms),
-            _prefill_cost(self.settings),
-            LoadCost(kv_bytes_per_token=max(1, slot_bytes(self.settings) // self.block_size)))
+            prefill_cost(profile),
+            LoadCost(kv_bytes_per_token=max(1, profile.slot_bytes // self.block_size)))
         nc = self.bus.nc
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
@@ -468,9 +469,16 @@ class RouterService(Service):
         final.timings = msgspec.structs.replace(
             final.timings, admission_ms=waited * 1000, lookup_ms=decision_ms,
             ttft_ms=ttft_ms, total_ms=(now - t0) * 1000)
-        if failovers:
-            final.route.reason += f"; after {failovers} failover(s)"
         r = final.route
+        reused = r.tokens_gpu + r.tokens_dram + r.tokens_remote
+        plan = decision.plan
+        planned = plan.gpu_tokens + plan.dram_tokens + plan.remote_tokens
+        if reused > planned:
+            # The route was decided on what kvindex showed; the node found more cached
+            # (e.g. its own GPU copy of a prefix whose blocks were not visible yet).
+            r.reason += f"; {r.prefill_node} found {reused} tokens cached, not {planned}"
+        if failovers:
+            r.reason += f"; after {failovers} failover(s)"
         s = self.stats
         s.completed += 1
         s.prompt_tokens += final.usage.prompt_tokens
@@ -494,17 +502,11 @@ class RouterService(Service):
                       failovers=failovers)
 
 
-def _prefill_cost(settings: Settings) -> PrefillCost:
-    """The prefill cost seeds: the sim preset's coefficients (in wall ms) when the
-    workers run the sim engine, else the configured ones."""
-    if settings.worker.engine == "sim":
-        from cpd.sim.serving import prefill_cost_ms
-
-        fixed, per_token, per_ctx = prefill_cost_ms(settings)
-        return PrefillCost(fixed_ms=fixed, per_token_ms=per_token, per_token_ctx_ms=per_ctx)
-    c = settings.router
-    return PrefillCost(fixed_ms=c.prefill_fixed_ms, per_token_ms=c.prefill_per_token_ms,
-                       per_token_ctx_ms=c.prefill_per_token_ctx_ms)
+def prefill_cost(profile: EngineProfile) -> PrefillCost:
+    """The prefill cost seeds of the engines the workers run (configured for vLLM, the
+    preset's coefficients in wall ms for the sim engine)."""
+    fixed, per_token, per_ctx = profile.prefill_cost_ms()
+    return PrefillCost(fixed_ms=fixed, per_token_ms=per_token, per_token_ctx_ms=per_ctx)
 
 
 class _Relay:

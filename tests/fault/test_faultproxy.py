@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fault.faultproxy import FaultProxy
+from tools.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.faults import QUICK, config_for, run_async
+from tools.bench.faults import QUICK, config_for, run_async
 
 
 @pytest.mark.slow

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.faults import (
+from cpd.engines import EngineRequest
+from cpd.engines.sim.engine import SimEngine
+from cpd.ops.audit import AuditLog, read_audit
+from cpd.protocol import wire
+from services.kvindex.index import Changes
+from services.router import NodeTable
+from tools.bench.faults import (
     LOOKUP_RACE_S,
     Heartbeats,
     Prompts,
@@ -17,12 +23,6 @@ from bench.faults import (
     config_for,
     reference_tokens,
 )
-from cpd import wire
-from cpd.audit import AuditLog, read_audit
-from cpd.engine import EngineRequest
-from cpd.sim.engine import SimEngine
-from services.kvindex.index import Changes
-from services.router import NodeTable
 
 pytestmark = pytest.mark.timeout(60)
 NS = "0" * 32

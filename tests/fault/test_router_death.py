@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 import nats.errors
 import pytest
 
-from bench.simcluster import SimCluster
-from cpd import subjects, wire
 from cpd.bus import Bus, ReplyStream
 from cpd.client import Client
-from cpd.config import RouterSettings, load_settings
-from cpd.errors import CpdError, NoResponders, RouterGone, StreamGap
-from cpd.natsserver import NatsServer
+from cpd.ops.config import RouterSettings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError, NoResponders, RouterGone, StreamGap
+from tools.bench.simcluster import SimCluster
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import VllmCluster, reference_outputs
 
-from cpd import subjects, wire
 from cpd.client import Client, Completion
-from cpd.config import load_settings
-from cpd.errors import CpdError
-from cpd.hashing import block_hashes
+from cpd.ops.config import load_settings
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError
+from cpd.protocol.hashing import block_hashes
 from services.router import RouterService
+from tests.helpers.cluster import VllmCluster, reference_outputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

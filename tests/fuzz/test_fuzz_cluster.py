@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.fuzz import FuzzCluster, Target, fuzz_target, targets
-from cpd import subjects
+from cpd.protocol import subjects
+from tools.bench.fuzz import FuzzCluster, Target, fuzz_target, targets
 
 CASES = int(os.environ.get("CPD_FUZZ_CASES", "10000"))
 # Subscriptions that are no service's input: request inboxes (replies to the service's

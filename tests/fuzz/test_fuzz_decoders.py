@@ -1,5 +1,5 @@
 """Property tests of the pure decoders every service relies on: whatever the bytes, the
-answer is a message or a typed :class:`~cpd.errors.CpdError`, never another exception.
+answer is a message or a typed :class:`~cpd.protocol.errors.CpdError`, never another exception.
 Also the corpus generator itself (deterministic, and its msgpack writer is msgpack)."""
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpd import fuzzing, subjects, transfer, wire
-from cpd.errors import CpdError
+from cpd import transfer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError
+from cpd.transfer import framing
+from tools import fuzzing
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,11 +90,11 @@ def test_pack_writes_what_msgspec_refuses() -> None:
 @given(data=st.binary(max_size=512))
 def test_transfer_header_decoder_is_typed(data: bytes) -> None:
     cap = transfer.header_capacity(16)
-    framed = (transfer._LEN.pack(len(data)) + data)[:cap]
+    framed = (framing.LENGTH.pack(len(data)) + data)[:cap]
     buf = bytearray(cap)
     buf[:len(framed)] = framed
     with contextlib.suppress(CpdError):
-        transfer._unframe(buf, wire.Message)
+        framing.unframe(buf, wire.Message)
 
 
 @_FAST

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpd import subjects, wire
 from cpd.bus import Request, Service
 from cpd.client import Client
-from cpd.config import Settings, load_settings
-from cpd.natsserver import NatsServer
-from cpd.servedmodel import ServedModel
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops.config import Settings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
 from services.gateway.app import create_app
 
 CASES = int(os.environ.get("CPD_FUZZ_GATEWAY_CASES", "5000"))

@@ -21,7 +21,7 @@ def main(model_cache: str, arena_path: str, mode: str = "sync") -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from cpd.engine.connector import checksum
+    from cpd.engines.vllm.connector import checksum
     from cpd.modelbuild import PRESETS, build
     from cpd.modelbuild.runtime import engine_kwargs
 
@@ -31,7 +31,8 @@ def main(model_cache: str, arena_path: str, mode: str = "sync") -> None:
     np.memmap(arena_path, dtype=np.uint8, mode="w+", shape=(slots, slot_bytes)).flush()
     llm = LLM(**engine_kwargs(folder, prefix_caching=True), block_size=bs,
               kv_transfer_config=KVTransferConfig(
-                  kv_connector="CpdConnector", kv_connector_module_path="cpd.engine.connector",
+                  kv_connector="CpdConnector",
+                  kv_connector_module_path="cpd.engines.vllm.connector",
                   kv_role="kv_both", kv_load_failure_policy="recompute",
                   kv_connector_extra_config={"arena_path": arena_path, "num_slots": slots,
                                              "slot_bytes": slot_bytes,

@@ -1,4 +1,4 @@
-"""Drives cpd.engine.vllm_engine.VllmEngine (AsyncLLM + CPD's connector) on the local
+"""Drives cpd.engines.vllm.engine.VllmEngine (AsyncLLM + CPD's connector) on the local
 model and prints JSON results (a subprocess of tests/test_vllm_engine.py)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import numpy as np
 
 
 async def run(model_cache: str, arena_path: str) -> dict:
-    from cpd import wire
-    from cpd.engine import ArenaSpec, EngineRequest
-    from cpd.engine.connector import checksum
-    from cpd.engine.vllm_engine import VllmEngine
+    from cpd.engines import ArenaSpec, EngineRequest
+    from cpd.engines.vllm.connector import checksum
+    from cpd.engines.vllm.engine import VllmEngine
     from cpd.modelbuild import PRESETS, build
+    from cpd.protocol import wire
 
     folder = build("tiny", model_cache)
     bs, slots = 256, 8

@@ -1,6 +1,6 @@
 """The locally built model (no model hub is reachable): ``build`` and its presets."""
 
-from .build import (
+from cpd.modelbuild.build import (
            MANIFEST,
            PRESETS,
            RECIPE_VERSION,

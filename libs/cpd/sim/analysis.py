@@ -26,9 +26,9 @@ from typing import Literal
 
 import numpy as np
 
-from .costmodel import CostModel
-from .scheduler import DEFAULT_MAX_BATCHED_TOKENS
-from .workloads import WorkloadRequest
+from cpd.sim.costmodel import CostModel
+from cpd.sim.scheduler import DEFAULT_MAX_BATCHED_TOKENS
+from cpd.sim.workloads import WorkloadRequest
 
 DEFAULT_MIN_ACHIEVED_RATIO = 0.95
 # The paper does not publish its SLO; 3 s on TTFT p90 puts the 2P1D saturation of the

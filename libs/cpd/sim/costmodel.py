@@ -1,7 +1,7 @@
-"""How long an engine step takes on a modelled GPU node (DESIGN.md §9 "sim").
+"""How long an engine step takes on a modelled GPU node (docs/architecture.md, "Engines").
 
 Pure functions of public hardware and model figures; no I/O, no clock. The simulated
-engine (:mod:`cpd.sim.engine`) turns these simulated seconds into wall time through its
+engine (:mod:`cpd.engines.sim.engine`) turns these simulated seconds into wall time through its
 own ``time_scale``; the cost model knows nothing about wall time.
 
 Model

@@ -22,7 +22,7 @@ def chain_hashes(tokens: np.ndarray | Sequence[int], block_size: int,
     """``h_i = xxh3_64(tokens of block i, seed=h_{i-1})`` over the full blocks, the chain
     seeded by the request's cache salt (as vLLM's ``cache_salt`` keys the first block:
     tenants never share engine blocks). Engine-internal (CPD's block identity is
-    :mod:`cpd.hashing`); deterministic across runs."""
+    :mod:`cpd.protocol.hashing`); deterministic across runs."""
     arr = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)
     out: list[int] = []
     h = xxhash.xxh3_64_intdigest(salt.encode()) if salt else 0

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .costmodel import CostModel
+from cpd.sim.costmodel import CostModel
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192   # vLLM v1's default for online serving on big GPUs
 DEFAULT_MAX_NUM_SEQS = 256

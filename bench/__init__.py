@@ -1,1 +1,0 @@
-"""Benchmarks (``cpd bench ...``); results and commands in docs/benchmarks.md."""

@@ -1,0 +1,214 @@
+"""Streamed replies: the reading half (sequence numbers checked, an explicit end) and the
+sending half (:class:`ReplyStream`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import nats
+import nats.errors
+import nats.micro
+
+from cpd.bus.replymux import is_no_responders
+from cpd.ops import telemetry
+from cpd.protocol import wire
+from cpd.protocol.errors import (
+    Cancelled,
+    CpdError,
+    ErrorCode,
+    NoResponders,
+    RouterGone,
+    StreamGap,
+    error_from_wire,
+)
+
+if TYPE_CHECKING:
+    from .request import Bus
+
+T = TypeVar("T", bound=wire.Message)
+
+log = telemetry.get_logger("cpd.bus")
+
+
+class StreamReader:
+    """The receiving half of a streamed reply: an inbox whose messages come out in
+    ``seq`` order, whoever published them.
+
+    A ``wire.Error`` in order is raised as its typed exception; a sequence number that
+    stays missing for ``idle_timeout`` while later ones wait raises
+    :class:`~cpd.protocol.errors.StreamGap`; a NATS no-responders status raises
+    :class:`~cpd.protocol.errors.NoResponders`.
+
+    Keep-alives (``TokenChunk.keepalive_ms``; the router's, ReplyStream.keepalive) are
+    consumed here, never returned. With ``silence_limit`` set, nothing at all received
+    for that long raises :class:`~cpd.protocol.errors.RouterGone`, and a gap is given at most that
+    long; each keep-alive resets the limit to ``keepalive_misses`` of its interval.
+    """
+
+    def __init__(self, bus: Bus, *, idle_timeout: float, subject: str = "",
+                 silence_limit: float | None = None, keepalive_misses: int = 0) -> None:
+        self.bus = bus
+        self.idle_timeout = idle_timeout
+        self.subject = subject
+        self.silence_limit = silence_limit
+        self.keepalive_misses = keepalive_misses
+        self.inbox = ""
+        self._sub: Any = None
+        self._expected = 0
+        self._early: dict[int, wire.Message] = {}
+        self._gap_since = 0.0
+        self._heard = 0.0
+        # The highest seq the sender proved it sent (an out-of-band keep-alive repeats
+        # it): at or past _expected, a message was lost even with nothing queued behind.
+        self._sent_upto = -1
+
+    async def open(self) -> str:
+        """Subscribe; returns the inbox to name as the stream's destination."""
+        self.inbox = self.bus.nc.new_inbox()
+        self._sub = await self.bus.nc.subscribe(self.inbox)
+        self._heard = time.monotonic()
+        return self.inbox
+
+    @property
+    def gap_pending(self) -> bool:
+        """Later messages wait for a missing one."""
+        return bool(self._early) or self._expected <= self._sent_upto
+
+    def _keepalive(self, msg: wire.TokenChunk) -> None:
+        """Take a keep-alive: the first one of a stream is in band (seq 0), later ones
+        repeat the last seq sent (older readers drop them as duplicates)."""
+        if self.keepalive_misses:
+            self.silence_limit = msg.keepalive_ms / 1000 * self.keepalive_misses
+        if msg.seq == 0 and self._expected == 0:
+            self._expected = 1
+            self._gap_since = time.monotonic() if self._early else 0.0
+        elif msg.seq >= self._expected and msg.seq > self._sent_upto:
+            if not self.gap_pending:
+                self._gap_since = time.monotonic()
+            self._sent_upto = msg.seq
+
+    async def next(self, timeout: float) -> wire.Message | None:
+        """The next message in order, or ``None`` when none came within ``timeout``."""
+        end = time.monotonic() + timeout
+        while True:
+            if self._expected in self._early:
+                reply = self._early.pop(self._expected)
+                self._expected += 1
+                self._gap_since = time.monotonic() if self.gap_pending else 0.0
+                if isinstance(reply, wire.Error):
+                    raise error_from_wire(reply.code, reply.message, reply.retryable)
+                return reply
+            now = time.monotonic()
+            gap_limit = min(self.idle_timeout, self.silence_limit or self.idle_timeout)
+            if self.gap_pending and now - self._gap_since >= gap_limit:
+                raise StreamGap(f"stream on {self.subject or self.inbox}: message "
+                                f"{self._expected} never came (have {sorted(self._early)})")
+            if self.silence_limit is not None and now - self._heard >= self.silence_limit:
+                raise RouterGone(f"nothing on {self.subject or self.inbox} for "
+                                 f"{self.silence_limit:.1f}s, keep-alives included: its "
+                                 f"sender died or is cut off")
+            if end - now <= 0:
+                return None
+            left = end - now
+            if self.gap_pending:
+                left = min(left, self._gap_since + gap_limit - now)
+            if self.silence_limit is not None:
+                left = min(left, self._heard + self.silence_limit - now)
+            try:
+                raw = await self._sub.next_msg(timeout=max(left, 0.001))
+            except nats.errors.TimeoutError:
+                continue
+            self._heard = time.monotonic()
+            if is_no_responders(raw):
+                raise NoResponders(f"no responders on {self.subject or self.inbox}")
+            reply = wire.decode(raw.data)
+            if isinstance(reply, wire.TokenChunk) and reply.keepalive_ms:
+                self._keepalive(reply)
+                continue
+            seq = getattr(reply, "seq", self._expected)
+            if isinstance(reply, wire.Error) and seq <= self._expected:
+                raise error_from_wire(reply.code, reply.message, reply.retryable)
+            if seq < self._expected:
+                continue  # duplicate delivery
+            if not self._early:
+                self._gap_since = time.monotonic()
+            self._early[seq] = reply
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+
+class ReplyStream:
+    """The sending half of one streamed reply (to ``reply_to``)."""
+
+    def __init__(self, bus: Bus, reply_to: str, request_id: str, seq_start: int = 0) -> None:
+        self.bus = bus
+        self.reply_to = reply_to
+        self.request_id = request_id
+        self.seq = seq_start
+        self.closed = False
+        self.last_sent = time.monotonic()  # for keep-alives on silent streams
+
+    async def _send(self, msg: wire.Message) -> None:
+        if self.closed:
+            raise CpdError(f"stream of {self.request_id} already ended")
+        self.seq += 1
+        self.last_sent = time.monotonic()
+        await self.bus.publish(self.reply_to, msg)
+
+    async def keepalive(self, interval_ms: int) -> None:
+        """Tell the receiver this sender is alive and will send something at least every
+        ``interval_ms`` (an empty TokenChunk with ``keepalive_ms``; no-op once ended).
+
+        The first message of a stream takes seq 0 (older readers see an empty chunk);
+        every later keep-alive repeats the last seq sent, out of band: losing one opens
+        no gap, older readers drop it as a duplicate, and one that arrives ahead of a
+        missing message proves that message lost (StreamReader)."""
+        if self.closed:
+            return
+        if self.seq == 0:
+            await self._send(wire.TokenChunk(request_id=self.request_id, seq=0,
+                                             token_ids=[], keepalive_ms=interval_ms))
+            return
+        self.last_sent = time.monotonic()
+        await self.bus.publish(self.reply_to, wire.TokenChunk(
+            request_id=self.request_id, seq=self.seq - 1, token_ids=[],
+            keepalive_ms=interval_ms))
+
+    async def tokens(self, token_ids: list[int], text: str = "") -> None:
+        """Send generated tokens."""
+        await self._send(wire.TokenChunk(request_id=self.request_id, seq=self.seq,
+                                         token_ids=token_ids, text=text))
+
+    async def final(self, **fields: Any) -> None:
+        """End the stream successfully (usage, timings, route...)."""
+        await self._send(wire.Final(request_id=self.request_id, seq=self.seq, **fields))
+        self.closed = True
+
+    async def error(self, exc: BaseException) -> None:
+        """End the stream with a typed error (no-op when already ended)."""
+        if self.closed:
+            return
+        err = error_message(exc, self.request_id, self.seq)
+        self.closed = True
+        with contextlib.suppress(Exception):
+            await self.bus.publish(self.reply_to, err)
+
+
+def error_message(exc: BaseException, request_id: str = "", seq: int = 0) -> wire.Error:
+    if isinstance(exc, CpdError):
+        return wire.Error(request_id=request_id, seq=seq, code=exc.code.value,
+                          message=exc.message, retryable=exc.retryable)
+    if isinstance(exc, asyncio.CancelledError):
+        return wire.Error(request_id=request_id, seq=seq, code=Cancelled.code.value,
+                          message="request cancelled (service stopping)", retryable=True)
+    return wire.Error(request_id=request_id, seq=seq, code=ErrorCode.INTERNAL.value,
+                      message=f"internal error: {exc!r}", retryable=False)
+
+

@@ -1,0 +1,139 @@
+"""The vLLM engine behind a CPD worker: ``AsyncLLM`` with CPD's KV connector.
+
+Integrated only through public extension points: engine arguments, the connector module
+path, and ``kv_transfer_params`` on each request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cpd.engines.protocol import ArenaSpec, EngineRequest, EngineStep
+from cpd.engines.vllm.connector import PARAMS_KEY
+from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
+from cpd.protocol import wire
+
+
+class VllmEngine:
+    """One vLLM engine (its EngineCore runs in a child process)."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], *, block_size: int,
+                 arena: ArenaSpec | None, dtype: str = "float32",
+                 prefix_caching: bool = True, max_model_len: int | None = None,
+                 kv_cache_gib: int = 1, kv_events_endpoint: str = "",
+                 long_prefill_token_threshold: int = 0,
+                 async_kv_load: bool = False) -> None:
+        self.model_dir = Path(model_dir)
+        # Arena loads off the step (the request waits in WAITING_FOR_REMOTE_KVS while the
+        # batch runs; cpd.engines.vllm.connector) instead of inside the step that schedules it.
+        self.async_kv_load = async_kv_load
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.block_size = block_size
+        self.arena = arena
+        self.dtype = dtype
+        self.prefix_caching = prefix_caching
+        self._max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        # Where vLLM publishes its KV cache events (ZMQ), for cpd.engines.vllm.gpu_events.
+        self.kv_events_endpoint = kv_events_endpoint
+        self._llm: Any = None
+
+    @property
+    def max_model_len(self) -> int:
+        assert self._llm is not None, "start() first"
+        return self._llm.vllm_config.model_config.max_model_len
+
+    def engine_args(self) -> dict[str, Any]:
+        """Arguments for ``AsyncEngineArgs`` (also used by the GPU check script)."""
+        args = engine_kwargs(self.model_dir, dtype=self.dtype,
+                             prefix_caching=self.prefix_caching,
+                             max_model_len=self._max_model_len)
+        args["block_size"] = self.block_size
+        args["disable_log_stats"] = True
+        if self.long_prefill_token_threshold:
+            args["long_prefill_token_threshold"] = self.long_prefill_token_threshold
+        if self.arena is not None:
+            from vllm.config import KVTransferConfig
+
+            args["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="CpdConnector", kv_connector_module_path="cpd.engines.vllm.connector",
+                kv_role="kv_both",
+                # A block that fails its checksum is recomputed, never served or fatal.
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"arena_path": self.arena.path,
+                                           "num_slots": self.arena.num_slots,
+                                           "slot_bytes": self.arena.slot_bytes,
+                                           "async_load": self.async_kv_load})
+        if self.kv_events_endpoint:
+            from vllm.config import KVEventsConfig
+
+            args["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq",
+                endpoint=self.kv_events_endpoint, topic="cpd")
+        return args
+
+    async def start(self) -> None:
+        prepare_cpu_env(self.kv_cache_gib)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s: wire.SamplingParams = request.sampling
+        extra = None
+        if request.load_slots or request.save_slots:
+            extra = {"kv_transfer_params": {PARAMS_KEY: {
+                "load": list(request.load_slots), "load_checksums": list(request.load_checksums),
+                "save": list(request.save_slots)}}}
+        params = SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA, extra_args=extra)
+        prompt: dict[str, Any] = {"prompt_token_ids": _token_list(request.tokens)}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        async for out in self._llm.generate(prompt, params, request.request_id):
+            comp = out.outputs[0] if out.outputs else None
+            step = EngineStep(token_ids=list(comp.token_ids) if comp else [],
+                              finished=out.finished,
+                              finish_reason=comp.finish_reason if comp else None,
+                              prompt_tokens=len(request.tokens),
+                              cached_tokens=out.num_cached_tokens or 0)
+            info = (out.kv_transfer_params or {}).get(PARAMS_KEY)
+            if info:
+                step.gpu_blocks = info.get("cached_blocks", 0)
+                step.loaded_blocks = info.get("loaded_blocks", 0)
+                step.failed_blocks = info.get("failed_blocks", 0)
+                step.saved_blocks = info.get("saved_blocks", 0)
+                # vLLM counts the connector's matched tokens as cached when it schedules
+                # them; blocks that then failed verification were computed after all.
+                step.cached_tokens = max(
+                    0, step.cached_tokens - step.failed_blocks * self.block_size)
+            yield step
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        assert self._llm is not None, "start() first"
+        return bool(await self._llm.reset_prefix_cache())
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def _token_list(tokens: Sequence[int] | np.ndarray) -> list[int]:
+    # vLLM wants Python ints; list() of a numpy array would give numpy scalars.
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)

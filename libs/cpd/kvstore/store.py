@@ -1,0 +1,223 @@
+"""A worker's host-DRAM block store: the arena's logic plus its lifecycle events.
+
+:class:`KvStore` wraps a :class:`~cpd.kvstore.arena.BlockStore` for a worker: after each
+operation it publishes the outbox through :class:`~cpd.kvstore.events.KvEventPublisher`
+into ``CPD_KV`` (in order, and put back if the publish fails), sweeps expired leases, and
+answers kvindex's re-announce requests (``NodeCleared`` followed by the full state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from cpd.ops import telemetry
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import (
+    CpdError,
+)
+
+from .arena import BlockEntry, BlockStore, Lease, SealItem, as_byte_array
+from .events import KvEventPublisher
+
+log = telemetry.get_logger("cpd.kvstore")
+
+
+class KvStore:
+    """A :class:`BlockStore` whose lifecycle events go into ``CPD_KV``.
+
+    Every mutating method applies the pure transition and then publishes the outbox in
+    order (one publish at a time, so stream order equals event order). With
+    ``publisher=None`` events are dropped: only for tools and benchmarks that run
+    without kvindex.
+    """
+
+    def __init__(self, store: BlockStore, publisher: KvEventPublisher | None) -> None:
+        self.store = store
+        self.publisher = publisher
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._sub: Any = None
+
+    @property
+    def node(self) -> str:
+        return self.store.node
+
+    async def flush(self) -> None:
+        """Publish pending lifecycle events, in order; unpublished ones stay queued."""
+        async with self._lock:
+            await self._publish(self.store.drain_events())
+
+    async def _publish(self, events: list[wire.KvEvent]) -> None:
+        if self.publisher is None:
+            return
+        for i, event in enumerate(events):
+            try:
+                await self.publisher.publish(event)
+            except BaseException:
+                self.store.requeue_events(events[i:])
+                raise
+
+    async def allocate(self, namespace: str, refs: Sequence[wire.BlockRef], *,
+                       slots: Sequence[int] | None = None) -> list[BlockEntry | None]:
+        """:meth:`BlockStore.allocate`, then publish (evictions, allocations)."""
+        try:
+            return self.store.allocate(namespace, refs, slots=slots)
+        finally:
+            await self.flush()
+
+    async def begin_write(self, hashes: Iterable[bytes]) -> None:
+        try:
+            self.store.begin_write(hashes)
+        finally:
+            await self.flush()
+
+    async def seal(self, items: Iterable[SealItem]) -> list[wire.BlockSeal]:
+        try:
+            return self.store.seal(items)
+        finally:
+            await self.flush()
+
+    async def fail(self, hashes: Iterable[bytes], reason: str) -> None:
+        try:
+            self.store.fail(hashes, reason)
+        finally:
+            await self.flush()
+
+    async def evict(self, count: int) -> int:
+        try:
+            return self.store.evict(count)
+        finally:
+            await self.flush()
+
+    async def discard(self, hashes: Iterable[bytes], reason: str) -> list[bytes]:
+        """Drop sealed blocks found bad and tell kvindex (see :meth:`BlockStore.discard`)."""
+        try:
+            dropped = self.store.discard(hashes)
+        finally:
+            await self.flush()
+        if dropped:
+            log.warning("kvstore.discarded", node=self.node, blocks=len(dropped), reason=reason)
+        return dropped
+
+    async def take_slots(self, count: int) -> list[int]:
+        """:meth:`BlockStore.take_slots`, publishing the evictions it caused."""
+        try:
+            return self.store.take_slots(count)
+        finally:
+            await self.flush()
+
+    async def write_blocks(self, namespace: str, refs: Sequence[wire.BlockRef],
+                           payloads: Sequence[Any]) -> list[wire.BlockSeal]:
+        """Allocate, copy ``payloads`` into the slots, seal: one call for a local writer.
+
+        Blocks already held are skipped. A failure while copying fails the new blocks.
+        """
+        entries = await self.allocate(namespace, refs)
+        new = [(e, p) for e, p in zip(entries, payloads, strict=True) if e is not None]
+        if not new:
+            return []
+        await self.begin_write([e.hash for e, _ in new])
+        try:
+            items = []
+            for entry, payload in new:
+                src = as_byte_array(payload) if not isinstance(payload, np.ndarray) else \
+                    payload.reshape(-1).view(np.uint8)
+                self.store.arena[entry.slot, :src.nbytes] = src
+                items.append((entry.hash, src.nbytes))
+        except BaseException:
+            await self.fail([e.hash for e, _ in new], "write error")
+            raise
+        return await self.seal(items)
+
+    def pin(self, lease_id: str, hashes: Sequence[bytes], ttl_s: float) -> Lease:
+        """Pin sealed blocks under a lease (no lifecycle event: kvindex keeps them visible)."""
+        return self.store.pin(lease_id, hashes, ttl_s)
+
+    def unpin(self, lease_id: str) -> bool:
+        return self.store.unpin(lease_id)
+
+    async def reannounce(self) -> int:
+        """Publish ``NodeCleared`` and then every held block (kvindex's rebuild)."""
+        async with self._lock:
+            await self._publish(self.store.drain_events())
+            events = self.store.snapshot_events()
+            await self._publish(events)
+        return len(events)
+
+    async def start(self, nc: Any = None, *, sweep_interval_s: float = 1.0,
+                    on_reject: Callable[[str, CpdError], None] | None = None) -> None:
+        """Sweep expired leases every ``sweep_interval_s`` and, given a NATS connection,
+        answer ``Reannounce`` requests on :func:`cpd.protocol.subjects.kv_reannounce`
+        (``on_reject(subject, error)`` counts a malformed one)."""
+        self._on_reject = on_reject
+        self._tasks.append(asyncio.create_task(self._sweep(sweep_interval_s),
+                                               name=f"kvstore-sweep-{self.node}"))
+        if nc is not None:
+            self._sub = await nc.subscribe(subjects.kv_reannounce(self.node),
+                                           cb=self._on_reannounce)
+
+    async def close(self) -> None:
+        """Stop the sweeper and the re-announce subscription; publish what is pending."""
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        for task in list(getattr(self, "_reannouncing", ())):
+            task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        with contextlib.suppress(CpdError):
+            await self.flush()
+
+    async def _sweep(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            expired = self.store.expire_leases()
+            if expired:
+                log.info("leases expired", node=self.node, leases=len(expired))
+
+    async def _on_reannounce(self, msg: Any) -> None:
+        try:
+            req = wire.decode(msg.data, wire.Reannounce)
+        except CpdError as e:
+            if getattr(self, "_on_reject", None) is not None:
+                self._on_reject(msg.subject, e)
+            else:
+                log.warning("bad reannounce request", error=str(e))
+            return
+        # A re-announce publishes every held block: requests that arrive while one waits
+        # to run share it (a flood must not queue thousands of full re-announces), and
+        # it runs off the subscription's callback, which keeps draining meanwhile.
+        if getattr(self, "_reannounce_queued", False):
+            if msg.reply:
+                await msg.respond(b"")
+            return
+        self._reannounce_queued = True
+        if not hasattr(self, "_reannounce_lock"):
+            self._reannounce_lock = asyncio.Lock()
+            self._reannouncing: set[asyncio.Task[None]] = set()
+        task = asyncio.create_task(self._run_reannounce(msg, req))
+        self._reannouncing.add(task)
+        task.add_done_callback(self._reannouncing.discard)
+
+    async def _run_reannounce(self, msg: Any, req: wire.Reannounce) -> None:
+        async with self._reannounce_lock:
+            self._reannounce_queued = False
+            try:
+                n = await self.reannounce()
+            except CpdError as e:
+                log.error("reannounce failed", error=str(e))
+                return
+        log.info("reannounced", node=self.node, events=n, reason=req.reason)
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(b"")

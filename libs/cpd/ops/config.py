@@ -1,0 +1,479 @@
+"""Typed settings for every CPD process, loaded from defaults, a TOML file, the
+environment and command-line overrides (later sources win).
+
+* File: ``--config PATH`` or ``CPD_CONFIG=PATH``; TOML with one table per section.
+* Environment: ``CPD_<SECTION>__<FIELD>`` (e.g. ``CPD_NATS__URL``, ``CPD_CACHE__BLOCK_SIZE``).
+* Overrides: ``section.field=value`` strings (the CLI's ``--set``).
+
+Everything is validated at load; a bad value raises :class:`cpd.protocol.errors.ConfigError`
+naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from cpd.protocol.errors import ConfigError
+from cpd.protocol.roles import Role
+from cpd.sim.analysis import DEFAULT_TTFT_SLO_S
+from cpd.sim.costmodel import DEFAULT_PRESET, PRESETS
+
+ENV_PREFIX = "CPD_"
+_NODE_ID = r"^[A-Za-z0-9_-]{1,64}\Z"
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class NatsSettings(_Section):
+    """How to reach NATS (and, for the embedded default, how to start it)."""
+
+    url: str = "nats://127.0.0.1:4222"
+    user: str = ""
+    password: str = ""
+    creds_file: str = ""
+    connect_timeout_s: Positive = 5.0
+    reconnect_wait_s: Positive = 0.5
+    # -1: reconnect forever; a serving process should outlive a NATS restart.
+    max_reconnect_attempts: int = -1
+    drain_timeout_s: Positive = 10.0
+    # Embedded server (cpd up / tests): data dir for JetStream, port 0 = pick a free one.
+    embedded_port: Port = 4222
+    embedded_store_dir: str = "~/.cache/cpd/nats"
+    # Least privilege (``cpd up --secure``, ``cpd secure init``; cpd.ops.security): this
+    # process's identity. ``password_file`` is read instead of ``password`` when set;
+    # ``nkey_seed_file`` holds an nkey user seed (``SU...``) and replaces user/password.
+    password_file: str = ""
+    nkey_seed_file: str = ""
+    # TLS: the CA that signed the server's certificate (turns TLS on), and this client's
+    # own certificate and key when the server verifies clients (mutual TLS).
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # Request/reply inbox prefix; each identity is only allowed to read under its own.
+    # Empty: NATS's default ``_INBOX``.
+    inbox_prefix: str = ""
+    # Where `cpd up --secure` keeps the generated credentials, CA and certificates.
+    secrets_dir: str = "~/.cache/cpd/secrets"
+
+
+class BusSettings(_Section):
+    """Message-size and timing rules of the bus."""
+
+    # The server counts headers too; docs/architecture.md, "Subjects" caps a message at ~900 KiB in
+    # all.
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 900 * 1024
+    request_timeout_s: Positive = 5.0
+    # Gap allowed between two messages of one streamed reply before the stream is declared dead.
+    stream_idle_timeout_s: Positive = 30.0
+
+
+class ModelSettings(_Section):
+    """The model every engine serves; ``preset`` names a locally built model."""
+
+    preset: Literal["tiny", "small"] = "tiny"
+    # Where built models live; one sub-folder per preset and build-recipe version.
+    cache_dir: str = "~/.cache/cpd/models"
+    # Explicit model folder (a real checkpoint); overrides the preset when set.
+    path: str = ""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class CacheSettings(_Section):
+    """Block identity and the tenant salt (docs/architecture.md, "Block identity")."""
+
+    block_size: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
+    # Salts this deployment's base namespace: two deployments sharing NATS and kvindex
+    # (or a kvindex snapshot) with different salts never match each other's blocks.
+    tenant_salt: str = ""
+    adapter_id: str = ""
+
+
+class TelemetrySettings(_Section):
+    """Logs, traces and metrics."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_json: bool = True
+    # OTLP/HTTP endpoint for spans; empty keeps spans in-process (still propagated).
+    otlp_endpoint: str = ""
+    # Prometheus scrape port for this process; 0 disables the exporter.
+    prometheus_port: Port = 0
+
+
+class NodeSettings(_Section):
+    """Identity of this process."""
+
+    node_id: Annotated[str, msgspec.Meta(pattern=_NODE_ID)] = ""
+    heartbeat_interval_s: Positive = 1.0
+    lease_ttl_s: Positive = 5.0
+
+
+class AdmissionSettings(_Section):
+    """Router admission control (docs/architecture.md, "Routing")."""
+
+    max_inflight: PositiveInt = 24
+    max_queue: Annotated[int, msgspec.Meta(ge=0)] = 64
+    default_deadline_s: Positive = 300.0
+
+
+class RouterSettings(_Section):
+    """The router: routing policy, its cost seeds, lookups and failover (docs/architecture.md,
+    "Routing")."""
+
+    # cpd: cache-aware tiers; pd-kv: KV-aware cost like Dynamo/llm-d; pd-rr: round-robin.
+    policy: Literal["cpd", "pd-kv", "pd-rr"] = "cpd"
+    # A kvindex answer later than this counts as a miss (never wait on a slow index).
+    lookup_timeout_ms: Annotated[float, msgspec.Meta(gt=0)] = 100.0
+    # Reuse below this share of the prompt, or below this many tokens, makes it cold.
+    cold_reuse_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    min_reuse_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
+    # Work moves across tiers only when that finishes sooner by more than this.
+    overflow_margin_ms: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    # Transfer bandwidth assumed until a worker reports a measured one (GB/s).
+    default_bandwidth_gbps: Positive = 1.0
+    # A node loading from its own DRAM into its engine (GB/s).
+    host_bandwidth_gbps: Positive = 8.0
+    single_flight: bool = True
+    max_single_flight_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 30_000.0
+    # Prefill cost seeds (ms): fixed + per token + per token x context (docs/architecture.md,
+    # "Routing").
+    prefill_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    prefill_per_token_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.25
+    prefill_per_token_ctx_ms: Annotated[float, msgspec.Meta(ge=0)] = 1e-6
+    # Tries of one request across nodes: a refused dispatch or a node lost mid-stream
+    # moves the request to another node while nothing (or only reproducible greedy
+    # output) was sent to the client.
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=10)] = 3
+    # How long a worker has to accept a dispatched request.
+    dispatch_timeout_s: Positive = 5.0
+    # How often a streaming request checks that its prefill and decode nodes are alive.
+    liveness_check_interval_s: Positive = 0.25
+    # A client stream silent this long gets a keep-alive (an empty TokenChunk), so a
+    # client notices a dead router long before its deadline (docs/reliability.md).
+    keepalive_interval_s: Positive = 1.0
+    # A client fails a stream with a typed, retryable RouterGone after this many
+    # keep-alive intervals without any message from its router.
+    keepalive_misses: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    # Bytes of recent prompts (token ids and block hashes) the router keeps to reuse
+    # their block hashes when a later prompt starts with them (multi-turn chat, coding
+    # agents); 64 MiB holds ~130 prompts of 128K tokens. 0 hashes every prompt afresh.
+    hash_memo_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 2**20
+
+
+class TenantSettings(_Section):
+    """One tenant of the gateway (``[gateway.tenants.<name>]``): its API keys and limits.
+
+    The tenant's name goes into every request (``GenerateRequest.tenant``), so its KV
+    blocks live in a namespace of its own (docs/architecture.md, "Block identity"). A limit
+of 0 means "none".
+    """
+
+    # SHA-256 hex digests of the tenant's API keys (``cpd.ops.config.api_key_digest``), never
+    # the keys themselves: a leaked config file leaks no key.
+    api_key_sha256: list[str] = msgspec.field(default_factory=list)
+    # Prompt tokens of one request (on top of the model's own limit).
+    max_prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Bytes of one HTTP request body.
+    max_request_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Cap of max_tokens: a larger explicit value is refused, a default is clamped.
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Token bucket: sustained requests per second and how many may come at once.
+    rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    burst: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        for digest in self.api_key_sha256:
+            if not _SHA256_HEX.match(digest):
+                raise ValueError(f"api_key_sha256 entry {digest[:8]!r}... is not a "
+                                 "64-digit lowercase SHA-256 hex digest")
+
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}\Z")
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+
+
+def api_key_digest(key: str) -> str:
+    """The SHA-256 hex digest of an API key, as ``api_key_sha256`` stores it."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class GatewaySettings(_Section):
+    """The OpenAI-compatible HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    # The model name clients use; empty: "cpd-<model.preset>".
+    served_model_name: str = ""
+    # Deadline of one HTTP request when the body sets none.
+    request_timeout_s: Positive = 300.0
+    # API keys and per-tenant limits. Empty: no authentication, every request is the
+    # "default" tenant's (a local cluster); set, every request needs a tenant's key
+    # (``Authorization: Bearer <key>``).
+    tenants: dict[str, TenantSettings] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owner: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            if not _TENANT_NAME.match(name):
+                raise ValueError(f"gateway.tenants: bad tenant name {name!r} "
+                                 "(letters, digits, _ . -; at most 64)")
+            for digest in tenant.api_key_sha256:
+                if digest in owner:
+                    raise ValueError(f"gateway.tenants: one API key belongs to both "
+                                     f"{owner[digest]!r} and {name!r}")
+                owner[digest] = name
+
+
+class KvIndexSettings(_Section):
+    """kvindex: durability and lease enforcement (docs/architecture.md, "Lifecycle and
+    visibility")."""
+
+    # Snapshots bound replay time after a crash; one file per replica.
+    snapshot_dir: str = "~/.cache/cpd/kvindex"
+    snapshot_interval_s: Positive = 30.0
+    lease_sweep_interval_s: Positive = 0.25
+    # Retention of the CPD_KV stream; older events are covered by snapshots/re-announce.
+    stream_max_age_s: Positive = 24 * 3600.0
+    stream_max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 8 << 30
+    # Longest chain one lookup may ask about (~2M tokens at 256 tokens per block).
+    max_lookup_blocks: PositiveInt = 8192
+    # Idle heartbeat of the CPD_KV consumer. nats-py recreates an ordered consumer (from
+    # the last applied event) after two missed heartbeats; a NATS restart loses the
+    # consumer, so this bounds how long kvindex goes without events (nats-py's default
+    # of 5 s meant 10-20 s of a stale index after a restart; docs/reliability.md).
+    consumer_heartbeat_s: Annotated[float, msgspec.Meta(ge=0.1, le=30.0)] = 1.0
+
+
+class DataPlaneSettings(_Section):
+    """Host-DRAM block store and UCX transfers between workers (docs/architecture.md, "KV tiers and
+    the data plane")."""
+
+    # Preallocated block arena of this worker (host DRAM); its slots are reused forever.
+    arena_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 1 << 30
+    # Bytes of one cache block (one arena slot). 0 derives it from the model:
+    # layers × (K, V) × cache.block_size × KV heads × head dim × dtype size.
+    block_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # The listener accepts on every interface; peers reach it at advertise_host:listen_port
+    # (what goes into the heartbeat). Port 0 lets the OS pick.
+    advertise_host: str = "127.0.0.1"
+    listen_port: Port = 0
+    # Transfers in flight at once: as a client (all peers together) and as a server.
+    max_concurrent_transfers: PositiveInt = 8
+    max_server_transfers: PositiveInt = 16
+    # Largest batch of one exchange; bounds the preallocated header buffers.
+    max_blocks_per_transfer: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+    # This worker's gets ask for consecutive blocks whose landing slot is smaller than this
+    # to travel as one UCX message per run (copied through staging buffers on both sides):
+    # each message costs tens of µs of Python per side, more than copying a small block.
+    # Larger blocks keep a zero-copy message each. 0: one message per block, as builds
+    # before coalescing do (a peer of such a build fails coalesced gets: MalformedMessage).
+    coalesce_below_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 256 << 10
+    # Largest coalesced message; sizes the staging buffers, preallocated per permit (client:
+    # 2 × max_concurrent_transfers, server: max_server_transfers), pages mapped on first
+    # use. A server refuses (InvalidRequest) runs larger than its own, all of them at 0,
+    # so keep it equal on every worker. 0 also turns this worker's own coalescing off.
+    coalesce_message_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 4 << 20
+    # Deadline of one transfer when the caller gives none; a paused peer is only ever
+    # detected by it.
+    transfer_timeout_s: Positive = 10.0
+    # One connection handshake; attempts repeat until the transfer's deadline.
+    connect_timeout_s: Positive = 2.0
+    # How long aborting an endpoint may wait for UCX to tear it down.
+    abort_wait_s: Positive = 0.1
+    # Default lease of blocks pinned for a pull (until the puller acks or it expires).
+    pin_ttl_s: Positive = 60.0
+    lease_sweep_interval_s: Positive = 1.0
+    # UCX transports; tcp is mandatory (connection manager, cross-host). posix shared memory
+    # is the fastest same-host path that keeps peer-failure detection (docs/benchmarks/).
+    ucx_tls: str = "tcp,posix"
+    # posix/sysv only advertise peer-failure handling when asked; without it UCX silently
+    # drops them from error-handling endpoints and falls back to TCP loopback.
+    ucx_shm_error_handling: bool = True
+    # ucxx defaults rendezvous staging buffers to CUDA memory; the arena is host memory.
+    ucx_rndv_frag_mem_type: Literal["host", "cuda"] = "host"
+    # "blocking": UCX progresses on the event loop (cpd.transfer re-arms it correctly and
+    # lets idle connections sleep); fastest and the only mode whose peer-failure tests are
+    # stable here. "thread": UCX in its own thread, but reconnects after a peer died
+    # mid-transfer can stall (docs/benchmarks/, data plane section).
+    ucx_progress_mode: Literal["blocking", "thread", "thread-polling", "polling"] = "blocking"
+    # Measured-bandwidth estimate (EWMA); transfers smaller than the minimum measure latency.
+    bandwidth_ewma_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
+    bandwidth_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+    # Port peers are told to connect to (in the heartbeat) when it differs from the
+    # listener's, e.g. behind a forwarder; 0: the listener's own port.
+    advertise_port: Port = 0
+
+    def __post_init__(self) -> None:
+        if "tcp" not in [t.strip() for t in self.ucx_tls.split(",")]:
+            raise ValueError("dataplane.ucx_tls must include tcp")
+
+
+class WorkerSettings(_Section):
+    """Pre-prefill, prefill and decode workers (docs/architecture.md, "Services")."""
+
+    # The block arena is a shared-memory file the engine's KV connector maps too.
+    arena_dir: str = "/dev/shm"
+    # vLLM-CPU's own paged KV cache (GiB; VLLM_CPU_KVCACHE_SPACE).
+    engine_kv_cache_gib: PositiveInt = 1
+    load_report_interval_s: Positive = 0.15
+    # How long the prefill side waits for a decode node to accept a hand-off.
+    handoff_timeout_s: Positive = 5.0
+    # Requests a worker holds (running or queued) before it refuses more as overloaded.
+    max_queued_requests: PositiveInt = 64
+    # Prefill cost seed until measured (ms per prompt token); the EWMA takes over.
+    initial_ms_per_token: Positive = 0.25
+    # vllm: the real engine on the model of [model]; sim: the simulated engine of [sim]
+    # (docs/architecture.md, "Engines"), same worker, same data plane, no model files.
+    engine: Literal["vllm", "sim"] = "vllm"
+    # Folder of the block audit trail (cpd.ops.audit: every block served, pulled, loaded, one
+    # JSONL file per node), the fault harness's evidence; empty: off.
+    audit_dir: str = ""
+    # Decode streams generated tokens in messages of this many (vLLM's stream_interval;
+    # the last message may be shorter). 1 sends every token at once; larger values cut
+    # the per-token message cost on every hop (decode -> router -> client).
+    stream_interval: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    # vLLM's long_prefill_token_threshold, for either engine: while other requests are
+    # running or waiting, no prefill computes more than this many tokens per step, so a
+    # long cold prompt leaves step budget for the short warm suffixes behind it (0: off,
+    # vLLM's default: a running prefill takes the whole budget until it is done).
+    long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Which engines load arena KV off the step, for either engine: the request waits for
+    # its KV (vLLM's WAITING_FOR_REMOTE_KVS; the sim's KV link) while the batch keeps
+    # stepping, instead of the copy stalling the step that first schedules it. "decode":
+    # decode workers, whose prompts arrive whole while they decode (as every P/D
+    # framework receives KV); "all": prefill tiers too; "none": every load in the step.
+    async_kv_load: Literal["none", "decode", "all"] = "decode"
+
+    def loads_async(self, role: str) -> bool:
+        """Whether a worker of ``role`` loads arena KV off the engine step."""
+        return self.async_kv_load == "all" or (self.async_kv_load == "decode"
+                                               and role == Role.DECODE)
+
+
+class SimSettings(_Section):
+    """The simulated engine (``worker.engine = "sim"``; docs/sim.md). The router reads
+    it too: namespace, length limit and prefill cost seeds follow the preset."""
+
+    # Cost preset (cpd.sim.costmodel.PRESETS) of prefill-side workers; decode workers use
+    # decode_preset when set (the paper's decode node is data parallel).
+    preset: str = DEFAULT_PRESET
+    decode_preset: str = ""
+    # Simulated seconds per wall second (2.0: a step of 10 ms takes 5 ms of wall time).
+    time_scale: Positive = 1.0
+    # Arena slots hold the modelled KV bytes of a block divided by this (32 MiB -> 4 KiB
+    # for the 8B preset): real bytes over the real data plane, at a size this host moves.
+    kv_scale_down: PositiveInt = 8192
+    max_model_len: PositiveInt = 262_144
+    vocab_size: PositiveInt = 32_000
+    # The engine's own prefix cache in blocks; 0 derives it from the preset's GPU memory.
+    gpu_cache_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_num_batched_tokens: PositiveInt = 8192
+    max_num_seqs: PositiveInt = 256
+    # Sustainable load needs TTFT p90 within this (client queue included). The paper does
+    # not publish its SLO; `cpd bench sweep` reports its keys at 2 s and at 3 s as well
+    # (3 s: the analytic 2P1D saturation at the paper's 0.75-0.8 QPS/GPU, docs/sim.md).
+    ttft_slo_s: Positive = DEFAULT_TTFT_SLO_S
+
+    def __post_init__(self) -> None:
+        for name in (self.preset, self.decode_preset or self.preset):
+            if name not in PRESETS:
+                raise ValueError(f"sim preset {name!r} is unknown; known: {sorted(PRESETS)}")
+
+
+class Settings(_Section):
+    """All settings of a CPD process."""
+
+    nats: NatsSettings = msgspec.field(default_factory=NatsSettings)
+    bus: BusSettings = msgspec.field(default_factory=BusSettings)
+    model: ModelSettings = msgspec.field(default_factory=ModelSettings)
+    cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
+    telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)
+    node: NodeSettings = msgspec.field(default_factory=NodeSettings)
+    admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
+    dataplane: DataPlaneSettings = msgspec.field(default_factory=DataPlaneSettings)
+    kvindex: KvIndexSettings = msgspec.field(default_factory=KvIndexSettings)
+    router: RouterSettings = msgspec.field(default_factory=RouterSettings)
+    gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    sim: SimSettings = msgspec.field(default_factory=SimSettings)
+
+    def __post_init__(self) -> None:
+        if not self.node.node_id:
+            # Unique per process and a valid subject token.
+            host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:40]
+            self.node.node_id = f"{host}-{os.getpid()}"
+        if self.nats.max_reconnect_attempts < -1:
+            raise ValueError("nats.max_reconnect_attempts must be -1 (forever) or >= 0")
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return Path(self.model.cache_dir).expanduser()
+
+
+def env_var_names() -> list[str]:
+    """Every environment variable the settings understand (docs, compose checks)."""
+    names = ["CPD_CONFIG"]
+    for section, stype in _sections().items():
+        for field in msgspec.structs.fields(stype):
+            names.append(f"{ENV_PREFIX}{section.upper()}__{field.name.upper()}")
+    return names
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build validated :class:`Settings` from file, environment and ``overrides``."""
+    environ = os.environ if environ is None else environ
+    raw: dict[str, dict[str, Any]] = {}
+    path = config_file or environ.get("CPD_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {path}: [{section}] must be a table")
+            raw.setdefault(section, {}).update(values)
+    sections = _sections()
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        section, _, field = key[len(ENV_PREFIX):].partition("__")
+        section, field = section.lower(), field.lower()
+        if section not in sections:
+            raise ConfigError(f"environment variable {key}: unknown section {section!r}")
+        raw.setdefault(section, {})[field] = value
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        section, dot, field = name.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        raw.setdefault(section, {})[field] = value.strip()
+    try:
+        # strict=False lets "8" from the environment become the int 8.
+        return msgspec.convert(raw, Settings, strict=False)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ConfigError(f"invalid settings: {e}") from e
+
+
+def _sections() -> dict[str, type[_Section]]:
+    return {f.name: f.type for f in msgspec.structs.fields(Settings)}

@@ -1,0 +1,638 @@
+"""Every message CPD sends over NATS (docs/architecture.md, "Subjects"), as tagged
+``msgspec.Struct``s.
+
+Rules, so that old and new processes keep talking:
+
+* Each message carries ``kind`` (its tag) and ``v``, the schema *major* version. A major
+  bump is a breaking change; within a major, fields are only ever **appended, with
+  defaults** (msgpack maps, so readers ignore fields they do not know).
+* :func:`decode` turns bad bytes into :class:`~cpd.protocol.errors.MalformedMessage`, a foreign
+  major into :class:`~cpd.protocol.errors.SchemaVersionError` and a kind this build does not know
+  into :class:`~cpd.protocol.errors.UnknownKind`, which receivers log and skip.
+* Token ids and block hashes travel as packed byte strings (``uint32`` little-endian and
+  concatenated 16-byte digests): a 100K-token prompt is one 400 KB field, not 100K ints.
+* KV bytes never travel here; the UCX data plane carries them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+from cpd.protocol.errors import MalformedMessage, SchemaVersionError, UnknownKind, WrongKind
+
+SCHEMA_VERSION = 1
+
+HASH_BYTES = 16
+"""Width of a block hash on the wire (128 bits; see :mod:`cpd.protocol.hashing`)."""
+
+TOKEN_DTYPE = np.dtype("<u4")
+
+T = TypeVar("T", bound="Message")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class Tier(enum.StrEnum):
+    """Where a cached block lives (docs/architecture.md, "KV tiers and the data plane")."""
+
+    GPU = "gpu"
+    DRAM = "dram"
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=False):
+    """Base of every wire message."""
+
+    v: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- client API
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """Sampling settings; greedy by default (temperature 0)."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    seed: int | None = None
+    stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class GenerateRequest(Message, tag="generate", kw_only=True):
+    """A client's request on ``cpd.v1.generate``; replies stream to the message's inbox."""
+
+    request_id: str
+    # Exactly one of prompt (text, tokenized by the router) and tokens (packed uint32).
+    prompt: str | None = None
+    tokens: bytes | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    model: str = ""
+    tenant: str = "default"
+    cache_salt: str = ""
+    priority: int = 0
+    # 0 = the router's default deadline; bounded (~35 years) so deadlines derived from it
+    # stay within the uint64 milliseconds of the messages the router sends on.
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+
+
+class TokenChunk(Message, tag="token", kw_only=True):
+    """Some generated tokens; ``seq`` counts every message of one reply stream from 0."""
+
+    request_id: str
+    seq: NonNegInt
+    token_ids: list[int]
+    text: str = ""
+    # > 0: not tokens but the router's keep-alive on a silent stream (no ids, no text):
+    # "I am alive; expect a message at least every ``keepalive_ms``". Clients skip it,
+    # and fail the stream typed when that many intervals pass without any message
+    # (router.keepalive_misses; docs/architecture.md, "Failure handling"). Older clients see an
+    # empty chunk.
+    keepalive_ms: NonNegInt = 0
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: NonNegInt = 0
+    completion_tokens: NonNegInt = 0
+    cached_tokens: NonNegInt = 0
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Milliseconds per phase of one request, as seen by the services."""
+
+    admission_ms: NonNegFloat = 0.0
+    lookup_ms: NonNegFloat = 0.0
+    queue_ms: NonNegFloat = 0.0
+    load_ms: NonNegFloat = 0.0
+    prefill_ms: NonNegFloat = 0.0
+    handoff_ms: NonNegFloat = 0.0
+    ttft_ms: NonNegFloat = 0.0
+    decode_ms: NonNegFloat = 0.0
+    total_ms: NonNegFloat = 0.0
+
+
+class Route(msgspec.Struct, kw_only=True):
+    """What the router decided and what the workers actually did."""
+
+    policy: str = ""
+    path: Literal["", "cold", "warm", "overflow"] = ""
+    reason: str = ""
+    prefill_node: str = ""
+    decode_node: str = ""
+    tokens_gpu: NonNegInt = 0
+    tokens_dram: NonNegInt = 0
+    tokens_remote: NonNegInt = 0
+    tokens_computed: NonNegInt = 0
+    # The decode node's side of the hand-off: prompt tokens it pulled vs recomputed.
+    decode_tokens_pulled: NonNegInt = 0
+    decode_tokens_computed: NonNegInt = 0
+
+
+class Final(Message, tag="final", kw_only=True):
+    """The last message of a successful stream."""
+
+    request_id: str
+    seq: NonNegInt
+    finish_reason: str = "stop"
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    route: Route = msgspec.field(default_factory=Route)
+
+
+class Error(Message, tag="error", kw_only=True):
+    """The last message of a failed stream, or the reply to a bad request."""
+
+    request_id: str = ""
+    seq: NonNegInt = 0
+    code: str
+    message: str
+    retryable: bool = False
+
+
+# ------------------------------------------------------------------------------ kvindex
+
+
+class LookupRequest(Message, tag="lookup", kw_only=True):
+    """Longest-prefix lookup of a prompt's chained block hashes."""
+
+    request_id: str = ""
+    namespace: str
+    block_hashes: bytes  # n * HASH_BYTES
+    include_pending: bool = True
+
+
+class TierMatch(msgspec.Struct, array_like=True):
+    """``num_blocks`` leading blocks are VISIBLE on ``node`` in ``tier``."""
+
+    node: str
+    tier: Tier
+    num_blocks: NonNegInt
+    # Read capability of this node's blocks of the looked-up namespace (cpd.protocol.capability);
+    # empty for tiers the data plane does not serve (GPU).
+    capability: bytes = b""
+
+
+class PendingMatch(msgspec.Struct, array_like=True):
+    """Blocks past the visible prefix that ``node`` is still writing."""
+
+    node: str
+    num_blocks: NonNegInt
+
+
+class LookupReply(Message, tag="lookup_reply", kw_only=True):
+    """kvindex's authoritative answer; ``status != "ok"`` must be treated as a miss."""
+
+    request_id: str = ""
+    status: Literal["ok", "recovering", "unknown_namespace"] = "ok"
+    num_blocks: NonNegInt = 0
+    matches: list[TierMatch] = msgspec.field(default_factory=list)
+    pending: list[PendingMatch] = msgspec.field(default_factory=list)
+
+
+class BlockRef(msgspec.Struct, array_like=True):
+    """A block and its parent in the hash chain (empty parent for the first block)."""
+
+    hash: bytes
+    parent: bytes
+    num_tokens: NonNegInt
+
+
+class BlockSeal(msgspec.Struct, array_like=True):
+    hash: bytes
+    nbytes: NonNegInt
+    checksum: int
+
+
+class KvEvent(Message, kw_only=True):
+    """Base of durable block lifecycle events on ``cpd.v1.kv.events.<node>``.
+
+    ``epoch`` identifies one incarnation of the node (its start time in ms): a restarted
+    node starts a new epoch with empty caches. ``seq`` counts the node's events within
+    its epoch from 1 (gap detection). ``trace`` is the W3C ``traceparent`` of the request
+    that caused the event, kept with the durable record.
+    """
+
+    node: str
+    seq: NonNegInt
+    namespace: str = ""
+    tier: Tier = Tier.DRAM
+    trace: str = ""
+    epoch: NonNegInt = 0
+
+
+class BlocksAllocated(KvEvent, tag="kv_allocated", kw_only=True):
+    blocks: list[BlockRef]
+
+
+class BlocksWriting(KvEvent, tag="kv_writing", kw_only=True):
+    hashes: list[bytes]
+
+
+class BlocksSealed(KvEvent, tag="kv_sealed", kw_only=True):
+    seals: list[BlockSeal]
+    # The node's read capability for ``namespace`` (cpd.protocol.capability): kvindex hands it to
+    # routers with the location; a peer must present it to pull these blocks.
+    capability: bytes = b""
+
+
+class BlocksEvicted(KvEvent, tag="kv_evicted", kw_only=True):
+    hashes: list[bytes]
+
+
+class BlocksFailed(KvEvent, tag="kv_failed", kw_only=True):
+    """The writer gave up on these blocks (cancel, error, bad checksum)."""
+
+    hashes: list[bytes]
+    reason: str = ""
+
+
+class NodeCleared(KvEvent, tag="kv_cleared", kw_only=True):
+    """Every block of ``node`` in ``tier`` is gone (restart, vLLM AllBlocksCleared)."""
+
+
+class LeaseExpired(KvEvent, tag="kv_lease_expired"):
+    """Published by kvindex (not the node) into ``CPD_KV`` when ``node``'s lease of
+    ``epoch`` expired, so every replica and every replay forgets its blocks alike."""
+
+    reason: str = ""
+
+
+class GpuBlocksStored(KvEvent, tag="gpu_stored", kw_only=True):
+    """vLLM BlockStored, with the token ids kvindex maps onto CPD's own hashes."""
+
+    engine_hashes: list[int | bytes]
+    parent_engine_hash: int | bytes | None = None
+    tokens: bytes = b""  # packed uint32, len = len(engine_hashes) * engine_block_size
+    engine_block_size: NonNegInt = 0
+    # The namespace's spec (Namespace.to_spec()), so kvindex can map the blocks from the
+    # stream alone: a rebuild without a snapshot replays events before any heartbeat.
+    namespace_spec: bytes = b""
+
+
+class GpuBlocksRemoved(KvEvent, tag="gpu_removed", kw_only=True):
+    engine_hashes: list[int | bytes]
+
+
+class Reannounce(Message, tag="reannounce", kw_only=True):
+    """kvindex asks a node to publish its full state again (after a gap or restart)."""
+
+    from_seq: NonNegInt = 0
+    reason: str = ""
+
+
+class BlocksVisible(Message, tag="kv_visible", kw_only=True):
+    """kvindex made these blocks VISIBLE at ``node``/``tier`` (routers keep a warm view)."""
+
+    namespace: str
+    node: str
+    tier: Tier
+    block_hashes: bytes
+
+
+class BlocksInvalidated(Message, tag="kv_invalidated", kw_only=True):
+    """These blocks (or all of ``node``'s, when ``block_hashes`` is empty) are gone."""
+
+    namespace: str = ""
+    node: str
+    tier: Tier | None = None
+    block_hashes: bytes = b""
+    reason: str = ""
+
+
+# ------------------------------------------------------------------------ node liveness
+
+
+class Heartbeat(Message, tag="heartbeat", kw_only=True):
+    """Lease renewal and identity of a node; missing heartbeats expire the lease."""
+
+    node: str
+    role: Literal["kvindex", "router", "preprefill", "prefill", "decode"]
+    started_unix_ms: NonNegInt
+    lease_ttl_ms: Annotated[int, msgspec.Meta(gt=0)]
+    ucx_address: bytes = b""
+    capacity_blocks: NonNegInt = 0
+    namespace: str = ""
+    version: str = ""
+    # msgpack of the node's base cpd.protocol.hashing.Namespace: lets kvindex hash vLLM's GPU-tier
+    # events (token ids) into CPD block hashes for that namespace.
+    namespace_spec: bytes = b""
+
+
+class PrefillWork(msgspec.Struct, array_like=True):
+    """One prefill a worker holds, as the router prices it: the new tokens it computes
+    after ``context_tokens`` cached ones, and the ms since it entered the engine (0 while
+    its prefix still loads)."""
+
+    new_tokens: NonNegInt
+    context_tokens: NonNegInt
+    elapsed_ms: NonNegFloat = 0.0
+
+
+MAX_REPORTED_PREFILLS = 256
+"""At most this many :class:`PrefillWork` entries in one load report (oldest first)."""
+
+
+class LoadReport(Message, tag="load", kw_only=True):
+    """A worker's load, every ~100-200 ms and on change."""
+
+    node: str
+    role: Literal["preprefill", "prefill", "decode"]
+    queue_depth: NonNegInt = 0
+    queued_new_tokens: NonNegInt = 0
+    est_queue_ms: NonNegFloat = 0.0
+    in_flight: NonNegInt = 0
+    dram_used_bytes: NonNegInt = 0
+    dram_total_bytes: NonNegInt = 0
+    kv_bandwidth_gbps: NonNegFloat = 0.0
+    # The prefills it holds, oldest first (None from a worker that predates them: the
+    # router then uses est_queue_ms), and its engine's long_prefill_token_threshold
+    # (> 0: prefills share steps, so a short one does not wait out a long one).
+    prefills: Annotated[list[PrefillWork], msgspec.Meta(max_length=MAX_REPORTED_PREFILLS)] \
+        | None = None
+    prefill_token_cap: NonNegInt = 0
+
+
+# ----------------------------------------------------------------------- worker requests
+
+
+class LoadSource(msgspec.Struct, kw_only=True):
+    """Where a prefill node should load a run of prefix blocks from."""
+
+    node: str
+    tier: Tier
+    first_block: NonNegInt
+    num_blocks: NonNegInt
+    capability: bytes = b""  # from kvindex's TierMatch; presented in BlockGet
+
+
+class PrefillRequest(Message, tag="prefill", kw_only=True):
+    """Router → pre-prefill or prefill node, on ``cpd.v1.<role>.<node>.run``."""
+
+    request_id: str
+    reply_to: str
+    tokens: bytes
+    sampling: SamplingParams
+    namespace: str
+    block_hashes: bytes
+    decode_node: str
+    deadline_unix_ms: NonNegInt
+    sources: list[LoadSource] = msgspec.field(default_factory=list)
+    route: Route = msgspec.field(default_factory=Route)
+    trace: str = ""
+
+
+class DecodeRequest(Message, tag="decode", kw_only=True):
+    """Prefill side → decode node: the sealed blocks to pull and the first token."""
+
+    request_id: str
+    reply_to: str
+    tokens: bytes
+    first_token: int
+    sampling: SamplingParams
+    namespace: str
+    block_hashes: bytes
+    source_node: str
+    lease_id: str
+    deadline_unix_ms: NonNegInt
+    seq_start: NonNegInt = 1
+    route: Route = msgspec.field(default_factory=Route)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    trace: str = ""
+    capability: bytes = b""  # source_node's read capability for ``namespace``
+
+
+class Accepted(Message, tag="accepted", kw_only=True):
+    """A worker took a request it will answer on the request's own reply stream."""
+
+    request_id: str
+    node: str = ""
+
+
+class ResetCache(Message, tag="reset_cache", kw_only=True):
+    """Operator request to a worker: drop its engine's own prefix cache (the GPU tier).
+    DRAM blocks stay; kvindex hears of the drop through the engine's KV events."""
+
+    reason: str = ""
+
+
+class PullAck(Message, tag="pull_ack", kw_only=True):
+    """Decode → prefill side: the pull of ``lease_id`` is done; unpin the blocks."""
+
+    request_id: str
+    lease_id: str
+    ok: bool = True
+
+
+# ------------------------------------------------------------------------ cluster status
+
+
+class StatusRequest(Message, tag="status", kw_only=True):
+    """Ask a router (``cpd.v1.router.status``) for its view of the cluster."""
+
+
+class NodeStatus(msgspec.Struct, kw_only=True):
+    """One worker as the router last heard of it."""
+
+    node: str
+    role: str
+    alive: bool
+    last_seen_ms: NonNegFloat = 0.0  # ago
+    queue_depth: NonNegInt = 0
+    queued_new_tokens: NonNegInt = 0
+    est_queue_ms: NonNegFloat = 0.0
+    in_flight: NonNegInt = 0
+    dram_used_bytes: NonNegInt = 0
+    dram_total_bytes: NonNegInt = 0
+    kv_bandwidth_gbps: NonNegFloat = 0.0
+    capacity_blocks: NonNegInt = 0
+
+
+class RouterStats(msgspec.Struct, kw_only=True):
+    """A router's counters since it started: admission and where prompt tokens came from."""
+
+    node: str = ""
+    policy: str = ""
+    in_flight: NonNegInt = 0
+    queued: NonNegInt = 0
+    max_inflight: NonNegInt = 0
+    admitted: NonNegInt = 0
+    rejected: NonNegInt = 0
+    completed: NonNegInt = 0
+    failed: NonNegInt = 0
+    failovers: NonNegInt = 0
+    prompt_tokens: NonNegInt = 0
+    tokens_gpu: NonNegInt = 0
+    tokens_dram: NonNegInt = 0
+    tokens_remote: NonNegInt = 0
+    tokens_computed: NonNegInt = 0
+    paths: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class StatusReply(Message, tag="status_reply", kw_only=True):
+    router: RouterStats
+    nodes: list[NodeStatus] = msgspec.field(default_factory=list)
+    kvindex: Literal["ok", "recovering", "unavailable"] = "ok"
+    namespace: str = ""
+
+
+# ------------------------------------------------------------------ data plane (UCX)
+#
+# These travel over UCX, not NATS: one header per exchange (length-prefixed msgpack in a
+# tagged message), followed by the block bytes as separate tagged messages (cpd.transfer).
+
+
+class BlockGet(Message, tag="blk_get", kw_only=True):
+    """Client → server: send me these sealed blocks (``hashes`` concatenated)."""
+
+    xfer_id: NonNegInt
+    hashes: bytes
+    namespace: str = ""  # when set, blocks of another namespace count as missing
+    timeout_ms: NonNegInt = 0
+    # Read capability of ``namespace`` at the serving node (cpd.protocol.capability); a server
+    # that enforces capabilities refuses the get without one.
+    capability: bytes = b""
+    # Blocks per message, in request order, summing to the number of hashes: the client's
+    # coalescing layout (cpd.transfer.coalesce_runs). Empty: one message per block. A
+    # server that follows it says so in BlockReply.coalesced (older ones ignore it).
+    runs: list[NonNegInt] = msgspec.field(default_factory=list)
+
+
+class BlockPut(Message, tag="blk_put", kw_only=True):
+    """Client → server: I want to push these sealed blocks (refs and seals in order)."""
+
+    xfer_id: NonNegInt
+    namespace: str
+    blocks: list[BlockRef]
+    seals: list[BlockSeal]
+    timeout_ms: NonNegInt = 0
+    capability: bytes = b""  # write capability of ``namespace`` at the serving node
+
+
+class BlockReply(Message, tag="blk_reply", kw_only=True):
+    """Server → client, for one ``xfer_id``.
+
+    For a get: ``ok`` with the refs and seals of the blocks that follow, in request order,
+    or an error ``code`` (``block_evicted`` with the ``missing`` hashes). For a put: first
+    the go-ahead (``accepted``: one byte per block, 1 = send it, 0 = already held), then
+    the final status once the pushed bytes were checked and sealed.
+    """
+
+    xfer_id: NonNegInt
+    ok: bool = True
+    code: str = ""
+    message: str = ""
+    namespace: str = ""
+    blocks: list[BlockRef] = msgspec.field(default_factory=list)
+    seals: list[BlockSeal] = msgspec.field(default_factory=list)
+    accepted: bytes = b""
+    missing: bytes = b""
+    # For a get: the blocks follow one message per run of BlockGet.runs (packed back to
+    # back), not one message each. Lets a client tell a server that ignored the layout.
+    coalesced: bool = False
+
+
+AnyMessage = (
+    GenerateRequest | TokenChunk | Final | Error
+    | LookupRequest | LookupReply
+    | BlocksAllocated | BlocksWriting | BlocksSealed | BlocksEvicted | BlocksFailed
+    | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
+    | BlocksVisible | BlocksInvalidated
+    | Heartbeat | LoadReport
+    | PrefillRequest | DecodeRequest | Accepted | ResetCache | PullAck
+    | StatusRequest | StatusReply
+    | BlockGet | BlockPut | BlockReply
+)
+
+KINDS: frozenset[str] = frozenset(
+    t.__struct_config__.tag for t in AnyMessage.__args__  # type: ignore[attr-defined]
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+class _Header(msgspec.Struct):
+    kind: str = ""
+    v: int = -1
+
+
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize one message (msgpack)."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview, expect: type[T] | None = None) -> T:
+    """Parse one message, raising a typed :mod:`cpd.protocol.errors` exception on bad input.
+
+    With ``expect`` the message must be of that kind (or a subclass), else
+    :class:`~cpd.protocol.errors.WrongKind`.
+    """
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.MsgspecError, RecursionError) as e:  # deep nesting: hostile input
+        raise _classify(data, e) from None
+    if msg.v != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{msg.__struct_config__.tag} has schema v{msg.v}; this build speaks v{SCHEMA_VERSION}"
+        )
+    if expect is not None and not isinstance(msg, expect):
+        raise WrongKind(
+            f"expected {expect.__struct_config__.tag!r}, got {msg.__struct_config__.tag!r}"
+        )
+    return msg  # type: ignore[return-value]
+
+
+def _classify(data: bytes | memoryview, err: Exception) -> Exception:
+    try:
+        head = _header_decoder.decode(data)
+    except (msgspec.MsgspecError, RecursionError):
+        return MalformedMessage(f"undecodable message: {err}")
+    if head.v not in (-1, SCHEMA_VERSION):
+        return SchemaVersionError(
+            f"message has schema v{head.v}; this build speaks v{SCHEMA_VERSION}")
+    if head.kind and head.kind not in KINDS:
+        return UnknownKind(f"unknown message kind {head.kind!r}")
+    return MalformedMessage(f"invalid {head.kind or 'message'}: {err}")
+
+
+# -------------------------------------------------------------------- packed arrays
+
+
+def pack_tokens(tokens: Any) -> bytes:
+    """Token ids (list or array) → packed little-endian uint32 bytes."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError("tokens must be one-dimensional")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
+
+
+def unpack_tokens(data: bytes) -> np.ndarray:
+    """Packed uint32 bytes → a read-only numpy array (no copy)."""
+    if len(data) % TOKEN_DTYPE.itemsize:
+        raise MalformedMessage(f"token array of {len(data)} bytes is not a multiple of 4")
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+def split_hashes(data: bytes) -> list[bytes]:
+    """Concatenated block hashes → a list of ``HASH_BYTES`` digests."""
+    if len(data) % HASH_BYTES:
+        raise MalformedMessage(f"hash array of {len(data)} bytes is not a multiple of {HASH_BYTES}")
+    return [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+def join_hashes(hashes: list[bytes]) -> bytes:
+    """A list of block hashes → their concatenation (the wire form)."""
+    if any(len(h) != HASH_BYTES for h in hashes):
+        raise ValueError(f"every block hash must be {HASH_BYTES} bytes")
+    return b"".join(hashes)

@@ -1,0 +1,64 @@
+"""What the data plane measures: the achieved bandwidth the router's load-vs-recompute
+estimate uses, and the transfer metrics."""
+
+from __future__ import annotations
+
+from cpd.ops import telemetry
+
+
+class BandwidthMeter:
+    """Exponentially weighted achieved transfer bandwidth of this worker.
+
+    The router's load-vs-recompute estimate uses it (``LoadReport.kv_bandwidth_gbps``).
+    Transfers under ``min_bytes`` are counted but do not move the estimate: they measure
+    latency, not bandwidth.
+    """
+
+    def __init__(self, alpha: float = 0.2, min_bytes: int = 1 << 20) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.min_bytes = min_bytes
+        self._gbps = 0.0
+        self.samples = 0
+        self.total_bytes = 0
+        self.total_seconds = 0.0
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """Account one finished transfer of ``nbytes`` that took ``seconds``."""
+        self.total_bytes += nbytes
+        self.total_seconds += seconds
+        if nbytes < self.min_bytes or seconds <= 0:
+            return
+        sample = nbytes / seconds / 1e9
+        self._gbps = sample if not self.samples else (
+            self.alpha * sample + (1 - self.alpha) * self._gbps)
+        self.samples += 1
+
+    @property
+    def gbps(self) -> float:
+        """Current estimate in GB/s (10^9 bytes/s); 0.0 until a large transfer finished."""
+        return self._gbps
+
+
+class TransferMetrics:
+    def __init__(self) -> None:
+        m = telemetry.meter("cpd.transfer")
+        self.bytes = m.create_counter("cpd.kv.transfer.bytes", unit="By",
+                                      description="KV bytes moved over UCX")
+        self.transfers = m.create_counter("cpd.kv.transfers",
+                                          description="KV transfers by operation and outcome")
+        self.seconds = m.create_histogram("cpd.kv.transfer.duration", unit="s",
+                                          description="Duration of one KV transfer")
+        self.denied = m.create_counter(
+            "cpd.kv.capability.denied",
+            description="data-plane requests refused for a missing or wrong capability")
+
+    def done(self, op: str, outcome: str, nbytes: int, seconds: float) -> None:
+        attrs = {"op": op, "outcome": outcome}
+        self.transfers.add(1, attrs)
+        if nbytes:
+            self.bytes.add(nbytes, {"op": op})
+        self.seconds.record(seconds, attrs)
+
+

@@ -1,0 +1,131 @@
+"""UCX fault cases, each run in a fresh process by tests/test_transfer_faults.py.
+
+A killed or paused peer aborts endpoints in this process; one process per case keeps one
+case's after-effects (UCX state, threads, the peer's leftovers) out of every other test.
+Handshakes after such an abort have been seen to stall in older ucxx builds; the reconnect
+and dead-address cases assert that the next connection is served. Run directly:
+``pytest tests/helpers/ucx_fault_cases.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from cpd.protocol.errors import PeerGone, TransferTimeout
+from cpd.transfer import TransferClient, coalesce_runs
+from cpd.transfer.framing import runs_field
+from tests.helpers.ucx_harness import Peer, local_store, new_client, peer
+from tests.helpers.ucx_peer import block_hash
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[TransferClient]:
+    c = await new_client()
+    yield c
+    await c.close()
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_peer_killed_mid_transfer_is_peer_gone_within_the_deadline(
+        client: TransferClient) -> None:
+    with peer("--stall-after", "5", seed=31, sizes="1048576x16") as p:
+        kv = local_store(16, 1 << 20)
+        task = asyncio.create_task(client.pull(p.address, p.hashes(range(16)), kv,
+                                               timeout_s=10))
+        assert (await p.next_line()) == {"stalled": True}  # 5 blocks sent, then stuck
+        t0 = time.monotonic()
+        os.kill(p.proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerGone):
+            await task
+        assert time.monotonic() - t0 < 5  # well within the 10 s deadline
+        # The half-received blocks were failed and their slots returned.
+        assert len(kv.store) == 0 and kv.store.free_slots == 16
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_peer_killed_mid_coalesced_get_is_peer_gone_within_the_deadline(
+        client: TransferClient) -> None:
+    # 256 x 64 KiB blocks travel as 4 coalesced runs of 4 MiB; the peer sends one.
+    with peer("--stall-after", "1", seed=32, sizes="65536x256") as p:
+        assert runs_field(coalesce_runs([65536] * 256, client.settings)) == [64] * 4
+        kv = local_store(256, 65536)
+        task = asyncio.create_task(client.pull(p.address, p.hashes(range(256)), kv,
+                                               timeout_s=10))
+        assert (await p.next_line()) == {"stalled": True}
+        t0 = time.monotonic()
+        os.kill(p.proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerGone):
+            await task
+        assert time.monotonic() - t0 < 5
+        assert len(kv.store) == 0 and kv.store.free_slots == 256
+        assert client.in_flight == 0  # the permit and its staging buffers came back
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_a_dead_address_fails_typed_within_the_deadline(client: TransferClient) -> None:
+    with peer(seed=71, sizes="65536x1") as p:
+        address = p.address
+    t0 = time.monotonic()
+    with pytest.raises((PeerGone, TransferTimeout)):
+        await client.get_into(address, [block_hash(71, 0)], [np.empty(65536, np.uint8)],
+                              timeout_s=2)
+    assert time.monotonic() - t0 < 3
+    # The refused dial left nothing behind that stalls the next handshake: a live peer
+    # is served at once (ucxx 0.52 kept the refused endpoint, and later
+    # handshakes stalled).
+    with peer(seed=72, sizes="1048576x4") as live:
+        dests = [np.empty(1 << 20, np.uint8) for _ in range(4)]
+        t0 = time.monotonic()
+        await client.get_into(live.address, live.hashes(range(4)), dests, timeout_s=10)
+        assert time.monotonic() - t0 < 2
+        assert all(np.array_equal(d, live.expected(i)) for i, d in enumerate(dests))
+
+
+async def _pause_and_time_out(client: TransferClient, p: Peer, dests: list[np.ndarray]) -> float:
+    """Warm a connection, SIGSTOP the peer, and return how long the next get took to
+    fail with TransferTimeout (the peer is resumed afterwards)."""
+    await client.get_into(p.address, p.hashes(range(len(dests))), dests)
+    os.kill(p.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            await client.get_into(p.address, p.hashes(range(len(dests))), dests, timeout_s=1.0)
+        return time.monotonic() - t0
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_paused_peer_times_out_within_the_deadline(client: TransferClient) -> None:
+    with peer(seed=41, sizes="1048576x8") as p:
+        elapsed = await _pause_and_time_out(client, p, [np.empty(1 << 20, np.uint8)
+                                                        for _ in range(8)])
+        assert 1.0 <= elapsed < 2.0
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_paused_peer_times_out_a_coalesced_get_within_the_deadline(
+        client: TransferClient) -> None:
+    with peer(seed=43, sizes="65536x64") as p:
+        dests = [np.empty(65536, np.uint8) for _ in range(64)]
+        assert runs_field(coalesce_runs([d.nbytes for d in dests], client.settings))
+        elapsed = await _pause_and_time_out(client, p, dests)
+        assert 1.0 <= elapsed < 2.0
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_a_resumed_peer_serves_a_fresh_connection(client: TransferClient) -> None:
+    with peer(seed=42, sizes="1048576x8") as p:
+        dests = [np.empty(1 << 20, np.uint8) for _ in range(8)]
+        await _pause_and_time_out(client, p, dests)
+        # The aborted connection was dropped; the resumed peer serves a fresh one.
+        dests[0][:] = 0
+        await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=10)
+        assert np.array_equal(dests[0], p.expected(0))

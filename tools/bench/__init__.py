@@ -1,0 +1,1 @@
+"""Benchmarks (``cpd bench ...``); results and commands in docs/benchmarks/."""

@@ -1,0 +1,441 @@
+"""``cpd bench ttft``: time to first token per KV path, on real vLLM-CPU workers.
+
+One run starts an embedded NATS server, an in-process kvindex and three worker processes
+(pre-prefill ``pp0``, prefill ``p0``, decode ``d0``) on the locally built ``tiny`` model,
+then, for prompts from 1K tokens to the model's limit (fresh random token ids for every
+repetition), asks the workers directly (no router: each path is forced, not chosen) for:
+
+* ``cold``: full prefill on ``pp0``, which writes every full block through to its arena;
+* ``warm_remote``: the same prompt on ``p0`` with a load plan naming ``pp0``'s DRAM, once
+  kvindex shows the blocks visible there: pull over UCX, load, compute the last block;
+* ``warm_local_dram``: again on ``p0`` after its engine's prefix cache was reset, so the
+  prefix comes from ``p0``'s own arena;
+* ``gpu_hit``: again on ``p0``: the engine's own prefix cache holds the prefix.
+
+TTFT is taken at the client: from publishing the ``PrefillRequest`` to receiving the
+first ``TokenChunk`` (block hashes are computed before the clock starts, as the router
+does). Each request asks for two tokens, so the hand-off to decode runs as in service,
+and the stream is read to its final message before the next request. Every final's
+``route`` is checked against the path the case forces; a wrong path is reported in the
+result (``path_ok``, ``path_errors``), never silently averaged in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from cpd.bus import Bus
+from cpd.modelbuild import PRESETS, build
+from cpd.ops.config import Settings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError, ErrorCode
+from cpd.protocol.hashing import Namespace, block_hashes
+from services.kvindex import KvIndexService
+from tools.supervisor import kill_tree, stop_tree
+
+PRESET = "tiny"
+NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
+COLD_NODE, WARM_NODE, DECODE_NODE = "pp0", "p0", "d0"
+CASES = ("cold", "warm_remote", "warm_local_dram", "gpu_hit")
+RATIOS = {case: f"{case}_over_cold" for case in CASES if case != "cold"}
+LENGTHS_FULL = (1024, 2048, 4096)  # plus the longest prompt the model takes
+LENGTHS_QUICK = (1024,)
+REPS_FULL, REPS_QUICK = 3, 1
+TARGET_WARM_REMOTE_OVER_COLD = 0.5
+# Two tokens: the first comes from the prefill side (TTFT), the second from decode, so
+# every request also runs the hand-off and decode's pull as it would in service.
+MAX_TOKENS = 2
+# Prompt tokens left unused below the model's limit besides the generated ones (as
+# tests/test_workers.py does: 8,180 - max_tokens on an 8,192-token model).
+LIMIT_MARGIN = 12
+TOKEN_ID_RANGE = 1900  # ids the local tokenizer's corpus covers well
+SEED = 20261130
+ARENA_BYTES = 512 << 20
+WORKER_START_TIMEOUT_S = 300.0  # one vLLM engine on a busy two-core host
+REQUEST_TIMEOUT_S = 300.0
+VISIBLE_TIMEOUT_S = 20.0
+VISIBLE_POLL_S = 0.05
+RESET_ATTEMPTS = 50
+RESET_RETRY_S = 0.1
+WORKER_STOP_TIMEOUT_S = 60.0
+LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured request."""
+
+    prompt_tokens: int
+    case: str
+    ttft_ms: float
+    path_ok: bool
+    # What the final's route said, when it was not the path the case forces.
+    path_error: str = ""
+    # Worker-side split of the time (from the final's timings): the prefix load and the
+    # engine run on the prefill side, and decode's pull of the blocks after the hand-off.
+    load_ms: float = 0.0
+    prefill_ms: float = 0.0
+    handoff_ms: float = 0.0
+    # The prefill worker's own TTFT (request start to first token); the client's is
+    # longer by the bus and the worker's event loop (receipt, first-token publish).
+    worker_ttft_ms: float = 0.0
+
+
+def _median(xs: Sequence[float]) -> float:
+    return round(statistics.median(xs), 2)
+
+
+def summarize(samples: Sequence[Sample], *,
+              target: float = TARGET_WARM_REMOTE_OVER_COLD) -> dict:
+    """Medians per prompt length and case, ratios to cold, and the headline figures.
+
+    Ratios are of medians from the same run. The headline (``*_at_max``) is the longest
+    prompt measured; ``met_target`` needs every path to have been the intended one.
+    """
+    by_len: dict[int, dict[str, list[Sample]]] = {}
+    for s in samples:
+        if s.case not in CASES:
+            raise ValueError(f"unknown case {s.case!r}")
+        by_len.setdefault(s.prompt_tokens, {}).setdefault(s.case, []).append(s)
+    rows = []
+    for n in sorted(by_len):
+        cases = by_len[n]
+        row: dict = {"prompt_tokens": n,
+                     "ttft_ms": {c: _median([s.ttft_ms for s in cases[c]]) for c in cases},
+                     "ttft_ms_all": {c: [round(s.ttft_ms, 2) for s in cases[c]]
+                                     for c in cases},
+                     "worker_load_ms": {c: _median([s.load_ms for s in cases[c]])
+                                        for c in cases},
+                     "worker_prefill_ms": {c: _median([s.prefill_ms for s in cases[c]])
+                                           for c in cases},
+                     "decode_handoff_ms": {c: _median([s.handoff_ms for s in cases[c]])
+                                           for c in cases},
+                     "client_minus_worker_ms": {
+                         c: _median([s.ttft_ms - s.worker_ttft_ms for s in cases[c]])
+                         for c in cases},
+                     "path_ok": all(s.path_ok for c in cases.values() for s in c)}
+        cold = row["ttft_ms"].get("cold")
+        for case, key in RATIOS.items():
+            warm = row["ttft_ms"].get(case)
+            row[key] = round(warm / cold, 3) if cold and warm is not None else None
+        rows.append(row)
+    errors = [f"{s.case} at {s.prompt_tokens} tokens: {s.path_error}"
+              for s in samples if not s.path_ok]
+    top = rows[-1] if rows else {}
+    headline = top.get("warm_remote_over_cold")
+    out: dict = {
+        "lengths": rows,
+        "max_prompt_tokens": top.get("prompt_tokens"),
+        **{f"{key}_at_max": top.get(key) for key in RATIOS.values()},
+        "target_warm_remote_over_cold_at_max": target,
+        "path_ok": not errors and bool(samples),
+        "path_errors": errors,
+    }
+    out["met_target"] = bool(out["path_ok"] and headline is not None and headline <= target)
+    return out
+
+
+def prompt_lengths(quick: bool, max_model_len: int) -> list[int]:
+    """Prompt lengths to measure: from 1K tokens up to the longest the model takes."""
+    longest = max_model_len - LIMIT_MARGIN - MAX_TOKENS
+    base = LENGTHS_QUICK if quick else LENGTHS_FULL
+    return sorted({n for n in base if n < longest} | {longest})
+
+
+def check_route(case: str, n: int, block_size: int, route: wire.Route) -> str:
+    """Empty when ``route`` is the path ``case`` forces for an ``n``-token prompt, else
+    what differs. The last prompt token is always computed, so the reusable prefix is
+    the full blocks before it."""
+    cached = (n - 1) // block_size * block_size
+    node = COLD_NODE if case == "cold" else WARM_NODE
+    want = {
+        "cold": {"tokens_gpu": 0, "tokens_dram": 0, "tokens_remote": 0, "tokens_computed": n},
+        "warm_remote": {"tokens_gpu": 0, "tokens_dram": 0, "tokens_remote": cached,
+                        "tokens_computed": n - cached},
+        "warm_local_dram": {"tokens_gpu": 0, "tokens_dram": cached, "tokens_remote": 0,
+                            "tokens_computed": n - cached},
+        "gpu_hit": {"tokens_gpu": cached, "tokens_dram": 0, "tokens_remote": 0,
+                    "tokens_computed": n - cached},
+    }[case]
+    got = {k: getattr(route, k) for k in want}
+    wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+    parts = [f"{k}={g} (want {w})" for k, (g, w) in wrong.items()]
+    if route.prefill_node != node:
+        parts.append(f"prefill_node={route.prefill_node!r} (want {node!r})")
+    if route.decode_node != DECODE_NODE:
+        parts.append(f"decode_node={route.decode_node!r} (want {DECODE_NODE!r})")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------- the cluster
+
+
+class _Cluster:
+    """NATS, kvindex and the three workers, started and stopped as one."""
+
+    def __init__(self, settings: Settings, tmp: Path) -> None:
+        self.settings = settings
+        self.tmp = tmp
+        self.server: NatsServer | None = None
+        self.kvindex: KvIndexService | None = None
+        self.bus: Bus | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ns: Namespace | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        # Built once here, not raced by three workers (the build is idempotent anyway).
+        build(PRESET, s.model_cache_dir)
+        self.server = NatsServer(store_dir=self.tmp / "nats").start()
+        ks = load_settings(environ={}, overrides=[
+            f"nats.url={self.server.url}", "node.node_id=kvi",
+            f"kvindex.snapshot_dir={self.tmp / 'snap'}", "telemetry.log_level=warning"])
+        self.kvindex = KvIndexService(ks)
+        await self.kvindex.start()
+        self.bus = await Bus.open(ks, "bench-ttft")
+        heartbeats = await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL)
+        env = {**os.environ, "CPD_NATS__URL": self.server.url,
+               "CPD_MODEL__CACHE_DIR": str(s.model_cache_dir), "CPD_MODEL__PRESET": PRESET,
+               "CPD_DATAPLANE__ARENA_BYTES": str(ARENA_BYTES),
+               "CPD_TELEMETRY__LOG_JSON": "false",
+               "PYTHONUNBUFFERED": "1"}  # complete log tails when a worker fails
+        seen: dict[str, wire.Heartbeat] = {}
+        # One at a time: a worker's event loop stands still while its engine starts, and
+        # three engines starting together on two cores take long enough for the NATS
+        # server to drop those connections as stale (docs/benchmarks/). Started in a
+        # row, the whole start-up takes about as long.
+        for node, role in NODES.items():
+            with open(self.log_path(node), "wb") as log:
+                self.procs[node] = subprocess.Popen(
+                    [sys.executable, "-m", f"services.{role}"],
+                    env={**env, "CPD_NODE__NODE_ID": node}, stdout=log,
+                    stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                    start_new_session=True)  # kill_tree takes its engine processes too
+            deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+            while node not in seen:
+                dead = [n for n, p in self.procs.items() if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"worker {dead[0]} exited during start-up:\n"
+                                       + self.log_tail(dead[0]))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {node} sent no heartbeat within "
+                                       f"{WORKER_START_TIMEOUT_S:.0f} s")
+                with contextlib.suppress(Exception):  # a timeout: check the processes again
+                    hb = wire.decode((await heartbeats.next_msg(timeout=1)).data,
+                                     wire.Heartbeat)
+                    seen[hb.node] = hb
+        await heartbeats.unsubscribe()
+        self.ns = Namespace.from_spec(seen[COLD_NODE].namespace_spec)
+
+    def log_path(self, node: str) -> Path:
+        return self.tmp / f"{node}.log"
+
+    def log_tail(self, node: str) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path(node).read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        return ""
+
+    async def stop(self) -> None:
+        """SIGTERM the workers, wait, then stop kvindex and NATS; safe to call twice."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            await asyncio.to_thread(stop_tree, p, WORKER_STOP_TIMEOUT_S)
+        if self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+        if self.kvindex is not None:
+            await self.kvindex.stop()
+            self.kvindex = None
+        self._stop_server()
+
+    def kill(self) -> None:
+        """Last resort after an interrupted event loop: nothing may outlive the bench."""
+        for p in self.procs.values():
+            kill_tree(p)
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.cleanup()
+            self.server = None
+
+    # ------------------------------------------------------------------ requests
+
+    async def ask(self, node: str, prompt: list[int], hashes: bytes,
+                  sources: Sequence[wire.LoadSource] = ()) -> tuple[float, wire.Final]:
+        """One streamed prefill request; returns the client-side TTFT (ms) and the final."""
+        assert self.bus is not None and self.ns is not None
+        req = wire.PrefillRequest(
+            request_id=f"ttft-{time.monotonic_ns()}", reply_to="",
+            tokens=wire.pack_tokens(prompt),
+            sampling=wire.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+            namespace=self.ns.id, block_hashes=hashes, decode_node=DECODE_NODE,
+            deadline_unix_ms=int((time.time() + REQUEST_TIMEOUT_S) * 1000),
+            sources=list(sources))
+        ttft_ms: float | None = None
+        final: wire.Final | None = None
+        t0 = time.perf_counter()
+        async for msg in self.bus.stream(subjects.run(NODES[node], node), req,
+                                         timeout=REQUEST_TIMEOUT_S):
+            if ttft_ms is None and isinstance(msg, wire.TokenChunk):
+                ttft_ms = (time.perf_counter() - t0) * 1e3
+            elif isinstance(msg, wire.Final):
+                final = msg
+        if ttft_ms is None or final is None:
+            raise RuntimeError(f"{node} answered without a token or a final message")
+        return ttft_ms, final
+
+    async def visible_blocks(self, hashes: bytes, node: str, want: int) -> int:
+        """Wait until kvindex shows ``want`` blocks of ``hashes`` in ``node``'s DRAM (as
+        the router would before planning a remote load); returns what it shows."""
+        assert self.bus is not None and self.ns is not None
+        deadline = time.monotonic() + VISIBLE_TIMEOUT_S
+        hit = 0
+        while True:
+            r = await self.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+                namespace=self.ns.id, block_hashes=hashes), expect=wire.LookupReply)
+            hit = {(m.node, m.tier): m.num_blocks for m in r.matches}.get(
+                (node, wire.Tier.DRAM), 0)
+            if hit >= want or time.monotonic() > deadline:
+                return hit
+            await asyncio.sleep(VISIBLE_POLL_S)
+
+    async def reset_prefix_cache(self, node: str) -> None:
+        """Drop ``node``'s engine prefix cache (retried while requests still hold it)."""
+        assert self.bus is not None
+        for _ in range(RESET_ATTEMPTS):
+            try:
+                await self.bus.request(subjects.admin(NODES[node], node),
+                                       wire.ResetCache(reason="bench ttft"),
+                                       expect=wire.Accepted)
+                return
+            except CpdError as e:
+                if e.code is not ErrorCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(RESET_RETRY_S)
+        raise RuntimeError(f"{node} kept its prefix cache busy; cannot measure DRAM loads")
+
+
+# ----------------------------------------------------------------------- the runs
+
+
+async def _one_prompt(c: _Cluster, prompt: list[int], block_size: int) -> list[Sample]:
+    """The four cases on one fresh prompt, in the order that creates each one's state."""
+    assert c.ns is not None
+    n = len(prompt)
+    hashes = block_hashes(c.ns, prompt)
+    blocks = (n - 1) // block_size
+    out: list[Sample] = []
+
+    def record(case: str, ttft_ms: float, final: wire.Final, note: str = "") -> None:
+        error = "; ".join(x for x in (check_route(case, n, block_size, final.route), note) if x)
+        out.append(Sample(prompt_tokens=n, case=case, ttft_ms=ttft_ms, path_ok=not error,
+                          path_error=error, load_ms=final.timings.load_ms,
+                          prefill_ms=final.timings.prefill_ms,
+                          handoff_ms=final.timings.handoff_ms,
+                          worker_ttft_ms=final.timings.ttft_ms))
+
+    record("cold", *await c.ask(COLD_NODE, prompt, hashes))
+    shown = await c.visible_blocks(hashes, COLD_NODE, blocks)
+    note = "" if shown >= blocks else (f"kvindex showed {shown} of {blocks} blocks visible "
+                                       f"on {COLD_NODE} after {VISIBLE_TIMEOUT_S:.0f} s")
+    src = wire.LoadSource(node=COLD_NODE, tier=wire.Tier.DRAM, first_block=0,
+                          num_blocks=blocks)
+    record("warm_remote", *await c.ask(WARM_NODE, prompt, hashes, [src]), note)
+    await c.reset_prefix_cache(WARM_NODE)
+    record("warm_local_dram", *await c.ask(WARM_NODE, prompt, hashes))
+    record("gpu_hit", *await c.ask(WARM_NODE, prompt, hashes))
+    return out
+
+
+async def _measure(c: _Cluster, quick: bool) -> dict:
+    try:
+        t_start = time.perf_counter()
+        await c.start()
+        startup_s = time.perf_counter() - t_start
+        assert c.ns is not None
+        block_size = c.ns.block_size
+        lengths = prompt_lengths(quick, PRESETS[PRESET].max_position_embeddings)
+        reps = REPS_QUICK if quick else REPS_FULL
+        rng = np.random.default_rng(SEED)
+
+        def fresh(n: int) -> list[int]:
+            return rng.integers(0, TOKEN_ID_RANGE, size=n).tolist()
+
+        # One unrecorded round first: UCX connections, first-request engine paths.
+        await _one_prompt(c, fresh(lengths[0]), block_size)
+        samples: list[Sample] = []
+        load_start = _load_average()
+        t_measure = time.perf_counter()
+        for n in lengths:
+            for _ in range(reps):
+                samples.extend(await _one_prompt(c, fresh(n), block_size))
+        result = summarize(samples)
+        result.update(
+            preset=PRESET, block_size=block_size, max_tokens=MAX_TOKENS,
+            repetitions=reps, quick=quick, cases=list(CASES),
+            startup_s=round(startup_s, 1),
+            measure_s=round(time.perf_counter() - t_measure, 1),
+            # Other work on the host skews every figure: say how busy it was.
+            load_average_1m={"start": load_start, "end": _load_average()})
+        return result
+    except Exception as e:
+        for node in c.procs:
+            print(f"--- {node} log tail ---\n{c.log_tail(node)}", file=sys.stderr)
+        dead = {n: p.returncode for n, p in c.procs.items() if p.poll() is not None}
+        if dead:  # the request error only says that a stream went quiet: name the cause
+            raise RuntimeError(f"workers exited during the run (exit codes {dead}); "
+                               "their log tails are above") from e
+        raise
+    finally:
+        await c.stop()
+
+
+def _load_average() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def _machine() -> dict:
+    versions = {}
+    for dist in ("vllm", "vllm-cpu", "torch"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[dist] = metadata.version(dist)
+    return {"cpu_count": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "machine": platform.machine(), "python": platform.python_version(),
+            "versions": versions}
+
+
+def run(settings: Settings | None = None, quick: bool = False) -> dict:
+    """Run the benchmark; returns the JSON-able result."""
+    settings = settings or load_settings()
+    with tempfile.TemporaryDirectory(prefix="cpd-bench-ttft-") as tmp:
+        cluster = _Cluster(settings, Path(tmp))
+        try:
+            result = asyncio.run(_measure(cluster, quick))
+        finally:
+            cluster.kill()  # a no-op after a clean stop; after Ctrl-C, nothing survives
+    result["machine"] = _machine()
+    if not result["path_ok"]:
+        print("cpd bench ttft: WARNING: some requests did not take the intended path:\n  "
+              + "\n  ".join(result["path_errors"]), file=sys.stderr)
+    return result

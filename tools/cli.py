@@ -1,0 +1,385 @@
+"""The ``cpd`` command: build the local model, run benchmarks, start the system."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+
+from cpd.ops.config import Settings, load_settings
+from cpd.protocol import wire
+from cpd.protocol.errors import CpdError
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(args.config, overrides=args.set or [])
+
+
+def _write_json(result: dict, path: str | None) -> None:
+    text = json.dumps(result, indent=2, sort_keys=True)
+    print(text)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+
+
+def cmd_model_build(args: argparse.Namespace) -> int:
+    from cpd.modelbuild import build
+
+    s = _settings(args)
+    preset = args.preset or s.model.preset
+    folder = build(preset, args.cache_dir or s.model_cache_dir, force=args.force)
+    print(folder)
+    return 0
+
+
+def cmd_model_check(args: argparse.Namespace) -> int:
+    from tools.bench.model import check_model
+
+    s = _settings(args)
+    _write_json(check_model(s, preset=args.preset, max_tokens=args.max_tokens), args.json)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "hashing":
+        from tools.bench.hashing import run
+        result = run(tokens=args.tokens, block_size=args.block_size, repeat=args.repeat)
+    elif args.what == "kvindex":
+        from tools.bench.kvindex import run as run_kvindex
+        result = run_kvindex(quick=args.quick, blocks=args.blocks)
+    elif args.what == "transfer":
+        from tools.bench.transfer import run as run_transfer
+        result = run_transfer(quick=args.quick)
+    elif args.what == "model":
+        from tools.bench.model import run as run_model
+        result = run_model(_settings(args), preset=args.preset, prefill_tokens=args.tokens)
+    elif args.what == "ttft":
+        from tools.bench.ttft import run as run_ttft
+        result = run_ttft(_settings(args), quick=args.quick)
+    elif args.what == "router":
+        from tools.bench.router import run as run_router
+        result = run_router(_settings(args), quick=args.quick, blocks=args.blocks)
+    elif args.what == "sweep":
+        from tools.bench.sweep import config_for
+        from tools.bench.sweep import run as run_sweep
+
+        s = _settings(args)
+        cfg = config_for(s, quick=args.quick, workload=args.workload, trace=args.trace,
+                         preset_name=args.preset, time_scale=args.time_scale, qps=args.qps,
+                         steady_s=args.steady_s, ramp_s=args.ramp_s,
+                         settle_s=args.settle_s,
+                         topologies=args.topologies, stop_after=args.stop_after)
+        out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
+        partial = Path(f"{args.json}.partial") if args.json else None
+        if partial is not None:  # before an hour of load, not after it
+            partial.parent.mkdir(parents=True, exist_ok=True)
+        result = run_sweep(s, cfg, out, on_topology=(
+            None if partial is None else
+            lambda r: partial.write_text(json.dumps(r, indent=2, default=str))))
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+    elif args.what == "faults":
+        from tools.bench.faults import config_for as faults_config
+        from tools.bench.faults import markdown as faults_markdown
+        from tools.bench.faults import run as run_faults
+
+        result = run_faults(faults_config(args.quick, scenarios=args.scenarios,
+                                          concurrency=args.concurrency,
+                                          duration_s=args.duration_s))
+        print(faults_markdown(result), file=sys.stderr)
+    elif args.what == "fuzz":
+        from tools.bench.fuzz import run as run_fuzz
+
+        result = run_fuzz(args.cases if args.cases is not None else 10_000, args.seed)
+    else:  # argparse restricts choices
+        raise AssertionError(args.what)
+    _write_json(result, args.json)
+    return 0
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from cpd.ops.natsserver import NatsServer
+
+    s = _settings(args)
+    server = NatsServer(port=args.port if args.port is not None else s.nats.embedded_port,
+                        store_dir=args.store_dir or s.nats.embedded_store_dir)
+    server.start()
+    print(f"nats-server with JetStream at {server.url} (store {server.store_dir}); Ctrl-C stops it",
+          flush=True)
+    try:
+        assert server.proc is not None
+        return server.proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cpd.client import Client
+
+    s = _settings(args)
+    prompt: str | list[int] = (args.prompt if args.token_ids is None
+                               else [int(t) for t in args.token_ids.split(",") if t.strip()])
+
+    async def go() -> int:
+        async with await Client.connect(settings=s, name="cpd-cli") as client:
+            options = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                           seed=args.seed, ignore_eos=args.ignore_eos, tenant=args.tenant,
+                           timeout_s=args.timeout)
+            final = None
+            ids: list[int] = []
+            async for msg in client.stream(prompt, **options):
+                if isinstance(msg, wire.TokenChunk):
+                    ids.extend(msg.token_ids)
+                    if not args.json:
+                        print(msg.text, end="", flush=True)
+                else:
+                    final = msg
+            assert final is not None
+            if args.json:
+                print(json.dumps({"token_ids": ids, **msgspec.to_builtins(final)}, indent=2))
+            else:
+                r, t = final.route, final.timings
+                print(f"\n\n[{final.finish_reason}] {final.usage.prompt_tokens} prompt tokens "
+                      f"({final.usage.cached_tokens} cached), {len(ids)} generated; "
+                      f"path {r.path} via {r.prefill_node} -> {r.decode_node}; "
+                      f"TTFT {t.ttft_ms:.0f} ms, total {t.total_ms:.0f} ms", file=sys.stderr)
+            return 0
+
+    return asyncio.run(go())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cpd.client import Client
+
+    s = _settings(args)
+
+    async def go() -> wire.StatusReply:
+        async with await Client.connect(settings=s, name="cpd-cli") as client:
+            return await client.status()
+
+    status = asyncio.run(go())
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(status), indent=2, sort_keys=True))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(status: wire.StatusReply) -> str:
+    """``cpd status`` as a table: nodes, roles, queues, cache use, then hit ratios."""
+    r = status.router
+    lines = [f"router {r.node} (policy {r.policy}): {r.in_flight}/{r.max_inflight} in flight, "
+             f"{r.queued} queued; {r.completed} done, {r.failed} failed, {r.rejected} "
+             f"rejected, {r.failovers} failovers; kvindex {status.kvindex}",
+             f"{'node':<16} {'role':<10} {'alive':<5} {'queue':>6} {'queued tok':>10} "
+             f"{'est ms':>8} {'running':>7} {'DRAM used':>16} {'GB/s':>6}"]
+    for n in status.nodes:
+        dram = (f"{n.dram_used_bytes / 2**20:.0f}/{n.dram_total_bytes / 2**20:.0f} MiB"
+                if n.dram_total_bytes else "-")
+        lines.append(f"{n.node:<16} {n.role:<10} {'yes' if n.alive else 'NO':<5} "
+                     f"{n.queue_depth:>6} {n.queued_new_tokens:>10} {n.est_queue_ms:>8.0f} "
+                     f"{n.in_flight:>7} {dram:>16} {n.kv_bandwidth_gbps:>6.2f}")
+    total = max(1, r.prompt_tokens)
+    lines.append("prompt tokens by source: " + ", ".join(
+        f"{tier} {getattr(r, f'tokens_{tier}') / total:.1%}"
+        for tier in ("gpu", "dram", "remote", "computed"))
+        + f" of {r.prompt_tokens}; paths " + (", ".join(
+            f"{k} {v}" for k, v in sorted(r.paths.items())) or "none yet"))
+    return "\n".join(lines)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when ``service`` (this node's, by default) answers a NATS micro PING: the
+    containers' health check."""
+    import asyncio
+
+    from tools.supervisor import wait_ready
+
+    s = _settings(args)
+    node = args.node or s.node.node_id
+    try:
+        asyncio.run(asyncio.wait_for(wait_ready(s.nats.url, args.service, node, args.timeout,
+                                                s.nats), args.timeout + 2))
+    except (CpdError, OSError, TimeoutError) as e:
+        print(f"cpd: {args.service} ({node}) is not healthy: {e!r}", file=sys.stderr)
+        return 1
+    print(f"{args.service} ({node}) is up")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tools.supervisor import run_cluster
+
+    counts = {}
+    for item in args.count or []:
+        name, _, n = item.partition("=")
+        counts[name] = int(n)
+    # Settings were validated here; the services get the same overrides and file.
+    return run_cluster(_settings(args), port=args.port, only=args.only, counts=counts,
+                       overrides=args.set or [], config_file=args.config,
+                       secure=args.secure, secrets_dir=args.secrets_dir)
+
+
+def cmd_secure_init(args: argparse.Namespace) -> int:
+    """Write the NATS server config, CA, certificates and one credentials folder per
+    identity (docker-compose.yml mounts them); existing secrets are reused."""
+    from cpd.ops import security
+
+    nodes = {f"{k}-0": k for k in security.SERVICE_KINDS}  # what docker-compose.yml runs
+    for item in args.node or []:
+        node, _, kind = item.partition("=")
+        nodes[node.strip()] = kind.strip()
+    secrets = security.SecretsDir.ensure(
+        args.dir, security.identities_for(nodes),
+        hosts=[*security.DEFAULT_HOSTS, *(args.host or [])], mtls=args.mtls,
+        server_root=args.server_mount, store_dir=args.store_dir, listen=args.listen,
+        http=args.http)
+    print(f"NATS server config: {secrets.config_file}")
+    for name, ident in secrets.identities.items():
+        print(f"  {name:<14} {ident.kind:<10} {secrets.folder(name)}")
+    print("Every process reads its own folder (nats.nkey_seed_file, nats.tls_ca_file, "
+          "nats.inbox_prefix); see README, 'Secure NATS'.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpd", description=__doc__)
+    p.add_argument("--config", help="TOML settings file (also CPD_CONFIG)")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                   help="override one setting (repeatable)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="the locally built model").add_subparsers(
+        dest="action", required=True)
+    b = model.add_parser("build", help="build a model preset (deterministic, idempotent)")
+    b.add_argument("--preset", help="tiny or small (default: model.preset)")
+    b.add_argument("--cache-dir", help="default: model.cache_dir")
+    b.add_argument("--force", action="store_true", help="rebuild even if intact")
+    b.set_defaults(func=cmd_model_build)
+    c = model.add_parser("check", help="load the model in vLLM and generate")
+    c.add_argument("--preset")
+    c.add_argument("--max-tokens", type=int, default=8)
+    c.add_argument("--json", metavar="PATH")
+    c.set_defaults(func=cmd_model_check)
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks/)")
+    bench.add_argument("what", choices=["hashing", "kvindex", "model", "router", "sweep",
+                                          "transfer", "ttft", "faults", "fuzz"])
+    bench.add_argument("--json", metavar="PATH", help="also write the result here")
+    bench.add_argument("--tokens", type=int, default=None,
+                       help="prompt tokens (hashing: 100000; model: 8192)")
+    bench.add_argument("--block-size", type=int, default=256)
+    bench.add_argument("--repeat", type=int, default=200)
+    bench.add_argument("--preset", help="model: model preset; sweep: sim cost preset")
+    bench.add_argument("--quick", action="store_true", help="a short run (tests, CI)")
+    bench.add_argument("--blocks", type=int, help="kvindex, router: index size (default 1M)")
+    bench.add_argument("--workload", choices=["coding-agent", "mooncake"],
+                       default="coding-agent", help="sweep: the request mix")
+    bench.add_argument("--trace", help="sweep: Mooncake JSONL trace (--workload mooncake)")
+    bench.add_argument("--time-scale", type=float,
+                       help="sweep: simulated seconds per wall second (default: sim.time_scale)")
+    bench.add_argument("--qps", help="sweep: offered QPS/GPU, comma-separated "
+                                     "(default 0.4,0.6,...,1.6)")
+    bench.add_argument("--ramp-s", type=float, help="sweep: ramp phase, simulated s (30)")
+    bench.add_argument("--steady-s", type=float, help="sweep: steady phase, simulated s (600)")
+    bench.add_argument("--settle-s", type=float,
+                       help="sweep: unmeasured phase at the target rate between ramp and "
+                            "steady, simulated s (60)")
+    bench.add_argument("--topologies", help="sweep: comma-separated, e.g. '2P1D pd-rr,CPD-1D'")
+    bench.add_argument("--stop-after", type=int,
+                       help="sweep: skip a topology's higher loads after N unsustainable "
+                            "ones in a row (default: run every load)")
+    bench.add_argument("--out", help="sweep: folder for the table and plots "
+                                     "(default: the --json file's folder)")
+    bench.add_argument("--scenarios", help="faults: comma-separated scenario names "
+                                           "(default: all; --quick: five)")
+    bench.add_argument("--concurrency", type=int,
+                       help="faults: requests kept in flight (200; --quick 60)")
+    bench.add_argument("--duration-s", type=float,
+                       help="faults: load per scenario, wall seconds (24; --quick 14)")
+    bench.add_argument("--cases", type=int,
+                       help="fuzz: hostile messages per subject (default 10000)")
+    bench.add_argument("--seed", type=int, default=0, help="fuzz: corpus seed")
+    bench.set_defaults(func=cmd_bench)
+
+    n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")
+    n.add_argument("--port", type=int, help="default: nats.embedded_port; 0 = any free port")
+    n.add_argument("--store-dir")
+    n.set_defaults(func=cmd_nats)
+
+    g = sub.add_parser("generate", help="send one request through the router, stream the text")
+    g.add_argument("prompt", nargs="?", default="", help="prompt text (the router tokenizes)")
+    g.add_argument("--token-ids", help="comma-separated token ids instead of text")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--tenant", default="default")
+    g.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    g.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    st = sub.add_parser("status", help="nodes, roles, queues, cache use and hit ratios")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    h = sub.add_parser("health", help="check that a service answers (container health checks)")
+    h.add_argument("service", help="kvindex, router, gateway, preprefill, prefill or decode")
+    h.add_argument("--node", help="node id (default: node.node_id)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(func=cmd_health)
+
+    up = sub.add_parser("up", help="start the whole system on the embedded default")
+    up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")
+    up.add_argument("--only", action="append", metavar="SERVICE",
+                    help="start only these services (repeatable); default: all")
+    up.add_argument("--count", action="append", metavar="SERVICE=N",
+                    help="instances of a service, e.g. prefill=2 (repeatable)")
+    up.add_argument("--secure", action="store_true",
+                    help="least-privilege NATS: TLS, one identity per service, generated "
+                         "permissions (secrets in nats.secrets_dir, reused)")
+    up.add_argument("--secrets-dir", help="with --secure (default: nats.secrets_dir)")
+    up.set_defaults(func=cmd_up)
+
+    sec = sub.add_parser("secure", help="least-privilege NATS secrets").add_subparsers(
+        dest="action", required=True)
+    si = sec.add_parser("init", help="write the NATS config, CA, certificates and "
+                                     "per-service credentials into DIR (for docker compose)")
+    si.add_argument("dir", metavar="DIR")
+    si.add_argument("--node", action="append", metavar="NODE=KIND",
+                    help="one more node identity, e.g. prefill-1=prefill (repeatable); "
+                         "<kind>-0 of every service, client and admin are always there")
+    si.add_argument("--host", action="append", help="extra name/IP in the server certificate")
+    si.add_argument("--mtls", action="store_true", help="clients show certificates too")
+    si.add_argument("--server-mount", default="/etc/nats",
+                    help="where the NATS container mounts DIR/server (default /etc/nats)")
+    si.add_argument("--store-dir", default="/data", help="JetStream store in the container")
+    si.add_argument("--listen", default="0.0.0.0:4222")
+    si.add_argument("--http", default="127.0.0.1:8222",
+                    help="monitoring endpoint (the container's health check)")
+    si.set_defaults(func=cmd_secure_init)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``cpd`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CpdError as e:
+        print(f"cpd: error [{e.code.value}]: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""``cpd up``: the whole system on one machine as supervised processes.
+
+Embedded NATS (JetStream) first, then every service that this build ships a
+``services/<name>/__main__.py`` for, each with its own node id, log file and restart on
+crash; readiness is a NATS micro PING answered by that very process. Ctrl-C (or SIGTERM)
+stops services first, then NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+
+from cpd.bus import EXIT_REFUSED, connect
+from cpd.ops import telemetry
+from cpd.ops.config import ENV_PREFIX, NatsSettings, Settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects
+from cpd.protocol.errors import CpdError
+
+# Start order: the index before anything that publishes to it.
+SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gateway")
+
+log = telemetry.get_logger("cpd.cluster")
+
+
+@dataclass
+class Proc:
+    """One supervised service process."""
+
+    service: str
+    node_id: str
+    log_path: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", f"services.{self.service}"],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            out.close()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def terminate(self, timeout: float) -> None:
+        if self.popen is not None:
+            stop_tree(self.popen, timeout)
+
+
+def kill_tree(popen: subprocess.Popen[Any]) -> None:
+    """SIGKILL a service process started in its own session (``start_new_session``) and
+    everything it started: vLLM's engine processes outlive a killed parent otherwise,
+    each holding its KV cache memory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    popen.wait()
+
+
+def stop_tree(popen: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGTERM (a graceful stop), wait up to ``timeout``, then :func:`kill_tree`, which
+    also sweeps children a crashed or slow process left behind."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout)
+    kill_tree(popen)
+
+
+def override_env(overrides: list[str]) -> dict[str, str]:
+    """``section.field=value`` overrides as the ``CPD_<SECTION>__<FIELD>`` variables a
+    child process reads (later ones win, as on the command line)."""
+    env = {}
+    for item in overrides:
+        name, _, value = item.partition("=")
+        section, _, field = name.strip().partition(".")
+        env[f"{ENV_PREFIX}{section.upper()}__{field.upper()}"] = value.strip()
+    return env
+
+
+def available_services() -> list[str]:
+    """Services this build can run (those with a ``__main__`` module), in start order."""
+    return [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__")]
+
+
+async def wait_ready(url: str, service: str, node_id: str, timeout: float,
+                     nats_settings: NatsSettings | None = None) -> None:
+    """Wait until ``node_id`` of ``service`` answers a NATS micro PING; connects as the
+    identity ``nats_settings`` names (secure set-ups), anonymously by default."""
+    nc = await connect(nats_settings or NatsSettings(), f"cpd-ready-{node_id}", url=url)
+    try:
+        deadline = time.monotonic() + timeout
+        # A fresh reply subject per ping: with least-privilege NATS a service may answer
+        # each reply subject once (allow_responses), so a reused one would be refused.
+        base = nc.new_inbox()
+        sub = await nc.subscribe(f"{base}.*")
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            await nc.publish(subjects.micro_ping(service), b"", reply=f"{base}.{n}")
+            end = time.monotonic() + 0.5
+            while (left := end - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    if json.loads(msg.data)["metadata"]["node"] == node_id:
+                        return
+        raise CpdError(f"{service} ({node_id}) not ready within {timeout}s")
+    finally:
+        await nc.close()
+
+
+def plan_nodes(wanted: list[str], counts: dict[str, int] | None) -> dict[str, str]:
+    """``node id -> service`` of every process ``cpd up`` starts, in start order."""
+    return {f"{service}-{i}": service for service in wanted
+            for i in range((counts or {}).get(service, 1))}
+
+
+def run_cluster(settings: Settings, port: int | None = None, *,
+                counts: dict[str, int] | None = None, log_dir: str | None = None,
+                only: list[str] | None = None, ready_timeout: float = 300.0,
+                overrides: list[str] | None = None, config_file: str | None = None,
+                secure: bool = False, secrets_dir: str | None = None) -> int:
+    """Run until interrupted; returns the exit code. ``overrides`` (``section.field=value``)
+    and ``config_file`` reach every service, as the environment they start with.
+
+    ``secure``: least-privilege NATS (cpd.ops.security) - credentials, CA and certificates
+    generated into (or reused from) ``secrets_dir`` (default ``nats.secrets_dir``), NATS
+    started with the generated config (auth, TLS, per-identity permissions), and every
+    service given its own identity through its environment."""
+    telemetry.setup("cluster", settings.telemetry)
+    logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    wanted = [x for x in available_services() if not only or x in only]
+    nodes = plan_nodes(wanted, counts)
+    secrets = None
+    admin_nats: NatsSettings | None = None
+    if secure:
+        from cpd.ops import security
+
+        secrets = security.SecretsDir.ensure(secrets_dir or settings.nats.secrets_dir,
+                                             security.identities_for(nodes))
+        admin_nats = security.nats_settings_for(secrets, security.ADMIN, settings.nats)
+    server = NatsServer(port=settings.nats.embedded_port if port is None else port,
+                        store_dir=settings.nats.embedded_store_dir,
+                        log_file=str(logs / "nats.log"),
+                        config_file=str(secrets.config_file) if secrets else None)
+    server.start()
+    # The sim engine (worker.engine = "sim") has no model files to build.
+    if (any(x != "kvindex" for x in wanted) and not settings.model.path
+            and settings.worker.engine != "sim"):
+        from cpd.modelbuild import build
+
+        build(settings.model.preset, settings.model_cache_dir)  # once, before the workers
+    procs: list[Proc] = []
+    stop = asyncio.Event()
+
+    async def supervise() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        base_env = {**os.environ, **override_env(overrides or []),
+                    "CPD_NATS__URL": server.url}
+        if secrets is not None:
+            # Each process gets only its own identity, never one inherited from here.
+            base_env = {k: v for k, v in base_env.items()
+                        if not k.startswith(f"{ENV_PREFIX}NATS__") or k == "CPD_NATS__URL"}
+        if config_file:
+            base_env["CPD_CONFIG"] = str(Path(config_file).resolve())
+        # kvindex first (it replays the stream); then every worker at once: their
+        # engines take the longest to start and do not depend on each other.
+        stages = [[x for x in wanted if x == "kvindex"], [x for x in wanted if x != "kvindex"]]
+        # With telemetry.prometheus_port set, it is the first of consecutive scrape ports,
+        # one per process (printed in the banner).
+        metrics_port = settings.telemetry.prometheus_port
+        for stage in stages:
+            started = []
+            for service in stage:
+                for node_id in (n for n, svc in nodes.items() if svc == service):
+                    env = {**base_env, "CPD_NODE__NODE_ID": node_id,
+                           **(secrets.env(node_id) if secrets else {})}
+                    if metrics_port:
+                        env["CPD_TELEMETRY__PROMETHEUS_PORT"] = str(
+                            metrics_port + len(procs))
+                    proc = Proc(service, node_id, logs / f"{node_id}.log", env)
+                    proc.start()
+                    procs.append(proc)
+                    started.append(proc)
+            await _ready_or_refused(started, asyncio.gather(
+                *(wait_ready(server.url, p.service, p.node_id, ready_timeout, admin_nats)
+                  for p in started)))
+            for p in started:
+                log.info("service.ready", service=p.service, node=p.node_id)
+        _banner(server.url, procs, logs, settings, secrets)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            if server.proc is None or server.proc.poll() is not None:
+                log.warning("nats.restarting")
+                server.start()
+            for proc in procs:
+                if not stop.is_set() and not proc.alive():
+                    _restart(proc)
+
+    try:
+        asyncio.run(supervise())
+    finally:
+        for proc in reversed(procs):
+            proc.terminate(settings.nats.drain_timeout_s)
+        server.stop()
+        print("cpd: stopped", flush=True)
+    return 0
+
+
+async def _ready_or_refused(procs: list[Proc], ready: asyncio.Future[Any]) -> None:
+    """Await ``ready``, failing fast when a process exits because NATS refused it
+    (wrong credentials or permissions: waiting or restarting cannot fix that)."""
+
+    def refused(p: Proc) -> str | None:
+        if p.popen is None or p.popen.poll() != EXIT_REFUSED:
+            return None
+        return (f"NATS refused {p.node_id}; see {p.log_path}:\n"
+                + p.log_path.read_text(errors="replace")[-2000:])
+
+    await until_ready(ready, procs, refused)
+
+
+async def until_ready(ready: asyncio.Future[Any], procs: list[Proc],
+                      failed: Callable[[Proc], str | None]) -> None:
+    """Await ``ready`` (e.g. a gather of :func:`wait_ready`) while watching ``procs``:
+    the first process for which ``failed`` returns a message ends the wait with a
+    :class:`CpdError` of that message, instead of waiting out the timeout."""
+    try:
+        while not ready.done():
+            for p in procs:
+                if (why := failed(p)) is not None:
+                    raise CpdError(why)
+            await asyncio.wait([ready], timeout=0.25)
+        ready.result()
+    finally:
+        ready.cancel()
+        with contextlib.suppress(BaseException):
+            await ready
+
+
+def _restart(proc: Proc) -> None:
+    now = time.monotonic()
+    code = proc.popen.returncode if proc.popen else None
+    if code == EXIT_REFUSED:
+        if not proc.restarts or proc.restarts[-1] != -1.0:
+            log.error("service.refused_by_nats", node=proc.node_id, log=str(proc.log_path))
+            proc.restarts.append(-1.0)  # logged once; its credentials need fixing first
+        return
+    proc.restarts = [t for t in proc.restarts if now - t < 60] + [now]
+    if len(proc.restarts) > 5:
+        log.error("service.crash_loop", node=proc.node_id, exit_code=code)
+        if len(proc.restarts) < 8:
+            return  # back off: try again once the window slides
+    log.warning("service.restart", node=proc.node_id, exit_code=code)
+    if proc.popen is not None:
+        kill_tree(proc.popen)  # what the dead process started (engines) dies with it
+    proc.start()
+
+
+def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
+            secrets: Any = None) -> None:
+    names = ", ".join(p.node_id for p in procs) or "none yet"
+    running = {p.service for p in procs}
+    lines = ["", "CPD is up.", f"  NATS (JetStream): {url}", f"  services:         {names}",
+             f"  logs:             {logs}"]
+    client_env = f"CPD_NATS__URL={url}"
+    if secrets is not None:
+        from cpd.ops.security import CLIENT
+
+        env = {"CPD_NATS__URL": url, **secrets.env(CLIENT)}
+        lines += [f"  secure NATS:      TLS + per-service identities; secrets in {secrets.root}",
+                  "  clients connect as the client identity (generate and status only):",
+                  *(f"    export {k}={v}" for k, v in env.items())]
+        client_env = "(after the exports above)"
+    tries = []
+    if "gateway" in running:
+        g = settings.gateway
+        base = f"http://{g.host}:{g.port}/v1"
+        model = g.served_model_name or f"cpd-{settings.model.preset}"
+        lines.append(f'  OpenAI API:       {base}  (model "{model}")')
+        tries += [f"  curl {base}/completions -H 'Content-Type: application/json' \\",
+                  f"""    -d '{{"model": "{model}", "prompt": "def fib(n):", "max_tokens": 16}}'"""]
+    if "router" in running:
+        tries += [f'  {client_env} cpd generate "def fib(n):" --max-tokens 16',
+                  f"  {client_env} cpd status"]
+    if settings.telemetry.prometheus_port:
+        first = settings.telemetry.prometheus_port
+        lines.append(f"  metrics:          http://127.0.0.1:{first}..{first + len(procs) - 1}"
+                     "/metrics (one port per service, in the order above)")
+    if tries:
+        lines += ["Try:", *tries]
+    lines += ["Stop: Ctrl-C", ""]
+    print("\n".join(lines), flush=True)
