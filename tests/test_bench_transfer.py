@@ -40,7 +40,7 @@ def test_quick_transfer_bench_reports_every_case_side_by_side(tmp_path: Path) ->
     head = cases[(16, 1 << 20)]
     for key in ("gbps", "raw_ucx_gbps", "nats_gbps", "memcpy_gbps", "vs_raw_ucx", "vs_nats"):
         assert r[key] == head[key], key
-    # The same-host transport of the data plane, not TCP loopback (docs/benchmarks/).
+    # The same-host transport of the data plane, not TCP loopback (docs/benchmarks/transfer.md).
     assert "posix" in r["ucx"]["active_transports"]
     assert r["ucx"]["options"]["POSIX_ERROR_HANDLING"] == "y"
     assert r["reps"] >= 3 and r["min_seconds_per_way"] > 0

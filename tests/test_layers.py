@@ -9,6 +9,7 @@ direction fails like a top-level one.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,3 +172,16 @@ def test_a_wrong_way_import_in_a_synthetic_tree_is_found(
 def test_a_module_outside_every_layer_is_reported(tmp_path: Path) -> None:
     found = violations(_tree(tmp_path, {"libs/cpd/gadgets.py": "import os\n"}))
     assert [(v.module, v.why) for v in found] == [("cpd.gadgets", "module outside every layer")]
+
+
+def test_the_readme_layout_table_matches_the_tree() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Layout"):readme.index("## Settings")]
+    paths = re.findall(r"^\| `([^`]+)`", table, re.M)
+    missing = [p for p in paths if not (ROOT / p.split(",")[0]).exists()]
+    assert not missing, missing
+    folders = {package.split(".")[1] for package, _ in LAYERS if package.startswith("cpd.")}
+    layers = {f"libs/cpd/{f}/" for f in folders if (ROOT / "libs" / "cpd" / f).is_dir()}
+    listed = set(paths)
+    assert layers <= listed, sorted(layers - listed)
+    assert {"services/", "tools/", "tests/"} <= listed

@@ -25,6 +25,7 @@ from typing import Any
 import nats.errors
 
 from cpd.bus import EXIT_REFUSED, connect
+from cpd.engines.profile import engine_profile
 from cpd.ops import telemetry
 from cpd.ops.config import ENV_PREFIX, NatsSettings, Settings
 from cpd.ops.natsserver import NatsServer
@@ -165,12 +166,9 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                         log_file=str(logs / "nats.log"),
                         config_file=str(secrets.config_file) if secrets else None)
     server.start()
-    # The sim engine (worker.engine = "sim") has no model files to build.
-    if (any(x != "kvindex" for x in wanted) and not settings.model.path
-            and settings.worker.engine != "sim"):
-        from cpd.modelbuild import build
-
-        build(settings.model.preset, settings.model_cache_dir)  # once, before the workers
+    if any(x != "kvindex" for x in wanted):
+        # Builds the local model once, before the workers (the sim engine has none).
+        engine_profile(settings).served_model()
     procs: list[Proc] = []
     stop = asyncio.Event()
 

@@ -29,7 +29,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -38,7 +37,7 @@ from opentelemetry.metrics import Observation
 
 from cpd.bus import BAD_INPUT, ReplyStream, Request, Service
 from cpd.engines import ArenaSpec, Engine, EngineRequest, EngineStep
-from cpd.engines.profile import engine_profile
+from cpd.engines.profile import CacheEventBridge, engine_profile
 from cpd.kvstore import BlockEntry, BlockStore, KvStore
 from cpd.kvstore import events as kvevents
 from cpd.ops import telemetry
@@ -48,7 +47,7 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.capability import Keyring
 from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest, Overloaded, PromptTooLong
 from cpd.protocol.lifecycle import BlockState
-from cpd.protocol.roles import PREFILL_ROLES
+from cpd.protocol.roles import PREFILL_ROLES, WORKER_ROLES
 from cpd.transfer import TransferClient, TransferServer, decode_address, init_ucx
 
 
@@ -91,7 +90,7 @@ class WorkerService(Service):
         self.in_flight = 0
         self.ms_per_token = settings.worker.initial_ms_per_token
         self._arena_path: Path | None = None
-        self._bridge: Any = None
+        self._bridge: CacheEventBridge | None = None
         self._leases: dict[str, asyncio.TimerHandle] = {}
         # Request ids running here: engines refuse a duplicate id with an untyped error.
         self._running: set[str] = set()
@@ -702,12 +701,17 @@ def _timing_fields(t: wire.Timings) -> dict:
     return msgspec.structs.asdict(t)
 
 
-def run_worker(role: str) -> None:
-    """Entry point of ``python -m services.<role>``."""
+def run_worker(role: str = "") -> None:
+    """Entry point of ``python -m services.<role>``, and of ``python -m services.worker``
+    in the role of ``worker.role``."""
     from cpd.bus import run_service
     from cpd.ops.config import load_settings
 
     settings = load_settings()
+    role = role or settings.worker.role
+    if not role:
+        raise SystemExit("services.worker: set worker.role (CPD_WORKER__ROLE) to one of "
+                         f"{', '.join(WORKER_ROLES)}, or run python -m services.<role>")
     telemetry.setup(role, settings.telemetry)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.worker.engine_kv_cache_gib))
     run_service(WorkerService(settings, role))

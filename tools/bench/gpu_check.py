@@ -1,7 +1,8 @@
-"""``python -m bench.gpu_check``: the prepared GPU check (``scripts/gpu_check.sh`` runs it).
+"""``python -m tools.bench.gpu_check``: the prepared GPU check (``scripts/gpu_check.sh``
+runs it).
 
-Meant for one short session on a machine with a CUDA GPU (docs/benchmarks/, "GPU
-check (H200)"); everything it learns goes into one JSON report, also when it stops early:
+Meant for one short session on a machine with a CUDA GPU (docs/benchmarks/gpu-check.md);
+everything it learns goes into one JSON report, also when it stops early:
 
 1. the environment: ``nvidia-smi``, Python, whether ``torch`` sees CUDA, whether a CUDA
    build of ``vllm`` imports, and which of CPD's own dependencies are missing. Each probe
@@ -377,7 +378,7 @@ def _default_report_path() -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.bench.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="report the environment only")
     p.add_argument("--json", type=Path, default=None,

@@ -218,7 +218,7 @@ class _Cluster:
         seen: dict[str, wire.Heartbeat] = {}
         # One at a time: a worker's event loop stands still while its engine starts, and
         # three engines starting together on two cores take long enough for the NATS
-        # server to drop those connections as stale (docs/benchmarks/). Started in a
+        # server to drop those connections as stale (docs/benchmarks/ttft.md). Started in a
         # row, the whole start-up takes about as long.
         for node, role in NODES.items():
             with open(self.log_path(node), "wb") as log:

@@ -4,7 +4,7 @@ nats-py's ``Client.request`` works the same way (one ``<inbox>.*`` subscription,
 future per request), but spends about 30 µs more of CPU on each call: a NUID plus two
 random bytes from the OS per token, the subjects validated twice, ``asyncio.wait_for``.
 On the hottest request of the system, the router's kvindex lookup, that was a third of
-the caller's CPU (docs/benchmarks/, "kvindex": 85 → 57 µs per request at 5,000/s).
+the caller's CPU (docs/benchmarks/kvindex.md: 85 → 57 µs per request at 5,000/s).
 Here a token is a counter, and the deadline is one timer handle.
 """
 

@@ -52,7 +52,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # Starts in seconds on 2 CPU cores; still, an 8K prefill costs far more than moving
-    # its 32 MiB of KV (docs/benchmarks/ has the measured ratio).
+    # its 32 MiB of KV (docs/benchmarks/model.md has the measured ratio).
     "tiny": Preset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=768,
                    max_position_embeddings=8192),

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from cpd.protocol.errors import ConfigError
-from cpd.protocol.roles import Role
+from cpd.protocol.roles import WORKER_ROLES, Role
 from cpd.sim.analysis import DEFAULT_TTFT_SLO_S
 from cpd.sim.costmodel import DEFAULT_PRESET, PRESETS
 
@@ -298,7 +298,7 @@ class DataPlaneSettings(_Section):
     pin_ttl_s: Positive = 60.0
     lease_sweep_interval_s: Positive = 1.0
     # UCX transports; tcp is mandatory (connection manager, cross-host). posix shared memory
-    # is the fastest same-host path that keeps peer-failure detection (docs/benchmarks/).
+    # is the fastest same-host path that keeps peer-failure detection (docs/benchmarks/transfer.md).
     ucx_tls: str = "tcp,posix"
     # posix/sysv only advertise peer-failure handling when asked; without it UCX silently
     # drops them from error-handling endpoints and falls back to TCP loopback.
@@ -308,7 +308,7 @@ class DataPlaneSettings(_Section):
     # "blocking": UCX progresses on the event loop (cpd.transfer re-arms it correctly and
     # lets idle connections sleep); fastest and the only mode whose peer-failure tests are
     # stable here. "thread": UCX in its own thread, but reconnects after a peer died
-    # mid-transfer can stall (docs/benchmarks/, data plane section).
+    # mid-transfer can stall (docs/benchmarks/transfer.md).
     ucx_progress_mode: Literal["blocking", "thread", "thread-polling", "polling"] = "blocking"
     # Measured-bandwidth estimate (EWMA); transfers smaller than the minimum measure latency.
     bandwidth_ewma_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
@@ -336,6 +336,9 @@ class WorkerSettings(_Section):
     max_queued_requests: PositiveInt = 64
     # Prefill cost seed until measured (ms per prompt token); the EWMA takes over.
     initial_ms_per_token: Positive = 0.25
+    # The role `python -m services.worker` runs; `python -m services.preprefill`, `.prefill`
+    # and `.decode` run their own.
+    role: str = ""
     # vllm: the real engine on the model of [model]; sim: the simulated engine of [sim]
     # (docs/architecture.md, "Engines"), same worker, same data plane, no model files.
     engine: Literal["vllm", "sim"] = "vllm"
@@ -357,6 +360,11 @@ class WorkerSettings(_Section):
     # decode workers, whose prompts arrive whole while they decode (as every P/D
     # framework receives KV); "all": prefill tiers too; "none": every load in the step.
     async_kv_load: Literal["none", "decode", "all"] = "decode"
+
+    def __post_init__(self) -> None:
+        if self.role and self.role not in WORKER_ROLES:
+            raise ValueError(f"worker.role {self.role!r} is not one of "
+                             f"{', '.join(WORKER_ROLES)}")
 
     def loads_async(self, role: str) -> bool:
         """Whether a worker of ``role`` loads arena KV off the engine step."""
