@@ -31,6 +31,7 @@ from cpd.ops.config import NatsSettings, load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, NatsAuthFailed, PermissionDenied
+from cpd.protocol.roles import WORKER_ROLES
 from cpd.sim.workloads import block_token_ids
 from services.kvindex import KvIndexService
 
@@ -53,7 +54,7 @@ def _sub(kind: str, node: str = "") -> tuple[str, ...]:
 
 def test_permission_table_keeps_each_identity_to_its_job() -> None:
     allows = security.allows
-    for role in subjects.ROLES:
+    for role in WORKER_ROLES:
         # Workers never send client requests, visibility changes or stream admin.
         for forbidden in (subjects.GENERATE, subjects.KV_VISIBLE, subjects.KV_INVALIDATE,
                           subjects.js_stream_info("OTHER"), "$JS.API.CONSUMER.CREATE.CPD_KV",
@@ -376,7 +377,7 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
             deadline = time.monotonic() + 30
             while True:  # until the router has seen every worker's heartbeat
                 status = await client.status()
-                if {n.role for n in status.nodes if n.alive} >= set(subjects.ROLES):
+                if {n.role for n in status.nodes if n.alive} >= set(WORKER_ROLES):
                     break
                 assert time.monotonic() < deadline, status
                 await asyncio.sleep(0.2)

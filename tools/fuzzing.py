@@ -35,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpd.protocol import subjects, wire
+from cpd.protocol import wire
+from cpd.protocol.roles import WORKER_ROLES
 
 __all__ = ["FAMILIES", "Case", "FuzzContext", "RawStr", "cases", "pack"]
 
@@ -287,7 +288,7 @@ _LOOKUP_HOSTILE: Hostile = {
 def _heartbeat(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
     # Worker roles only with a 1 ms lease: a router never routes to a fuzz node.
     role = rng.choice(["router", "kvindex", "prefill", "decode", "preprefill"])
-    ttl = 1 if role in subjects.ROLES else rng.randint(1, 60_000)
+    ttl = 1 if role in WORKER_ROLES else rng.randint(1, 60_000)
     return {"kind": "heartbeat", "v": 1, "node": _fake(ctx, rng), "role": role,
             "started_unix_ms": rng.randint(0, 1 << 41), "lease_ttl_ms": ttl,
             "namespace": ctx.namespace, "namespace_spec": ctx.namespace_spec}

@@ -71,7 +71,7 @@ class WorkerService(Service):
     """A pre-prefill, prefill or decode worker."""
 
     def __init__(self, settings: Settings, role: str, *, nats_url: str | None = None) -> None:
-        if role not in subjects.ROLES:
+        if role not in WORKER_ROLES:
             raise ValueError(f"unknown worker role {role!r}")
         self.name = role
         super().__init__(settings, nats_url=nats_url)

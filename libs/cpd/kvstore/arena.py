@@ -35,8 +35,6 @@ from cpd.protocol.lifecycle import BlockState
 
 from .events import MAX_BLOCKS_PER_EVENT
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 SealItem = bytes | tuple[bytes, int] | tuple[bytes, int, int] | tuple[bytes, int, int, int]
 """What :meth:`BlockStore.seal` takes per block (see there)."""
 

@@ -52,10 +52,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cpd.ops.config import NatsSettings
 from cpd.protocol import subjects as s
 from cpd.protocol.errors import ConfigError
-from cpd.protocol.roles import PREFILL_ROLES, Role
+from cpd.protocol.roles import PREFILL_ROLES, WORKER_ROLES, Role
 
 # Identity kinds: the six services, plus external callers.
-SERVICE_KINDS: Final = ("kvindex", "router", "gateway", *s.ROLES)
+SERVICE_KINDS: Final = ("kvindex", "router", "gateway", *WORKER_ROLES)
 CLIENT: Final = "client"
 """``cpd generate`` / ``cpd status`` and applications: generate and status only."""
 ADMIN: Final = "admin"
@@ -148,12 +148,12 @@ def permission_table(node: str = "") -> dict[str, Grants]:
         "gateway": Grants(
             publish=(*service_pub("gateway"), s.GENERATE, s.ROUTER_STATUS),
             subscribe=own("gateway"), responses=True),
-        **{role: worker(role) for role in s.ROLES},
+        **{role: worker(role) for role in WORKER_ROLES},
         CLIENT: Grants(publish=(s.GENERATE, s.ROUTER_STATUS), subscribe=own(CLIENT)),
         ADMIN: Grants(
             publish=(s.GENERATE, s.ROUTER_STATUS, s.KVINDEX_LOOKUP,
                      s.everything_under(s.MICRO_ROOT),
-                     *(s.for_node(s.admin, r) for r in s.ROLES)),
+                     *(s.for_node(s.admin, r) for r in WORKER_ROLES)),
             subscribe=(*own(ADMIN), s.HEARTBEAT_ALL, s.LOAD_ALL, s.KV_DEADLETTER)),
     }
 

@@ -35,8 +35,6 @@ KV_STREAM: Final = "CPD_KV"
 QUEUE_ROUTER: Final = "router"
 QUEUE_KVINDEX: Final = "kvindex"
 
-ROLES: Final = WORKER_ROLES
-
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -92,8 +90,8 @@ def node_of(subject: str) -> str:
 
 
 def _role(role: str) -> str:
-    if role not in ROLES:
-        raise ValueError(f"role {role!r} must be one of {ROLES}")
+    if role not in WORKER_ROLES:
+        raise ValueError(f"role {role!r} must be one of {WORKER_ROLES}")
     return role
 
 
