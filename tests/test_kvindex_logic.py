@@ -217,6 +217,27 @@ def test_gpu_events_map_to_cpd_hashes_through_token_ids() -> None:
     assert ch.unmapped == 1
 
 
+def test_a_gpu_block_stored_again_is_the_same_fact_not_an_error() -> None:
+    """vLLM reports BlockStored again for the last full block of a prompt its cache
+    already holds: kvindex keeps the block visible and logs nothing illegal."""
+    spec = Namespace(model_id="m", model_revision="r", tokenizer_hash="t", kv_dtype="float32",
+                     block_size=32)
+    idx = Index()
+    idx.heartbeat(hb("g0", spec=spec.to_spec(), ns=spec.id), 0)
+    tokens = list(range(64))
+    w = Writer("g0")
+
+    def stored(hashes: list[int], parent: int | None, toks: list[int]) -> wire.KvEvent:
+        return w.ev(wire.GpuBlocksStored, namespace=spec.id, tier=GPU, engine_hashes=hashes,
+                    parent_engine_hash=parent, tokens=wire.pack_tokens(toks),
+                    engine_block_size=32)
+
+    assert idx.apply(stored([1, 2], None, tokens)).illegal == []
+    again = idx.apply(stored([2], 1, tokens[32:]))
+    assert again.illegal == [] and again.transitions == 0
+    assert idx.lookup(spec.id, block_hashes(spec, tokens), 1).num_blocks == 2
+
+
 def test_gpu_events_carry_their_namespace_so_a_replay_maps_them_without_heartbeats() -> None:
     spec = Namespace(model_id="m", model_revision="r", tokenizer_hash="t", kv_dtype="float32",
                      block_size=32)

@@ -34,6 +34,7 @@ CROWN_LENGTHS = [300, 512, 700, 1024, 1300, 1790, 2048, 2500, 2900, 3333,
                  3800, 4096, 4500, 5000, 5555, 6000, 6400, 7000, 7600, 8180 - MAX_TOKENS]
 for _i, _n in enumerate(CROWN_LENGTHS):
     PROMPTS[f"crown{_i}"] = _rng.integers(0, 1900, size=_n).tolist()
+PROMPTS["d"] = _rng.integers(0, 1900, size=4 * BS + 30).tolist()
 NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
 
 
@@ -125,6 +126,35 @@ async def test_vanished_peer_means_recompute_not_failure(cluster: dict, referenc
     tokens, final = await _ask(cluster, "p0", c, [src])
     assert tokens == reference["c"]
     assert final.route.tokens_remote == 0
+    assert final.route.load_error == "gone-node: unavailable (no heartbeat seen)"
+
+
+def test_engines_run_their_model_in_the_engine_core_process(cluster: dict) -> None:
+    """worker.engine_executor = "uni": each engine is one engine-core process, with no
+    model process behind vLLM's spinning shared-memory ring (docs/architecture.md,
+    "Engines")."""
+    import psutil
+
+    for node, proc in cluster["procs"].items():
+        titles = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(
+            recursive=True)]
+        assert sum("VLLM::EngineCore" in t for t in titles) == 1, (node, titles)
+        assert not any("VLLM::Worker" in t for t in titles), (node, titles)
+
+
+async def test_a_refused_pull_is_reported_in_the_route_not_hidden(cluster: dict,
+                                                                 reference: dict) -> None:
+    """A load the peer refuses (here: planned without kvindex's read capability) is
+    recomputed, and the final says which load failed and why: a client, the router's
+    counters and the benchmarks see the slower path instead of a silent fallback."""
+    d = PROMPTS["d"]  # on no node yet: p0 must pull it to have it
+    await _ask(cluster, "pp0", d)
+    assert await _visible_on(cluster, d, "pp0") == 4
+    forged = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0, num_blocks=4)
+    tokens, final = await _ask(cluster, "p0", d, [forged])
+    assert tokens == reference["d"]
+    assert final.route.load_error == "pp0: capability_denied"
+    assert (final.route.tokens_remote, final.route.tokens_computed) == (0, len(d))
 
 
 async def test_bad_input_gets_typed_errors_and_workers_stay_up(cluster: dict) -> None:

@@ -60,6 +60,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "ttft":
         from tools.bench.ttft import run as run_ttft
         result = run_ttft(_settings(args), quick=args.quick)
+    elif args.what == "client":
+        from tools.bench.client import run as run_client
+        result = run_client(_settings(args), quick=args.quick)
     elif args.what == "router":
         from tools.bench.router import run as run_router
         result = run_router(_settings(args), quick=args.quick, blocks=args.blocks)
@@ -98,6 +101,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     _write_json(result, args.json)
+    if result.get("requests_failed"):
+        print(f"cpd bench {args.what}: FAILED: {result['requests_failed']} requests failed",
+              file=sys.stderr)
+        return 1
+    if result.get("path_ok") is False:  # a benchmark that measured the wrong path failed
+        print(f"cpd bench {args.what}: FAILED: requests took other paths than intended",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -273,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_model_check)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks/)")
-    bench.add_argument("what", choices=["hashing", "kvindex", "model", "router", "sweep",
-                                          "transfer", "ttft", "faults", "fuzz"])
+    bench.add_argument("what", choices=["client", "hashing", "kvindex", "model", "router",
+                                          "sweep", "transfer", "ttft", "faults", "fuzz"])
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.add_argument("--tokens", type=int, default=None,
                        help="prompt tokens (hashing: 100000; model: 8192)")
@@ -339,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=cmd_health)
 
+    vl = sub.add_parser("vllm", help="vLLM's own CLI from this environment "
+                                     "(e.g. cpd vllm bench serve ...)", add_help=False)
+    vl.add_argument("args", nargs=argparse.REMAINDER, help="vLLM's arguments")
+
     up = sub.add_parser("up", help="start the whole system on the embedded default")
     up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")
     up.add_argument("--only", action="append", metavar="SERVICE",
@@ -373,6 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cpd`` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm"]:  # everything after it is vLLM's, options included
+        from tools.vllmcli import main as vllm_main
+
+        return vllm_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -28,12 +28,18 @@ from cpd.bus import EXIT_REFUSED, connect
 from cpd.engines.profile import engine_profile
 from cpd.ops import telemetry
 from cpd.ops.config import ENV_PREFIX, NatsSettings, Settings
+from cpd.ops.cpuset import EnginePlacement, place_engines
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects
 from cpd.protocol.errors import CpdError
+from cpd.protocol.roles import WORKER_ROLES
 
 # Start order: the index before anything that publishes to it.
 SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gateway")
+# How often `cpd up` names the services still starting (engines take tens of seconds).
+PROGRESS_EVERY_S = 10.0
+# The line `cpd up` prints once every service answers (tools watch for it).
+UP_BANNER = "CPD is up."
 
 log = telemetry.get_logger("cpd.cluster")
 
@@ -187,6 +193,8 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         # kvindex first (it replays the stream); then every worker at once: their
         # engines take the longest to start and do not depend on each other.
         stages = [[x for x in wanted if x == "kvindex"], [x for x in wanted if x != "kvindex"]]
+        placements = engine_placements(settings, nodes)
+        t_up = time.monotonic()
         # With telemetry.prometheus_port set, it is the first of consecutive scrape ports,
         # one per process (printed in the banner).
         metrics_port = settings.telemetry.prometheus_port
@@ -199,15 +207,19 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                     if metrics_port:
                         env["CPD_TELEMETRY__PROMETHEUS_PORT"] = str(
                             metrics_port + len(procs))
+                    where = ""
+                    if (placed := placements.get(node_id)) is not None:
+                        env["CPD_WORKER__ENGINE_CPUS"] = placed.cpu_list
+                        env["CPD_WORKER__ENGINE_THREADS"] = str(placed.threads)
+                        where = f" (engine on CPUs {placed.cpu_list}, {placed.threads} threads)"
                     proc = Proc(service, node_id, logs / f"{node_id}.log", env)
                     proc.start()
+                    _progress(f"starting {node_id}{where}")
                     procs.append(proc)
                     started.append(proc)
-            await _ready_or_refused(started, asyncio.gather(
-                *(wait_ready(server.url, p.service, p.node_id, ready_timeout, admin_nats)
-                  for p in started)))
-            for p in started:
-                log.info("service.ready", service=p.service, node=p.node_id)
+            await _ready_or_refused(started, asyncio.ensure_future(_each_ready(
+                started, server.url, ready_timeout, admin_nats, time.monotonic())))
+        _progress(f"ready in {time.monotonic() - t_up:.0f} s")
         _banner(server.url, procs, logs, settings, secrets)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
@@ -227,6 +239,68 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         server.stop()
         print("cpd: stopped", flush=True)
     return 0
+
+
+def engine_placements(settings: Settings, nodes: dict[str, str]) -> dict[str, EnginePlacement]:
+    """Cores and OpenMP threads of each vLLM worker ``cpd up`` starts on this host
+    (cpd.ops.cpuset.place_engines), unless the settings name them (``worker.engine_cpus``
+    or ``worker.engine_threads``, for every worker alike), or the engine is simulated."""
+    w = settings.worker
+    if w.engine != "vllm" or w.engine_cpus or w.engine_threads:
+        return {}
+    workers = [n for n, svc in nodes.items() if svc in WORKER_ROLES]
+    if not workers:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+        range(os.cpu_count() or 1))
+    return dict(zip(workers, place_engines(cpus, [nodes[n] for n in workers]), strict=True))
+
+
+def _progress(line: str) -> None:
+    """A start-up line on the terminal (the services' own logs go to their files)."""
+    print(f"cpd: {line}", flush=True)
+
+
+def _last_log_line(path: Path, width: int = 100) -> str:
+    """The last line a process logged, without vLLM's prefix (what it is doing now)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    line = lines[-1] if lines else "(nothing logged yet)"
+    head, sep, rest = line.partition("] ")
+    return (rest if sep and len(head) < 120 else line).strip()[:width]
+
+
+async def _each_ready(procs: list[Proc], url: str, timeout: float,
+                      admin: NatsSettings | None, t0: float) -> None:
+    """Wait for every process of ``procs`` to answer, saying each one's readiness as it
+    comes and, while some are still starting, which ones every ``PROGRESS_EVERY_S``."""
+
+    async def one(p: Proc) -> None:
+        await wait_ready(url, p.service, p.node_id, timeout, admin)
+        pending.discard(p.node_id)
+        log.info("service.ready", service=p.service, node=p.node_id)
+        _progress(f"{p.node_id} ready ({time.monotonic() - t0:.0f} s)")
+
+    pending = {p.node_id for p in procs}
+    waits = asyncio.gather(*(one(p) for p in procs))
+    try:
+        while not waits.done():
+            await asyncio.wait([waits], timeout=PROGRESS_EVERY_S)
+            if pending and not waits.done():
+                elapsed = time.monotonic() - t0
+                for p in procs:
+                    if p.node_id in pending:
+                        _progress(f"{p.node_id} starting ({elapsed:.0f} s): "
+                                  f"{_last_log_line(p.log_path)}")
+        waits.result()
+    finally:
+        waits.cancel()
+        with contextlib.suppress(BaseException):
+            await waits
 
 
 async def _ready_or_refused(procs: list[Proc], ready: asyncio.Future[Any]) -> None:
@@ -283,7 +357,7 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
             secrets: Any = None) -> None:
     names = ", ".join(p.node_id for p in procs) or "none yet"
     running = {p.service for p in procs}
-    lines = ["", "CPD is up.", f"  NATS (JetStream): {url}", f"  services:         {names}",
+    lines = ["", UP_BANNER, f"  NATS (JetStream): {url}", f"  services:         {names}",
              f"  logs:             {logs}"]
     client_env = f"CPD_NATS__URL={url}"
     if secrets is not None:

@@ -474,8 +474,11 @@ class Index:
             done = b""
             if len(acc) == want:
                 done = block_hashes(spec, acc, parent=parent)
-                self._allocate(spec.id, done, b"" if parent == ROOT_PARENT else parent,
-                               spec.block_size, key, ev.epoch, ch)
+                # vLLM emits BlockStored again for a block its cache still holds (the last
+                # full block of a prompt that hit the cache): the same fact, not an error.
+                if self.location(spec.id, done, ev.node, Tier.GPU) is None:
+                    self._allocate(spec.id, done, b"" if parent == ROOT_PARENT else parent,
+                                   spec.block_size, key, ev.epoch, ch)
                 loc = self.location(spec.id, done, ev.node, Tier.GPU)
                 if loc is not None and loc.state is BlockState.ALLOCATED:
                     loc.state = BlockState.SEALED

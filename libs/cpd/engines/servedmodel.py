@@ -21,10 +21,12 @@ from cpd.ops.config import Settings
 from cpd.protocol.errors import InvalidRequest
 from cpd.protocol.hashing import Namespace
 
-# Used when the model ships no chat template of its own (the locally built ones do not):
-# plain role headers, one turn per block, ending with the assistant's header.
-_FALLBACK_TURN = "<|{role}|>\n{content}\n"
-_FALLBACK_GENERATION = "<|assistant|>\n"
+# The chat template of a model that ships none (the locally built ones do not): plain
+# role headers, "<|role|>\ncontent\n" per message, then the assistant's header. Public:
+# other servers of the same model (the client benchmark's vLLM) are given the same one.
+FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+                          "{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -104,10 +106,8 @@ class ServedModel:
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The prompt text of a chat: the model's own template when it has one."""
-        if self.chat_template:
-            return _render_template(self.chat_template, messages, self.special_tokens)
-        turns = [_FALLBACK_TURN.format(role=m["role"], content=m["content"]) for m in messages]
-        return "".join(turns) + _FALLBACK_GENERATION
+        return _render_template(self.chat_template or FALLBACK_CHAT_TEMPLATE, messages,
+                                self.special_tokens)
 
 
 class Detokenizer:

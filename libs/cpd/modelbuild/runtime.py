@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,20 @@ def prepare_cpu_env(kv_cache_gib: int = 1) -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def engine_thread_env(threads: int, cpus: Sequence[int] = ()) -> dict[str, str]:
+    """OpenMP settings of an engine's model process: ``threads`` threads (0: one per CPU
+    of ``cpus``), bound to ``cpus`` one place each when given. Read by the process's
+    OpenMP runtime when it starts, so they are set before the engine spawns it."""
+    env = {}
+    n = threads or len(cpus)
+    if n:
+        env["OMP_NUM_THREADS"] = str(n)
+    if cpus:
+        env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus)
+        env["OMP_PROC_BIND"] = "close"
+    return env
 
 
 def engine_kwargs(folder: str | os.PathLike[str], *, dtype: str = "float32",

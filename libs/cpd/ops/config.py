@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from cpd.ops.cpuset import parse_cpu_list
 from cpd.protocol.errors import ConfigError
 from cpd.protocol.roles import WORKER_ROLES, Role
 from cpd.sim.analysis import DEFAULT_TTFT_SLO_S
@@ -147,6 +148,10 @@ class RouterSettings(_Section):
     default_bandwidth_gbps: Positive = 1.0
     # A node loading from its own DRAM into its engine (GB/s).
     host_bandwidth_gbps: Positive = 8.0
+    # Fixed cost of one peer transfer besides its bytes (ms): the request and reply
+    # header round trip, the slot bookkeeping and the lifecycle events (2-7 ms measured
+    # per pull on a two-core host; docs/architecture.md, "Routing").
+    transfer_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     single_flight: bool = True
     max_single_flight_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 30_000.0
     # Prefill cost seeds (ms): fixed + per token + per token x context (docs/architecture.md,
@@ -360,11 +365,25 @@ class WorkerSettings(_Section):
     # decode workers, whose prompts arrive whole while they decode (as every P/D
     # framework receives KV); "all": prefill tiers too; "none": every load in the step.
     async_kv_load: Literal["none", "decode", "all"] = "decode"
+    # Touch every page of the block arena at start, so that no transfer or write-through
+    # pays the first-write page faults of fresh shared memory (costs ~1 s per GiB once).
+    prefault_arena: bool = True
+    # How a vLLM engine runs its model. "uni": in the engine-core process, which waits on
+    # a socket while idle; "mp": in a worker process of its own (vLLM-CPU's default), fed
+    # through a shared-memory ring whose readers spin for a second after every message
+    # (docs/architecture.md, "Engines": several engines on one host stall each other).
+    engine_executor: Literal["uni", "mp"] = "uni"
+    # OpenMP threads of the engine's model (0: one per CPU in engine_cpus, else per CPU
+    # this process may use). `cpd up` sets it per engine from the cores it has.
+    engine_threads: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    # CPUs the engine's OpenMP threads are bound to, as "0-3" or "0,2,4" (empty: unbound).
+    engine_cpus: str = ""
 
     def __post_init__(self) -> None:
         if self.role and self.role not in WORKER_ROLES:
             raise ValueError(f"worker.role {self.role!r} is not one of "
                              f"{', '.join(WORKER_ROLES)}")
+        parse_cpu_list(self.engine_cpus)  # a bad list fails at load, not in the engine
 
     def loads_async(self, role: str) -> bool:
         """Whether a worker of ``role`` loads arena KV off the engine step."""

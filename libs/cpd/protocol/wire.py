@@ -132,6 +132,9 @@ class Route(msgspec.Struct, kw_only=True):
     # The decode node's side of the hand-off: prompt tokens it pulled vs recomputed.
     decode_tokens_pulled: NonNegInt = 0
     decode_tokens_computed: NonNegInt = 0
+    # A planned load that did not happen, as "<peer>: <error code>" (the prefix was then
+    # recomputed): the request succeeded on a slower path than the router chose.
+    load_error: str = ""
 
 
 class Final(Message, tag="final", kw_only=True):
@@ -466,6 +469,8 @@ class RouterStats(msgspec.Struct, kw_only=True):
     completed: NonNegInt = 0
     failed: NonNegInt = 0
     failovers: NonNegInt = 0
+    # Completed requests whose planned load failed on the node (recomputed instead).
+    load_failures: NonNegInt = 0
     prompt_tokens: NonNegInt = 0
     tokens_gpu: NonNegInt = 0
     tokens_dram: NonNegInt = 0

