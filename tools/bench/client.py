@@ -25,6 +25,7 @@ reported, never averaged in.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import os
@@ -249,7 +250,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
+class _Server(abc.ABC):
     """A server process in its own session (its engines die with it)."""
 
     name = ""
@@ -265,8 +266,9 @@ class _Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    @abc.abstractmethod
     def command(self) -> tuple[list[str], dict[str, str]]:
-        raise NotImplementedError
+        """The server's argv and environment."""
 
     async def start(self) -> None:
         import httpx
