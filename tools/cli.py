@@ -228,6 +228,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vllm(args: argparse.Namespace) -> int:
+    from tools.vllmcli import main as vllm_main
+
+    return vllm_main(args.args)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from tools.supervisor import run_cluster
 
@@ -353,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     vl = sub.add_parser("vllm", help="vLLM's own CLI from this environment "
                                      "(e.g. cpd vllm bench serve ...)", add_help=False)
     vl.add_argument("args", nargs=argparse.REMAINDER, help="vLLM's arguments")
+    vl.set_defaults(func=cmd_vllm)
 
     up = sub.add_parser("up", help="start the whole system on the embedded default")
     up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")
@@ -390,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cpd`` console script."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["vllm"]:  # everything after it is vLLM's, options included
-        from tools.vllmcli import main as vllm_main
-
-        return vllm_main(argv[1:])
+        return cmd_vllm(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -28,7 +28,7 @@ from cpd.bus import EXIT_REFUSED, connect
 from cpd.engines.profile import engine_profile
 from cpd.ops import telemetry
 from cpd.ops.config import ENV_PREFIX, NatsSettings, Settings
-from cpd.ops.cpuset import EnginePlacement, place_engines
+from cpd.ops.cpuset import EnginePlacement, place_engines, usable_cpus
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects
 from cpd.protocol.errors import CpdError
@@ -251,9 +251,8 @@ def engine_placements(settings: Settings, nodes: dict[str, str]) -> dict[str, En
     workers = [n for n, svc in nodes.items() if svc in WORKER_ROLES]
     if not workers:
         return {}
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1))
-    return dict(zip(workers, place_engines(cpus, [nodes[n] for n in workers]), strict=True))
+    placed = place_engines(usable_cpus(), [nodes[n] for n in workers])
+    return dict(zip(workers, placed, strict=True))
 
 
 def _progress(line: str) -> None:

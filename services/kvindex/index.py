@@ -476,10 +476,11 @@ class Index:
                 done = block_hashes(spec, acc, parent=parent)
                 # vLLM emits BlockStored again for a block its cache still holds (the last
                 # full block of a prompt that hit the cache): the same fact, not an error.
-                if self.location(spec.id, done, ev.node, Tier.GPU) is None:
+                loc = self.location(spec.id, done, ev.node, Tier.GPU)
+                if loc is None:
                     self._allocate(spec.id, done, b"" if parent == ROOT_PARENT else parent,
                                    spec.block_size, key, ev.epoch, ch)
-                loc = self.location(spec.id, done, ev.node, Tier.GPU)
+                    loc = self.location(spec.id, done, ev.node, Tier.GPU)
                 if loc is not None and loc.state is BlockState.ALLOCATED:
                     loc.state = BlockState.SEALED
                     self._try_visible(spec.id, done, key, ch)

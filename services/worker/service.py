@@ -419,9 +419,8 @@ class WorkerService(Service):
             address = self.peers.get(src.node)
             if address is None:
                 self.log.warning("prefill.peer_unknown", peer=src.node)
-                failure = f"{src.node}: {ErrorCode.UNAVAILABLE.value} (no heartbeat seen)"
-                self._m_load_failures.add(1, {"role": self.role,
-                                              "error": ErrorCode.UNAVAILABLE.value})
+                error = ErrorCode.UNAVAILABLE.value
+                failure = f"{src.node}: {error} (no heartbeat seen)"
                 break
             error = ""
             try:
@@ -431,13 +430,14 @@ class WorkerService(Service):
             except CpdError as e:  # peer gone, evicted, corrupt: recompute from here
                 error = e.code.value
                 failure = f"{src.node}: {error}"
-                self._m_load_failures.add(1, {"role": self.role, "error": error})
                 self.log.warning("prefill.pull_failed", peer=src.node, error=error,
                                  detail=e.message)
                 break
             finally:
                 if self.audit is not None:
                     self.audit.pulled("prefix", src.node, req.namespace, want, t_recv, error)
+        if failure:
+            self._m_load_failures.add(1, {"role": self.role, "error": error})
         have = [e.hash for e in self._sealed_prefix(hashes)]
         return have, min(remote, len(have)), failure
 

@@ -31,7 +31,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,8 +47,8 @@ from cpd.modelbuild import PRESETS, build
 from cpd.modelbuild.runtime import prepare_cpu_env
 from cpd.modelbuild.tokenizer import CORPUS
 from cpd.ops.config import Settings, load_settings
-from tools.bench.hostinfo import load_average, machine_info
-from tools.supervisor import UP_BANNER, kill_tree, stop_tree
+from tools.bench.hostinfo import free_port, load_average, machine_info
+from tools.supervisor import UP_BANNER, stop_tree
 
 PRESET = "tiny"
 SERVERS = ("cpd", "monolithic")
@@ -244,12 +243,6 @@ class _Prompts:
 # ------------------------------------------------------------------ the servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server(abc.ABC):
     """A server process in its own session (its engines die with it)."""
 
@@ -258,7 +251,7 @@ class _Server(abc.ABC):
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.log_path = tmp / f"{self.name}.log"
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_s = 0.0
 
@@ -309,11 +302,6 @@ class _Server(abc.ABC):
         """Beyond a healthy HTTP endpoint: whatever else must be up to serve."""
         return True
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            kill_tree(self.proc)
-            self.proc = None
-
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
@@ -337,7 +325,7 @@ class _CpdServer(_Server):
                "CPD_MODEL__PRESET": PRESET, "CPD_WORKER__ENGINE": "vllm",
                "CPD_MODEL__CACHE_DIR": str(self.settings.model_cache_dir),
                "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1"}
-        return [sys.executable, "-m", "tools.cli", "up", "--port", str(_free_port())], env
+        return [sys.executable, "-m", "tools.cli", "up", "--port", str(free_port())], env
 
     def serving(self) -> bool:
         # The gateway answers once a router does; requests need the workers too, which
@@ -503,7 +491,6 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
             raise
         finally:
             await asyncio.to_thread(srv.stop)
-            srv.kill()  # a no-op after a clean stop
     load["end"] = load_average()
     result = summarize(samples, failures)
     result.update(preset=PRESET, model=model.name, contexts=sizes, iterations=iterations,

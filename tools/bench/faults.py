@@ -31,7 +31,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import Namespace
 from cpd.sim.workloads import DEFAULT_VOCAB, block_token_ids
 from services.kvindex.index import Index
+from tools.bench.hostinfo import free_port
 from tools.bench.simcluster import SimCluster
 from tools.faultproxy import FaultProxy
 
@@ -575,12 +575,6 @@ QUICK = ("kill-prefill", "kill-kvindex", "kill-decode", "sigstop-mid-transfer",
 # --------------------------------------------------------------------------- runner
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _audit_since(folder: Path, t0: float, t1: float) -> list[dict]:
     return [r for r in read_audit(folder) if t0 <= r.get("t", 0) <= t1]
 
@@ -691,9 +685,9 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
     }
     # The proxied node's NATS URL is the proxy's, which forwards to NATS on a port picked
     # now (so the proxy exists before the node starts).
-    nats_port = _free_port()
+    nats_port = free_port()
     proxy = proxy_cls("127.0.0.1", nats_port).start_in_thread()
-    ucx_port = _free_port()
+    ucx_port = free_port()
     ucx_proxy = proxy_cls("127.0.0.1", ucx_port).start_in_thread()
     cluster = SimCluster(NODES, tmp, label="faults", env=env, nats_port=nats_port, node_env={
         PROXIED_NODE: {"CPD_NATS__URL": f"nats://127.0.0.1:{proxy.port}"},

@@ -23,7 +23,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from cpd.protocol.hashing import block_hashes
 from cpd.protocol.roles import Role
 from cpd.transfer import framing
 from tools import fuzzing
+from tools.bench.hostinfo import free_port
 from tools.supervisor import Proc, until_ready, wait_ready
 
 # The cluster: node id -> service.
@@ -156,12 +156,6 @@ class Outcome:
         return self.crashes + self.hangs + self.untyped + self.uncounted
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def expected_rejection(data: bytes, kind: type[wire.Message]) -> ErrorCode | None:
     """The code a receiver's decoder refuses ``data`` with (``None``: it decodes)."""
     try:
@@ -197,7 +191,7 @@ class FuzzCluster:
         return self.client.bus
 
     async def start(self) -> None:
-        self.monitor_port = _free_port()
+        self.monitor_port = free_port()
         self.server = NatsServer(store_dir=self.tmp / "nats",
                                  extra_args=("-m", str(self.monitor_port))).start()
         url = self.server.url
@@ -214,7 +208,7 @@ class FuzzCluster:
         for stage in ({"kvi": "kvindex"}, WORKERS, {"router": "router"}):
             started = []
             for node, service in stage.items():
-                port = self.metrics_ports[node] = _free_port()
+                port = self.metrics_ports[node] = free_port()
                 proc = Proc(service, node, self.tmp / f"{node}.log",
                             {**env, "CPD_NODE__NODE_ID": node,
                              "CPD_TELEMETRY__PROMETHEUS_PORT": str(port)})

@@ -1,12 +1,16 @@
-"""What a benchmark result says about the host it ran on (these hosts are shared and
-differ: every result carries how busy and what kind the machine was)."""
+"""The host a benchmark runs on: what its result says about it (these hosts are shared
+and differ: every result carries how busy and what kind the machine was), and a free
+local port for the servers it starts."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import platform
+import socket
 from importlib import metadata
+
+from cpd.ops.cpuset import usable_cpus
 
 
 def load_average() -> float | None:
@@ -21,7 +25,13 @@ def machine_info() -> dict:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[dist] = metadata.version(dist)
     return {"cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(),
+            "cpus_usable": len(usable_cpus()),
             "machine": platform.machine(), "python": platform.python_version(),
             "versions": versions}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -9,12 +9,20 @@ step per token, never shares with a prefill engine (docs/architecture.md, "Engin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cpd.protocol.roles import Role
 
 _MAX_CPU = 1 << 16
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -89,14 +97,11 @@ def place_engines(cpus: Sequence[int], roles: Sequence[str]) -> list[EnginePlace
     prefill = [i for i, r in enumerate(roles) if r != Role.DECODE]
     out: dict[int, list[int]] = {i: [] for i in range(len(roles))}
     if len(cores) >= len(roles):
-        pool = list(cores)
-        for i in decode + prefill:
-            out[i].append(pool.pop(0))
+        for i, core in zip(decode + prefill, cores, strict=False):
+            out[i].append(core)
         takers = prefill or decode
-        k = 0
-        while pool:
-            out[takers[k % len(takers)]].append(pool.pop(0))
-            k += 1
+        for k, core in enumerate(cores[len(roles):]):
+            out[takers[k % len(takers)]].append(core)
     else:
         own = min(len(decode), len(cores) - (1 if prefill else 0))
         pool = list(cores)
@@ -108,4 +113,5 @@ def place_engines(cpus: Sequence[int], roles: Sequence[str]) -> list[EnginePlace
     return [EnginePlacement(tuple(sorted(out[i]))) for i in range(len(roles))]
 
 
-__all__ = ["EnginePlacement", "format_cpu_list", "parse_cpu_list", "place_engines"]
+__all__ = ["EnginePlacement", "format_cpu_list", "parse_cpu_list", "place_engines",
+           "usable_cpus"]
