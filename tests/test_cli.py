@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -101,7 +102,11 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     gen = cpd("generate", "--token-ids", "1,2,3", "--timeout", "20")
     assert gen.returncode == 2 and "[unavailable]" in gen.stderr, gen.stderr
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
-        assert resp.status == 200
+        assert resp.status == 200  # alive
+    with pytest.raises(urllib.error.HTTPError) as err:  # not ready: no worker to serve
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=10)
+    assert err.value.code == 503
+    assert json.loads(err.value.read())["reason"] == "no live prefill or decode worker"
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest

@@ -20,9 +20,13 @@ import httpx
 import msgspec
 import openai
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import cpd
 from cpd.bus import Request, Service
 from cpd.engines.servedmodel import ServedModel
+from cpd.ops import telemetry
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
@@ -34,7 +38,7 @@ from cpd.protocol.errors import (
     Unavailable,
     UnknownNamespace,
 )
-from services.gateway import GatewayService
+from services.gateway import GatewayService, protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,6 +49,10 @@ PIECES = ("Once", " upon", "", " a time", " café", "!")
 FIRST_TOKEN = 100
 ROOT = Path(__file__).resolve().parent.parent
 
+
+# The gateway's request spans, recorded in this process (what an OTLP exporter would get).
+_spans = InMemorySpanExporter()
+telemetry.export_spans(SimpleSpanProcessor(_spans))
 
 class FakeRouter(Service):
     """Answers ``generate`` with ``PIECES`` (or a scripted failure) and ``status``."""
@@ -57,8 +65,14 @@ class FakeRouter(Service):
         self.received: list[wire.GenerateRequest] = []
         self.error: CpdError | None = None  # raised instead of answering
         self.fail_after: int | None = None  # tokens sent before the stream fails
+        self.error_after_wait: CpdError | None = None  # sent after first_delay_s
         self.token_delay_s = 0.0
+        self.first_delay_s = 0.0  # before the first token
         self.finished = asyncio.Event()
+        # What status reports: a live prefill-side and decode worker unless a test says.
+        self.nodes = [wire.NodeStatus(node="pp-0", role="preprefill", alive=True),
+                      wire.NodeStatus(node="d-0", role="decode", alive=True)]
+        self.kvindex: str = "ok"
 
     async def setup(self) -> None:
         await self.add_endpoint("generate", subjects.GENERATE, self._generate,
@@ -74,6 +88,10 @@ class FakeRouter(Service):
         prompt_tokens = (len(self.model.encode(req.prompt)) if req.prompt is not None
                          else len(wire.unpack_tokens(req.tokens or b"")))
         n = min(req.sampling.max_tokens, len(PIECES))
+        await asyncio.sleep(self.first_delay_s)
+        if self.error_after_wait is not None:
+            await stream.error(self.error_after_wait)
+            return
         for i in range(n):
             if i == self.fail_after:
                 await stream.error(Unavailable("decode node lost"))
@@ -91,7 +109,8 @@ class FakeRouter(Service):
         self.finished.set()
 
     async def _status(self, _: wire.StatusRequest, __: Request) -> wire.StatusReply:
-        return wire.StatusReply(router=wire.RouterStats(node=self.node_id, policy="fake"))
+        return wire.StatusReply(router=wire.RouterStats(node=self.node_id, policy="fake"),
+                                nodes=self.nodes, kvindex=self.kvindex)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------- fixtures
@@ -102,7 +121,8 @@ def gw_settings(nats_server: NatsServer, model_cache: Path) -> Settings:
     return load_settings(environ={}, overrides=[
         f"nats.url={nats_server.url}", "nats.drain_timeout_s=2",
         f"model.cache_dir={model_cache}", "gateway.port=0",
-        f"gateway.served_model_name={SERVED_NAME}", "gateway.request_timeout_s=20"])
+        f"gateway.served_model_name={SERVED_NAME}", "gateway.request_timeout_s=20",
+        "gateway.sse_keepalive_s=0.2"])
 
 
 @pytest.fixture(scope="module")
@@ -288,15 +308,135 @@ async def test_models_lists_the_served_model(oai: openai.AsyncOpenAI) -> None:
     assert [m.id for m in models] == [SERVED_NAME] and models[0].owned_by == "cpd"
 
 
-async def test_health_with_a_router(http: httpx.AsyncClient, router: FakeRouter) -> None:
+async def test_health_is_liveness_and_ready_needs_a_router_and_workers(
+        http: httpx.AsyncClient, router: FakeRouter) -> None:
     resp = await http.get("/health")
-    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+    assert resp.status_code == 200 and resp.json() == {"status": "ok", "nats_connected": True}
+    resp = await http.get("/ready")
+    assert resp.status_code == 200 and resp.json() == {"status": "ready", "workers": 2}
+    router.nodes = [router.nodes[0]]  # no decode node
+    resp = await http.get("/ready")
+    assert resp.status_code == 503 and resp.json()["reason"] == "no live decode worker"
+    router.nodes = [wire.NodeStatus(node="pp-0", role="preprefill", alive=False),
+                    wire.NodeStatus(node="d-0", role="decode", alive=True)]
+    resp = await http.get("/ready")
+    assert resp.status_code == 503 and resp.json()["reason"] == "no live prefill worker"
+    router.nodes = []
+    resp = await http.get("/ready")
+    assert resp.json()["reason"] == "no live prefill or decode worker"
+    router.kvindex = "recovering"
+    resp = await http.get("/ready")
+    assert resp.status_code == 503 and resp.json()["reason"] == "kvindex is recovering"
 
 
-async def test_health_without_a_router(http: httpx.AsyncClient) -> None:
-    resp = await http.get("/health")
+async def test_ready_without_a_router(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/health")).status_code == 200  # alive all the same
+    resp = await http.get("/ready")
     assert resp.status_code == 503
     assert resp.json()["status"] == "unavailable" and "router" in resp.json()["reason"]
+
+
+async def test_tokenize_detokenize_version_and_the_openapi_schema(
+        http: httpx.AsyncClient, model: ServedModel) -> None:
+    resp = await http.post("/tokenize", json={"model": SERVED_NAME, "prompt": "def fib(n):"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == model.encode("def fib(n):") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == model.max_model_len
+    messages = [{"role": "user", "content": "hello"}]
+    chat = (await http.post("/tokenize", json={"messages": messages})).json()
+    rendered = protocol.chat_prompt(protocol.ChatRequest(
+        messages=[protocol.ChatMessage(role="user", content="hello")]), model)
+    assert chat["tokens"] == model.encode(rendered)
+    resp = await http.post("/detokenize", json={"tokens": body["tokens"]})
+    assert resp.status_code == 200 and resp.json() == {"prompt": "def fib(n):"}
+    for path, bad, param in (("/detokenize", {"tokens": [-1]}, "tokens"),
+                             ("/detokenize", {"tokens": "x"}, "tokens"),
+                             ("/tokenize", {}, "prompt"),
+                             ("/tokenize", {"prompt": "x", "model": "other"}, "model")):
+        resp = await http.post(path, json=bad)
+        assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, bad
+    assert (await http.get("/version")).json() == {"version": cpd.__version__}
+    schema = (await http.get("/openapi.json")).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+            "/version", "/health", "/ready"} <= set(schema["paths"])
+    assert (await http.get("/docs")).status_code == 200
+
+
+async def test_a_waiting_stream_gets_its_headers_then_keepalives(
+        http: httpx.AsyncClient, router: FakeRouter) -> None:
+    """A request whose first token is slow in coming (a queued cold prefill) gets its
+    HTTP headers after ``gateway.stream_headers_after_s`` and an SSE comment every
+    ``gateway.sse_keepalive_s`` (0.2 s here) until it comes; an error after the headers
+    is an SSE error event."""
+    router.first_delay_s = 1.5
+    body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 3, "stream": True}
+    t0 = time.monotonic()
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        headers_after = time.monotonic() - t0
+        assert resp.status_code == 200
+        lines = [line async for line in resp.aiter_lines()]
+    assert headers_after < 1.2  # long before the first token
+    keepalives = [x for x in lines if x.startswith(":")]
+    assert len(keepalives) >= 3 and all(x == ": keep-alive" for x in keepalives)
+    data = [x for x in lines if x.startswith("data: ")]
+    assert "".join(msgspec.json.decode(x[6:])["choices"][0]["text"]
+                   for x in data[:-2]) == "".join(PIECES[:3])
+    assert data[-1] == "data: [DONE]"
+    router.error_after_wait = Unavailable("no decode node")
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        events = await _sse_events(resp)
+    assert events[-2]["error"]["code"] == "unavailable" and events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 4),
+    ("skip_special_tokens", False), ("include_stop_str_in_output", True),
+    ("truncate_prompt_tokens", 10)])
+async def test_vllm_fields_cpd_lacks_are_refused_not_dropped(
+        http: httpx.AsyncClient, router: FakeRouter, field: str, value: object) -> None:
+    resp = await http.post("/v1/completions", json={"prompt": "hi", field: value})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field
+    assert not router.received
+    neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+               "skip_special_tokens": True, "include_stop_str_in_output": False}
+    if field in neutral:  # the value that asks for nothing is accepted
+        resp = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                        field: neutral[field]})
+        assert resp.status_code == 200, resp.text
+
+
+async def test_request_spans_carry_the_genai_attributes(http: httpx.AsyncClient,
+                                                       router: FakeRouter) -> None:
+    _spans.clear()
+    resp = await http.post("/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3, "temperature": 0, "top_p": 0.9})
+    assert resp.status_code == 200, resp.text
+    (span,) = [s for s in _spans.get_finished_spans()
+               if s.name == "gateway /v1/chat/completions"]
+    attrs = dict(span.attributes or {})
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.provider.name"] == "cpd"
+    assert attrs["gen_ai.request.model"] == SERVED_NAME
+    assert attrs["gen_ai.request.max_tokens"] == 3
+    assert attrs["gen_ai.request.temperature"] == 0 and attrs["gen_ai.request.top_p"] == 0.9
+    assert attrs["gen_ai.response.id"] == resp.headers["x-request-id"]
+    assert list(attrs["gen_ai.response.finish_reasons"]) == ["length"]
+    usage = resp.json()["usage"]
+    assert attrs["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert attrs["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 3
+
+
+async def test_cache_salt_and_priority_reach_the_router(http: httpx.AsyncClient,
+                                                        router: FakeRouter) -> None:
+    resp = await http.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 1, "cache_salt": "user-7", "priority": 5})
+    assert resp.status_code == 200, resp.text
+    req = router.received[-1]
+    # vLLM serves lower priority values first; the router's admission, higher ones.
+    assert req.cache_salt == "user-7" and req.priority == -5 and req.tenant == "default"
 
 
 # ------------------------------------------------------------------------ errors
@@ -413,8 +553,9 @@ async def test_unknown_fields_are_ignored(http: httpx.AsyncClient, router: FakeR
         "tenant": "someone-else", "cache_salt": "s", "metadata": {"a": 1}})
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-request-id"] == router.received[-1].request_id
-    # Tenants come from credentials, never from the body.
-    assert router.received[-1].tenant == "default" and router.received[-1].cache_salt == ""
+    # Tenants come from credentials, never from the body; the salt splits the tenant's
+    # own cache further (vLLM's cache_salt).
+    assert router.received[-1].tenant == "default" and router.received[-1].cache_salt == "s"
 
 
 async def test_error_after_the_stream_started(oai: openai.AsyncOpenAI, http: httpx.AsyncClient,
@@ -501,9 +642,10 @@ async def test_gateway_process_serves_metrics(router: FakeRouter, nats_server: N
     samples = {line.partition("{")[0]: line for line in metrics.splitlines()
                if line.startswith("cpd_gateway_")}
     for name in ("cpd_gateway_requests_total", "cpd_gateway_rejected_requests_total",
-                 "cpd_gateway_ttft_milliseconds_bucket", "cpd_gateway_tpot_milliseconds_bucket",
-                 "cpd_gateway_e2e_latency_milliseconds_bucket",
-                 "cpd_gateway_prompt_tokens_total", "cpd_gateway_completion_tokens_total"):
+                 "cpd_gateway_time_to_first_token_seconds_bucket",
+                 "cpd_gateway_time_per_output_token_seconds_bucket",
+                 "cpd_gateway_e2e_request_latency_seconds_bucket",
+                 "cpd_gateway_prompt_tokens_total", "cpd_gateway_generation_tokens_total"):
         assert name in samples, name
     gateway_lines = [line for line in metrics.splitlines() if line.startswith("cpd_gateway_")]
     for label in ('status="200"', 'status="404"', 'code="model_not_found"', 'tier="gpu"',

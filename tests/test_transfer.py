@@ -151,6 +151,20 @@ async def test_corrupted_block_is_detected_by_checksum(client: TransferClient) -
 # ------------------------------------------------------------------------- pure parts
 
 
+@pytest.mark.timeout(60, method="thread")
+async def test_a_connection_opened_ahead_is_the_one_the_first_transfer_uses(
+        mixed: Peer, client: TransferClient) -> None:
+    assert not client.is_connected(mixed.address)
+    assert await client.connect_ahead(mixed.address)
+    assert client.is_connected(mixed.address)
+    ep = client._conns[mixed.address].ep
+    assert await client.connect_ahead(mixed.address)  # already open: no second dial
+    dests = [np.empty(mixed.sizes[i], np.uint8) for i in range(4)]
+    await client.get_into(mixed.address, mixed.hashes(range(4)), dests)
+    assert client._conns[mixed.address].ep is ep
+    assert all(np.array_equal(d, mixed.expected(i)) for i, d in enumerate(dests))
+
+
 @pytest.mark.timeout(10)
 def test_bandwidth_meter_is_an_ewma_of_large_transfers() -> None:
     m = BandwidthMeter(alpha=0.5, min_bytes=1000)

@@ -142,6 +142,30 @@ def test_engines_run_their_model_in_the_engine_core_process(cluster: dict) -> No
         assert not any("VLLM::Worker" in t for t in titles), (node, titles)
 
 
+async def test_workers_dial_the_peers_they_pull_from_ahead_of_need(
+        vllm_cluster: VllmCluster) -> None:
+    """Each worker opens its UCX connections when a peer's heartbeat first arrives, so the
+    first warm request does not pay the handshake: prefill roles to every worker, decode
+    to the prefill roles it takes hand-offs from."""
+    want = {"pp0": {"p0", "d0"}, "p0": {"pp0", "d0"}, "d0": {"pp0", "p0"}}
+    dialled: dict[str, set[str]] = {}
+    for _ in range(100):
+        dialled = {node: {line.split("peer=")[1].split()[0]
+                          for line in (vllm_cluster.tmp / f"{node}.log").read_text(
+                              errors="replace").splitlines()
+                          if "worker.peer_connected" in line}
+                   for node in want}
+        if all(want[n] <= dialled[n] for n in want):
+            break
+        await asyncio.sleep(0.2)
+    # Other modules sharing the cluster may have added workers (a second decode node):
+    # every wanted dial happened, and none that the roles rule out.
+    assert all(want[n] <= dialled[n] for n in want), dialled
+    assert all(n not in dialled[n] for n in want), dialled
+    decodes = {n for n, role in vllm_cluster.roles.items() if role == "decode"}
+    assert not dialled["d0"] & decodes, dialled  # decode pulls only from prefill roles
+
+
 async def test_a_refused_pull_is_reported_in_the_route_not_hidden(cluster: dict,
                                                                  reference: dict) -> None:
     """A load the peer refuses (here: planned without kvindex's read capability) is

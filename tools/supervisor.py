@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.errors
 
 from cpd.bus import EXIT_REFUSED, connect
@@ -40,6 +41,8 @@ SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gatewa
 PROGRESS_EVERY_S = 10.0
 # The line `cpd up` prints once every service answers (tools watch for it).
 UP_BANNER = "CPD is up."
+METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
+SCRAPE_TARGETS_FILE = "prometheus-targets.json"
 
 log = telemetry.get_logger("cpd.cluster")
 
@@ -154,7 +157,9 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     generated into (or reused from) ``secrets_dir`` (default ``nats.secrets_dir``), NATS
     started with the generated config (auth, TLS, per-identity permissions), and every
     service given its own identity through its environment."""
-    telemetry.setup("cluster", settings.telemetry)
+    # The scrape ports are the services' (from telemetry.prometheus_port on): this
+    # process serves none, or it would take the first one from kvindex.
+    telemetry.setup("cluster", msgspec.structs.replace(settings.telemetry, prometheus_port=0))
     logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
     logs.mkdir(parents=True, exist_ok=True)
     wanted = [x for x in available_services() if not only or x in only]
@@ -205,8 +210,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                     env = {**base_env, "CPD_NODE__NODE_ID": node_id,
                            **(secrets.env(node_id) if secrets else {})}
                     if metrics_port:
-                        env["CPD_TELEMETRY__PROMETHEUS_PORT"] = str(
-                            metrics_port + len(procs))
+                        env[METRICS_PORT_ENV] = str(metrics_port + len(procs))
                     where = ""
                     if (placed := placements.get(node_id)) is not None:
                         env["CPD_WORKER__ENGINE_CPUS"] = placed.cpu_list
@@ -220,6 +224,8 @@ def run_cluster(settings: Settings, port: int | None = None, *,
             await _ready_or_refused(started, asyncio.ensure_future(_each_ready(
                 started, server.url, ready_timeout, admin_nats, time.monotonic())))
         _progress(f"ready in {time.monotonic() - t_up:.0f} s")
+        if metrics_port:
+            _write_scrape_targets(logs / SCRAPE_TARGETS_FILE, procs)
         _banner(server.url, procs, logs, settings, secrets)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
@@ -352,6 +358,18 @@ def _restart(proc: Proc) -> None:
     proc.start()
 
 
+def _write_scrape_targets(path: Path, procs: list[Proc]) -> None:
+    """Every process's scrape address, as Prometheus file-based service discovery reads
+    it (deploy/prometheus/prometheus.yml; docs/observability.md). Written whole, then
+    renamed: Prometheus never reads half a file."""
+    targets = [{"targets": [f"127.0.0.1:{p.env[METRICS_PORT_ENV]}"],
+                "labels": {"service": p.service, "node": p.node_id}}
+               for p in procs if METRICS_PORT_ENV in p.env]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(targets, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
             secrets: Any = None) -> None:
     names = ", ".join(p.node_id for p in procs) or "none yet"
@@ -381,7 +399,8 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
     if settings.telemetry.prometheus_port:
         first = settings.telemetry.prometheus_port
         lines.append(f"  metrics:          http://127.0.0.1:{first}..{first + len(procs) - 1}"
-                     "/metrics (one port per service, in the order above)")
+                     "/metrics (one port per service, in the order above; Prometheus "
+                     f"targets: {logs / SCRAPE_TARGETS_FILE})")
     if tries:
         lines += ["Try:", *tries]
     lines += ["Stop: Ctrl-C", ""]

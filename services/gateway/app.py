@@ -4,8 +4,11 @@
   rendered with the model's template), whole replies or SSE streams. Replies carry an
   extra top-level ``cpd`` field (in a stream: on the chunk with the finish reason) with
   the request id, the route the router took and its timings.
-* ``GET /v1/models``, ``GET /health`` (NATS connected and a router answering),
-  ``GET /metrics`` (Prometheus text of this process).
+* ``GET /v1/models``; ``POST /tokenize`` and ``POST /detokenize`` (vLLM's); ``GET
+  /version``; ``GET /health`` (liveness: the process serves), ``GET /ready`` (NATS
+  connected, a router answering, kvindex up, a live prefill-side and decode worker);
+  ``GET /metrics`` (Prometheus text of this process); ``GET /openapi.json`` and
+  ``GET /docs`` (the schema and its page).
 
 Tenants (:mod:`services.gateway.tenants`): with ``gateway.tenants`` configured, a request
 first needs a tenant's API key (401), then passes the tenant's rate limit (429 with
@@ -13,9 +16,12 @@ first needs a tenant's API key (401), then passes the tenant's rate limit (429 w
 the router as that tenant's, so its KV blocks stay in the tenant's own namespace.
 
 A request is parsed and checked here, then sent to the router with the gateway's
-deadline. Errors before the first generated token keep their HTTP status (a streaming
-request's reply starts only once its first message arrived); an error after that ends
-the stream with an ``{"error": ...}`` event. A client that disconnects mid-stream stops
+deadline. A whole reply's errors keep their HTTP status. A streaming reply starts once
+its first message arrived or ``gateway.stream_headers_after_s`` passed, whichever is
+first, so refusals (bad input, overload) keep their status while a request that waits
+gets its headers and an SSE comment every ``gateway.sse_keepalive_s`` (proxies close
+idle connections); an error after the headers ends the stream with an
+``{"error": ...}`` event. A client that disconnects mid-stream stops
 the gateway's side of the request; the router finishes it or times it out on its own.
 """
 
@@ -33,19 +39,22 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from opentelemetry import trace
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+import cpd
 from cpd.client import Client
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
+from cpd.protocol.roles import PREFILL_ROLES
 from services.gateway import protocol
 from services.gateway.errors import ApiError, http_exception_handler
-from services.gateway.metrics import GatewayMetrics, Progress
+from services.gateway.metrics import UNAUTHORIZED, UNKNOWN_TENANT, GatewayMetrics, Progress
 from services.gateway.ratelimit import RateLimiter, retry_after_header
 from services.gateway.tenants import AuthError, Tenant, TenantTable
 
@@ -55,6 +64,9 @@ HEALTH_TIMEOUT_S = 1.0
 """How long ``/health`` waits for a router's status reply."""
 
 _SSE_DONE = b"data: [DONE]\n\n"
+_SSE_KEEPALIVE = b": keep-alive\n\n"
+# A request needs a node of each kind to run: a prefill side (warm or cold) and decode.
+_NEEDED_ROLES: dict[str, set[str]] = {"prefill": set(PREFILL_ROLES), "decode": {"decode"}}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REQUEST_ID_HEADER = "x-request-id"
 _OWNER = "cpd"
@@ -65,11 +77,17 @@ log = telemetry.get_logger("cpd.gateway")
 def create_app(client: Client, model: ServedModel, settings: Settings) -> FastAPI:
     """The gateway's FastAPI application, sending requests through ``client``."""
     gateway = _Gateway(client, model, settings)
-    app = FastAPI(title="CPD gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="CPD gateway", version=cpd.__version__,
+                  description="OpenAI-compatible API of CPD (docs/architecture.md, "
+                              "\"Services\")", redoc_url=None)
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/tokenize", gateway.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", gateway.detokenize, methods=["POST"])
+    app.add_api_route("/version", gateway.version, methods=["GET"])
     app.add_api_route("/health", gateway.health, methods=["GET"])
+    app.add_api_route("/ready", gateway.ready, methods=["GET"])
     app.add_api_route("/metrics", gateway.prometheus, methods=["GET"])
     app.add_exception_handler(HTTPException, http_exception_handler)
     return app
@@ -101,9 +119,11 @@ class _Gateway:
         self.model = model
         self.served_name = settings.gateway.served_model_name or model.name
         self.timeout_s = settings.gateway.request_timeout_s
-        self.metrics = GatewayMetrics()
+        self.stream_headers_after_s = settings.gateway.stream_headers_after_s
+        self.sse_keepalive_s = settings.gateway.sse_keepalive_s
         self.started = int(time.time())
         self.tenants = TenantTable.from_settings(settings.gateway)
+        self.metrics = GatewayMetrics(tenants=settings.gateway.tenants)
         self.limiter = RateLimiter(self.tenants.limits, time.monotonic)
 
     # ------------------------------------------------------------------ endpoints
@@ -123,15 +143,71 @@ class _Gateway:
                 "max_model_len": self.model.max_model_len}
         return _json({"object": "list", "data": [card]})
 
+    async def tokenize(self, request: Request) -> Response:
+        """The token ids CPD computes for a prompt (``prompt``) or a chat
+        (``messages``), as vLLM's ``/tokenize`` answers."""
+        try:
+            body = protocol.decode_tokenize(await request.body())
+            if body.model and body.model != self.served_name:
+                raise self._unknown_model(body.model)
+            if body.messages is not None:
+                text = protocol.chat_prompt(body.chat(), self.model)
+            elif body.prompt is not None:
+                text = body.prompt
+            else:
+                raise ApiError.invalid("give a prompt or messages", param="prompt")
+            ids = await asyncio.to_thread(self.model.encode, text)
+        except ApiError as e:
+            return e.response()
+        except CpdError as e:
+            return ApiError.from_cpd(e).response()
+        return _json({"count": len(ids), "max_model_len": self.model.max_model_len,
+                      "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        """The text of token ids, as vLLM's ``/detokenize`` answers."""
+        try:
+            body = protocol.decode_detokenize(await request.body())
+            if body.model and body.model != self.served_name:
+                raise self._unknown_model(body.model)
+            if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < (
+                    self.model.vocab_size):
+                raise ApiError.invalid(f"token ids must lie in [0, {self.model.vocab_size})",
+                                       param="tokens")
+            text = await asyncio.to_thread(self.model.decode, body.tokens)
+        except ApiError as e:
+            return e.response()
+        except CpdError as e:
+            return ApiError.from_cpd(e).response()
+        return _json({"prompt": text})
+
+    async def version(self) -> Response:
+        """CPD's version."""
+        return _json({"version": cpd.__version__})
+
     async def health(self) -> Response:
-        """200 when NATS is connected and a router answers, else 503 with the reason."""
+        """Liveness: 200 while this process serves HTTP (NATS connected or not: a probe
+        that restarted the gateway over a bus outage would not help it), with the bus
+        state in the body."""
+        return _json({"status": "ok", "nats_connected": self.client.bus.nc.is_connected})
+
+    async def ready(self) -> Response:
+        """Readiness: 200 when NATS is connected, a router answers, kvindex is up and
+        the router knows a live worker of each kind a request needs (a prefill side and
+        a decode node); else 503 with the reason."""
         if not self.client.bus.nc.is_connected:
             return _unhealthy("not connected to NATS")
         try:
-            await self.client.status(timeout_s=HEALTH_TIMEOUT_S)
+            status = await self.client.status(timeout_s=HEALTH_TIMEOUT_S)
         except CpdError as e:
             return _unhealthy(f"no router answered: {e.message}")
-        return _json({"status": "ok"})
+        alive = {n.role for n in status.nodes if n.alive}
+        missing = [kind for kind, roles in _NEEDED_ROLES.items() if not alive & roles]
+        if status.kvindex != "ok":
+            return _unhealthy(f"kvindex is {status.kvindex}")
+        if missing:
+            return _unhealthy(f"no live {' or '.join(missing)} worker")
+        return _json({"status": "ready", "workers": len(status.nodes)})
 
     async def prometheus(self) -> Response:
         """This process's metrics in Prometheus text format."""
@@ -160,12 +236,24 @@ class _Gateway:
                 if tenant.max_request_bytes and len(raw) > tenant.max_request_bytes:
                     raise self._too_large(tenant, len(raw))
                 body = protocol.decode_body(raw, kind)
+                _genai_request(call, body, self.served_name)
                 call.stream = bool(body.stream)
                 call.include_usage = bool(body.stream_options and
                                           body.stream_options.include_usage)
                 messages = self.client.stream_request(
                     await self._wire_request(body, request_id, tenant))
-                first = await _next(messages)
+                pending = asyncio.ensure_future(_next(messages))
+                if call.stream:
+                    # Refusals come at once and keep their status; a request that waits
+                    # (queued, or a long cold prefill) gets its headers now.
+                    try:
+                        await asyncio.wait({pending}, timeout=self.stream_headers_after_s)
+                    except asyncio.CancelledError:  # the client left meanwhile
+                        pending.cancel()
+                        raise
+                    if not pending.done():
+                        return self._stream(call, pending, messages)
+                first = await pending
         except ApiError as e:
             return self._fail(call, e)
         except CpdError as e:
@@ -173,10 +261,14 @@ class _Gateway:
         except Exception as e:
             return self._fail(call, _internal(e, call))
         if call.stream:
-            return StreamingResponse(self._events(call, first, messages),
-                                     media_type="text/event-stream",
-                                     headers={**_SSE_HEADERS, **call.headers})
+            return self._stream(call, pending, messages)
         return await self._whole(call, first, messages)
+
+    def _stream(self, call: _Call, first: asyncio.Future[wire.TokenChunk | wire.Final],
+                messages: AsyncIterator[wire.TokenChunk | wire.Final]) -> Response:
+        return StreamingResponse(self._events(call, first, messages),
+                                 media_type="text/event-stream",
+                                 headers={**_SSE_HEADERS, **call.headers})
 
     async def _whole(self, call: _Call, first: wire.TokenChunk | wire.Final,
                      messages: AsyncIterator[wire.TokenChunk | wire.Final]) -> Response:
@@ -198,10 +290,11 @@ class _Gateway:
                                          model=self.served_name, text="".join(texts),
                                          final=msg), headers=call.headers)
 
-    async def _events(self, call: _Call, first: wire.TokenChunk | wire.Final,
+    async def _events(self, call: _Call, first: asyncio.Future[wire.TokenChunk | wire.Final],
                       messages: AsyncIterator[wire.TokenChunk | wire.Final]
                       ) -> AsyncIterator[bytes]:
-        """The SSE body of a streaming reply."""
+        """The SSE body of a streaming reply: an SSE comment every ``sse_keepalive_s``
+        while the first message is awaited, then the chunks."""
         shape = call.shape
         ended = False
 
@@ -211,9 +304,13 @@ class _Gateway:
 
         try:
             try:
+                while not first.done():
+                    await asyncio.wait({first}, timeout=self.sse_keepalive_s)
+                    if not first.done():
+                        yield _SSE_KEEPALIVE
+                msg = first.result()
                 if opening := shape.opening_choices():
                     yield chunk(opening)
-                msg = first
                 while isinstance(msg, wire.TokenChunk):
                     call.progress.on_tokens(len(msg.token_ids), time.perf_counter())
                     if msg.text:  # empty while a character's bytes are incomplete
@@ -241,6 +338,7 @@ class _Gateway:
             raise
         finally:
             call.span.end()
+            first.cancel()  # a client that left while its request waited
             await messages.aclose()  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------- requests
@@ -250,7 +348,7 @@ class _Gateway:
         try:
             tenant = self.tenants.authenticate(request.headers.get("authorization"))
         except AuthError:
-            self.metrics.tenant_rejected("unknown", "unauthorized")
+            self.metrics.tenant_rejected(UNKNOWN_TENANT, UNAUTHORIZED)
             raise
         wait_s = self.limiter.check(tenant.name)
         if wait_s > 0:
@@ -308,9 +406,7 @@ class _Gateway:
                             request_id: str, tenant: Tenant) -> wire.GenerateRequest:
         """Check a parsed body and turn it into the router's request."""
         if body.model and body.model != self.served_name:
-            raise ApiError(HTTPStatus.NOT_FOUND,
-                           f"the model {body.model!r} does not exist; this server serves "
-                           f"{self.served_name!r}", code="model_not_found", param="model")
+            raise self._unknown_model(body.model)
         protocol.refuse_unsupported(body)
         prompt: str | list[int]
         if isinstance(body, protocol.ChatRequest):
@@ -331,7 +427,12 @@ class _Gateway:
                 self._check_length(len(prompt))
         max_tokens = self._cap_max_tokens(tenant, max_tokens, explicit)
         given = {"top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-                 "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos}
+                 "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
+                 "cache_salt": body.cache_salt,
+                 # vLLM serves lower values first; the router's admission, higher ones.
+                 "priority": None if body.priority is None else -body.priority}
+        if body.user:
+            log.info("gateway.request_user", request_id=request_id, user=body.user[:256])
         temperature = (protocol.DEFAULT_TEMPERATURE if body.temperature is None
                        else body.temperature)
         return self.client.request(
@@ -359,8 +460,18 @@ class _Gateway:
 
     # ---------------------------------------------------------------- outcomes
 
+    def _unknown_model(self, name: str) -> ApiError:
+        return ApiError(HTTPStatus.NOT_FOUND,
+                        f"the model {name!r} does not exist; this server serves "
+                        f"{self.served_name!r}", code="model_not_found", param="model")
+
     def _succeed(self, call: _Call, final: wire.Final) -> None:
         self.metrics.finished(call.endpoint, final, call.progress, time.perf_counter())
+        call.span.set_attributes({
+            genai.GEN_AI_RESPONSE_ID: call.request_id,
+            genai.GEN_AI_RESPONSE_FINISH_REASONS: [protocol.finish_reason(final)],
+            genai.GEN_AI_USAGE_INPUT_TOKENS: final.usage.prompt_tokens,
+            genai.GEN_AI_USAGE_OUTPUT_TOKENS: final.usage.completion_tokens})
         call.span.set_attribute("cpd.route.path", final.route.path)
         call.span.set_attribute("http.status_code", HTTPStatus.OK)
 
@@ -377,6 +488,22 @@ class _Gateway:
         level("gateway.request_failed", request_id=call.request_id, endpoint=call.endpoint,
               status=error.status, code=error.code, detail=error.message)
         return error
+
+
+def _genai_request(call: _Call, body: protocol.CompletionRequest | protocol.ChatRequest,
+                   model: str) -> None:
+    """OpenTelemetry's GenAI attributes of the request on its span."""
+    attrs: dict[str, Any] = {
+        genai.GEN_AI_OPERATION_NAME: ("chat" if isinstance(body, protocol.ChatRequest)
+                                      else "text_completion"),
+        genai.GEN_AI_PROVIDER_NAME: _OWNER, genai.GEN_AI_REQUEST_MODEL: model}
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    for key, value in ((genai.GEN_AI_REQUEST_MAX_TOKENS, max_tokens),
+                       (genai.GEN_AI_REQUEST_TEMPERATURE, body.temperature),
+                       (genai.GEN_AI_REQUEST_TOP_P, body.top_p)):
+        if value is not None:
+            attrs[key] = value
+    call.span.set_attributes(attrs)
 
 
 async def _next(messages: AsyncIterator[wire.TokenChunk | wire.Final]

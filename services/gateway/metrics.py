@@ -10,24 +10,22 @@ ratios per tier are ``rate(tokens{tier=X}) / rate(tokens)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry.metrics import Meter
 
-from cpd.ops import telemetry
+from cpd.ops import metrics, telemetry
 from cpd.protocol import wire
+from services.gateway.tenants import DEFAULT_TENANT
 
-# Bucket bounds (ms): from a warm hit on a short prompt to a cold prefill of ~100K
-# tokens, and from a fast decode step to a stalled one.
-LATENCY_BUCKETS_MS: Sequence[float] = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000,
-                                       10_000, 30_000, 60_000, 120_000, 300_000)
-TPOT_BUCKETS_MS: Sequence[float] = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000)
+TENANT_LIMIT_REASONS = ("rate_limited", "request_too_large", "prompt_too_long", "max_tokens")
+"""Why a known tenant's request is refused (the ``reason`` label)."""
+UNKNOWN_TENANT, UNAUTHORIZED = "unknown", "unauthorized"
+"""The tenant and reason of a request without a valid key."""
 
 CLIENT_CLOSED = 499
 """Status recorded for a stream whose client went away (nginx's convention)."""
-
-TIERS = ("gpu", "dram", "remote", "computed")
 
 
 @dataclass
@@ -63,39 +61,22 @@ class Progress:
 class GatewayMetrics:
     """The instruments, and one call per request outcome."""
 
-    def __init__(self, meter: Meter | None = None) -> None:
+    def __init__(self, meter: Meter | None = None, tenants: Iterable[str] = ()) -> None:
+        """``tenants``: the configured tenant names (none: the open gateway's one), whose
+        rejection counts start at 0."""
         m = meter or telemetry.meter()
-        self._requests = m.create_counter(
-            "cpd_gateway_requests",
-            description="generation requests by endpoint and HTTP status (a stream that "
-                        "failed after it started counts with its error's status)")
-        self._rejected = m.create_counter(
-            "cpd_gateway_rejected_requests",
-            description="generation requests answered with an error, by CPD error code")
-        self._ttft = m.create_histogram(
-            "cpd_gateway_ttft", unit="ms",
-            description="request arrival to first generated token, at the gateway",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS)
-        self._tpot = m.create_histogram(
-            "cpd_gateway_tpot", unit="ms",
-            description="mean time per output token after the first, at the gateway",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS_MS)
-        self._latency = m.create_histogram(
-            "cpd_gateway_e2e_latency", unit="ms",
-            description="request arrival to its last message, at the gateway",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS)
-        self._prompt_tokens = m.create_counter(
-            "cpd_gateway_prompt_tokens", unit="{token}",
-            description="prompt tokens of finished requests by the tier their KV came "
-                        "from (gpu, dram, remote) or computed, and by route path")
-        self._completion_tokens = m.create_counter(
-            "cpd_gateway_completion_tokens", unit="{token}",
-            description="generated tokens of finished requests")
-        self._tenant_rejected = m.create_counter(
-            "cpd_gateway_tenant_rejections",
-            description="requests refused by the tenant checks, by tenant and reason "
-                        "(unauthorized, rate_limited, request_too_large, prompt_too_long, "
-                        "max_tokens); tenant 'unknown' when no valid key was given")
+        self._requests = metrics.counter(m, metrics.GATEWAY_REQUESTS)
+        self._rejected = metrics.counter(m, metrics.GATEWAY_REJECTED)
+        self._ttft = metrics.histogram(m, metrics.GATEWAY_TTFT)
+        self._tpot = metrics.histogram(m, metrics.GATEWAY_TPOT)
+        self._latency = metrics.histogram(m, metrics.GATEWAY_E2E)
+        self._prompt_tokens = metrics.counter(m, metrics.GATEWAY_PROMPT_TOKENS)
+        self._completion_tokens = metrics.counter(m, metrics.GATEWAY_GENERATION_TOKENS)
+        names = list(tenants)
+        self._tenant_rejected = metrics.counter(m, metrics.GATEWAY_TENANT_REJECTIONS, [
+            *({"tenant": t, "reason": r} for t in names or [DEFAULT_TENANT]
+              for r in TENANT_LIMIT_REASONS),
+            *([{"tenant": UNKNOWN_TENANT, "reason": UNAUTHORIZED}] if names else [])])
 
     def finished(self, endpoint: str, final: wire.Final, progress: Progress,
                  now: float) -> None:
@@ -103,13 +84,13 @@ class GatewayMetrics:
         self._requests.add(1, {"endpoint": endpoint, "status": "200"})
         attrs = {"endpoint": endpoint}
         if progress.first_token is not None:
-            self._ttft.record((progress.first_token - progress.started) * 1000, attrs)
+            self._ttft.record(progress.first_token - progress.started, attrs)
         if (tpot := progress.tpot_ms) is not None:
-            self._tpot.record(tpot, attrs)
-        self._latency.record((now - progress.started) * 1000, attrs)
+            self._tpot.record(tpot / 1000, attrs)
+        self._latency.record(now - progress.started, attrs)
         route = final.route
         path = route.path or "unknown"
-        for tier, count in zip(TIERS, (route.tokens_gpu, route.tokens_dram,
+        for tier, count in zip(metrics.PROMPT_TIERS, (route.tokens_gpu, route.tokens_dram,
                                        route.tokens_remote, route.tokens_computed),
                                strict=True):
             # Zeros too: every tier's series exists, so ratios never lack a term.

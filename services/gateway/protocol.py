@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -32,6 +32,8 @@ DEFAULT_TEMPERATURE = 1.0
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _FINISH_REASONS = frozenset({"stop", "length"})
+
+_Body = TypeVar("_Body", bound=msgspec.Struct)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -52,10 +54,23 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # vLLM's extras, which CPD's engines implement.
+    # vLLM's extras, which CPD implements.
     top_k: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    # Into the request's cache namespace: requests with different salts share no KV.
+    cache_salt: str | None = None
+    # vLLM's meaning: lower values are served first (the router's admission queue).
+    priority: int | None = None
+    # OpenAI's end-user id: logged with the request, nothing else.
+    user: str | None = None
+    # vLLM's extras CPD does not implement: refused unless given their neutral value.
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -96,6 +111,10 @@ class ChatRequest(_Common, kw_only=True):
 def decode_body(raw: bytes, kind: type[CompletionRequest] | type[ChatRequest]
                 ) -> CompletionRequest | ChatRequest:
     """Parse a request body; bad JSON or a wrongly typed field is a 400 naming it."""
+    return _decode(raw, kind)
+
+
+def _decode(raw: bytes, kind: type[_Body]) -> _Body:
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:
@@ -104,8 +123,20 @@ def decode_body(raw: bytes, kind: type[CompletionRequest] | type[ChatRequest]
         raise ApiError.invalid(f"request body is not valid JSON: {e}") from None
 
 
+# vLLM sampling fields CPD does not implement, and the value that asks for nothing.
+_NEUTRAL: dict[str, object] = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+                               "skip_special_tokens": True,
+                               "include_stop_str_in_output": False}
+
+
 def refuse_unsupported(body: CompletionRequest | ChatRequest) -> None:
     """Raise a 400 for the first requested feature CPD does not implement."""
+    for name, neutral in _NEUTRAL.items():
+        if getattr(body, name) not in (None, neutral):
+            raise ApiError.invalid(f"{name} is not supported", param=name)
+    if body.truncate_prompt_tokens is not None:
+        raise ApiError.invalid("truncate_prompt_tokens is not supported",
+                               param="truncate_prompt_tokens")
     if body.stop:
         raise ApiError.invalid(
             "stop strings are not supported; pass stop_token_ids (a list of token ids) "
@@ -135,6 +166,35 @@ def refuse_unsupported(body: CompletionRequest | ChatRequest) -> None:
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise ApiError.invalid("only the text response_format is supported",
                                param="response_format")
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """Body of ``POST /tokenize``: a prompt, or chat messages rendered as a chat is."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    def chat(self) -> ChatRequest:
+        """The messages as a chat request (what the chat template renders)."""
+        return ChatRequest(messages=self.messages or [])
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """Body of ``POST /detokenize``."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+def decode_tokenize(raw: bytes) -> TokenizeRequest:
+    """Parse a ``/tokenize`` body (400 naming a bad field)."""
+    return _decode(raw, TokenizeRequest)
+
+
+def decode_detokenize(raw: bytes) -> DetokenizeRequest:
+    """Parse a ``/detokenize`` body (400 naming a bad field)."""
+    return _decode(raw, DetokenizeRequest)
 
 
 def completion_prompt(body: CompletionRequest, model: ServedModel) -> str | list[int]:

@@ -28,7 +28,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from cpd.bus import Request, Service
 from cpd.kvstore import events as kvevents
-from cpd.ops import telemetry
+from cpd.ops import metrics, telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, InvalidRequest
@@ -61,23 +61,22 @@ class KvIndexService(Service):
         self._asked: set[str] = set()
         self._sub = None
         m = telemetry.meter()
-        self._m_events = m.create_counter("cpd_kvindex_events_total",
-                                          description="lifecycle events applied")
+        self._m_events = metrics.counter(m, metrics.KVINDEX_EVENTS)
         # Counted in an int and observed at export: an SDK counter's add() on every
         # lookup cost ~2 µs of the hottest path.
         self.lookups = 0
-        m.create_observable_counter("cpd_kvindex_lookups_total",
-                                    callbacks=[lambda _: [Observation(self.lookups)]])
-        self._m_illegal = m.create_counter("cpd_kvindex_illegal_transitions_total")
-        self._m_evictions = m.create_counter("cpd_kvindex_invalidated_blocks_total",
-                                             description="visible blocks made unreadable")
+        metrics.observed_counter(m, metrics.KVINDEX_LOOKUPS,
+                                 lambda _: [Observation(self.lookups)])
+        self._m_illegal = metrics.counter(m, metrics.KVINDEX_ILLEGAL)
+        self._m_evictions = metrics.counter(m, metrics.KVINDEX_INVALIDATED)
+        self._m_expirations = metrics.counter(m, metrics.KVINDEX_LEASE_EXPIRATIONS)
+        # The stream's pending count as of the last event applied: the index's lag.
+        self.pending_events = 0
+        metrics.gauge(m, metrics.KVINDEX_PENDING_EVENTS,
+                      lambda _: [Observation(self.pending_events)])
         # Replicas (the seed's "number of copies"): locations per block, cluster-wide.
-        m.create_observable_gauge(
-            "cpd_kvindex_blocks", callbacks=[self._observe_blocks],
-            description="distinct blocks the index holds")
-        m.create_observable_gauge(
-            "cpd_kvindex_locations", callbacks=[self._observe_locations],
-            description="block copies (node, tier) the index holds; / blocks = replicas")
+        metrics.gauge(m, metrics.KVINDEX_BLOCKS, self._observe_blocks)
+        metrics.gauge(m, metrics.KVINDEX_LOCATIONS, self._observe_locations)
 
     def _observe_blocks(self, _: CallbackOptions) -> list[Observation]:
         return [Observation(self.index.num_blocks, {"node": self.node_id})]
@@ -224,6 +223,7 @@ class KvIndexService(Service):
         else:
             ch = self.index.apply(ev)
         self.applied_seq = seq
+        self.pending_events = msg.metadata.num_pending
         self._m_events.add(1)
         if self.recovering:
             if seq >= self.target_seq:
@@ -291,6 +291,7 @@ class KvIndexService(Service):
             self.log.error("kvindex.expiry_not_stored", target=node, error=repr(e))
             return  # retried at the next sweep
         self.index.mark_expiry_published(node, epoch)
+        self._m_expirations.add(1)
         self.log.warning("kvindex.lease_expired", target=node, epoch=epoch)
         await self._send(subjects.KV_INVALIDATE,
                          wire.BlocksInvalidated(node=node, reason="lease expired"))

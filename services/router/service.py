@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader
 from cpd.engines.profile import EngineProfile, engine_profile
 from cpd.engines.servedmodel import Detokenizer, ServedModel
-from cpd.ops import telemetry
+from cpd.ops import metrics, telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import (
@@ -61,6 +61,10 @@ class _AttemptFailed(Exception):
         self.error = error
         self.nodes = nodes
 
+
+# Errors that refuse a request (counted as rejected, not as failed).
+_REFUSALS = (ErrorCode.OVERLOADED, ErrorCode.INVALID_REQUEST, ErrorCode.PROMPT_TOO_LONG,
+             ErrorCode.UNKNOWN_NAMESPACE)
 
 class RouterService(Service):
     """One router replica; replicas share the ``router`` queue group."""
@@ -118,38 +122,21 @@ class RouterService(Service):
 
     def _instruments(self) -> None:
         m = telemetry.meter()
-        self._m_requests = m.create_counter(
-            "cpd_router_requests_total", description="requests by policy, path and outcome")
-        self._m_rejected = m.create_counter(
-            "cpd_router_rejected_total", description="requests refused (admission, bad input)")
-        self._m_failovers = m.create_counter(
-            "cpd_router_failovers_total", description="requests moved to another node")
-        self._m_tokens = m.create_counter(
-            "cpd_router_prompt_tokens_total",
-            description="prompt tokens by where their KV came from (gpu, dram, remote, "
-                        "computed): the hit ratio per tier")
-        self._m_ttft = m.create_histogram("cpd_router_ttft_ms", unit="ms",
-                                          description="time to first token at the router")
-        self._m_tpot = m.create_histogram("cpd_router_tpot_ms", unit="ms",
-                                          description="time per output token after the first")
-        self._m_admission = m.create_histogram(
-            "cpd_router_admission_wait_ms", unit="ms", description="wait for an admission slot")
-        self._m_decision = m.create_histogram(
-            "cpd_router_decision_ms", unit="ms",
-            description="hashing + kvindex lookup + policy, per request")
-        self._m_queue = m.create_histogram(
-            "cpd_prefill_queue_ms", unit="ms",
-            description="estimated queue time of the chosen node, by role (warm prefill, "
-                        "cold pre-prefill)")
-        self._m_in_flight = m.create_up_down_counter(
-            "cpd_router_in_flight", description="requests holding an admission slot")
-        self._m_keepalives = m.create_counter(
-            "cpd_router_keepalives_total",
-            description="keep-alives sent on silent client streams")
-        self._m_hash_memo = m.create_counter(
-            "cpd_router_hash_memo_blocks_total",
-            description="prompt blocks whose hash was reused from an earlier prompt or "
-                        "computed (result=reused|computed)")
+        self._m_requests = metrics.counter(m, metrics.ROUTER_REQUESTS)
+        self._m_rejected = metrics.counter(m, metrics.ROUTER_REJECTED,
+                                           [{"reason": c.value} for c in _REFUSALS])
+        self._m_failovers = metrics.counter(m, metrics.ROUTER_FAILOVERS)
+        self._m_tokens = metrics.counter(m, metrics.ROUTER_PROMPT_TOKENS,
+                                         [{"tier": t} for t in metrics.PROMPT_TIERS])
+        self._m_ttft = metrics.histogram(m, metrics.ROUTER_TTFT)
+        self._m_tpot = metrics.histogram(m, metrics.ROUTER_TPOT)
+        self._m_admission = metrics.histogram(m, metrics.ROUTER_ADMISSION_WAIT)
+        self._m_decision = metrics.histogram(m, metrics.ROUTER_DECISION)
+        self._m_queue = metrics.histogram(m, metrics.ROUTER_ESTIMATED_QUEUE)
+        self._m_in_flight = metrics.up_down_counter(m, metrics.ROUTER_IN_FLIGHT)
+        self._m_keepalives = metrics.counter(m, metrics.ROUTER_KEEPALIVES)
+        self._m_hash_memo = metrics.counter(m, metrics.ROUTER_HASH_MEMO,
+                                            [{"result": r} for r in ("reused", "computed")])
 
     # --------------------------------------------------------------- node table
 
@@ -212,10 +199,7 @@ class RouterService(Service):
         try:
             await self._generate(req, out)
         except BaseException as e:
-            if isinstance(e, CpdError) and e.code in (ErrorCode.OVERLOADED,
-                                                      ErrorCode.INVALID_REQUEST,
-                                                      ErrorCode.PROMPT_TOO_LONG,
-                                                      ErrorCode.UNKNOWN_NAMESPACE):
+            if isinstance(e, CpdError) and e.code in _REFUSALS:
                 self.stats.rejected += 1
                 self._m_rejected.add(1, {"reason": e.code.value})
             else:
@@ -246,7 +230,7 @@ class RouterService(Service):
         async with self.admission.slot(deadline, req.priority) as waited:
             self.stats.admitted += 1
             self._m_in_flight.add(1)
-            self._m_admission.record(waited * 1000)
+            self._m_admission.record(waited)
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     await self._serve(req, tokens, ns, out, t0, waited, deadline_unix_ms)
@@ -378,9 +362,9 @@ class RouterService(Service):
                 # Every node that could take it has failed this request already: say why
                 # the last one did (e.g. overloaded), not that none is up.
                 raise failed from None
-            self._m_decision.record(hash_ms + lookup_ms, {"policy": self.cfg.policy})
+            self._m_decision.record((hash_ms + lookup_ms) / 1000, {"policy": self.cfg.policy})
             if attempt == 1:
-                self._m_queue.record(decision.plan.queue_ms, {"role": decision.plan.role})
+                self._m_queue.record(decision.plan.queue_ms / 1000, {"role": decision.plan.role})
             try:
                 final = await self._attempt(req, attempt, decision, packed, ns, hashes,
                                             deadline_unix_ms, relay)
@@ -494,12 +478,12 @@ class RouterService(Service):
         s.paths[path] = s.paths.get(path, 0) + 1
         attrs = {"policy": self.cfg.policy, "path": path}
         self._m_requests.add(1, {**attrs, "outcome": "ok"})
-        for tier in ("gpu", "dram", "remote", "computed"):
+        for tier in metrics.PROMPT_TIERS:
             self._m_tokens.add(getattr(r, f"tokens_{tier}"), {"tier": tier})
         if relay.first_at:
-            self._m_ttft.record(ttft_ms, attrs)
+            self._m_ttft.record(ttft_ms / 1000, attrs)
         if relay.sent > 1 and relay.first_at:
-            self._m_tpot.record((now - relay.first_at) * 1000 / (relay.sent - 1), attrs)
+            self._m_tpot.record((now - relay.first_at) / (relay.sent - 1), attrs)
         self.log.info("router.request_done", path=path, reason=r.reason, prefill=r.prefill_node,
                       decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
                       cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),

@@ -41,7 +41,7 @@ from cpd.engines import ArenaSpec, Engine, EngineRequest, EngineStep
 from cpd.engines.profile import CacheEventBridge, engine_profile
 from cpd.kvstore import BlockEntry, BlockStore, KvStore
 from cpd.kvstore import events as kvevents
-from cpd.ops import telemetry
+from cpd.ops import metrics, telemetry
 from cpd.ops.audit import AuditLog
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
@@ -86,6 +86,8 @@ class WorkerService(Service):
         self.keyring = Keyring(self.node_id, self.epoch)
         self.block_size = settings.cache.block_size
         self.peers: dict[str, bytes] = {}
+        # Peers to dial ahead of need: (node, address, when its heartbeat was first seen).
+        self._ahead: asyncio.Queue[tuple[str, bytes, float]] = asyncio.Queue()
         self._prefills: dict[int, _HeldPrefill] = {}
         self._prefill_ids = itertools.count()
         self.in_flight = 0
@@ -101,23 +103,26 @@ class WorkerService(Service):
     def _instruments(self) -> None:
         m = telemetry.meter()
         attrs = {"role": self.role, "node": self.node_id}
-        self._m_kv_bytes = m.create_counter(
-            "cpd_worker_kv_bytes_total", unit="By",
-            description="KV bytes by direction: written through to DRAM, loaded from DRAM")
-        self._m_load_failures = m.create_counter(
-            "cpd_worker_load_failures_total",
-            description="planned prefix pulls from peers that failed (recomputed instead)")
-        self._m_phase = m.create_histogram(
-            "cpd_worker_phase_ms", unit="ms",
-            description="time per request phase on this worker (load, prefill, decode)")
-        m.create_observable_gauge(
-            "cpd_worker_dram_used_bytes", description="block arena bytes in use",
-            callbacks=[lambda _: [Observation(self.kv.store.used_bytes, attrs)]
-                       if hasattr(self, "kv") else []])
-        m.create_observable_counter(
-            "cpd_worker_evictions_total", description="blocks evicted from the DRAM arena",
-            callbacks=[lambda _: [Observation(self.kv.store.evictions, attrs)]
-                       if hasattr(self, "kv") else []])
+        role = {"role": self.role}
+        self._m_kv_bytes = metrics.counter(m, metrics.WORKER_KV, [
+            {**role, "direction": d} for d in ("write", "load")])
+        stages = [st for st in metrics.FALLBACK_STAGES
+                  if st == "handoff" or self.role in PREFILL_ROLES]
+        self._m_loads_planned = metrics.counter(m, metrics.WORKER_KV_LOADS_PLANNED, [
+            {**role, "stage": st} for st in stages])
+        self._m_fallbacks = metrics.counter(m, metrics.WORKER_KV_LOAD_FALLBACKS, [
+            {**role, "stage": st, "reason": r}
+            for st in stages for r in metrics.FALLBACK_REASONS])
+        self._m_phase = metrics.histogram(m, metrics.WORKER_PHASE)
+        metrics.gauge(m, metrics.WORKER_DRAM_USED,
+                      lambda _: [Observation(self.kv.store.used_bytes, attrs)]
+                      if hasattr(self, "kv") else [])
+        metrics.gauge(m, metrics.WORKER_DRAM_CAPACITY,
+                      lambda _: [Observation(self.kv.store.total_bytes, attrs)]
+                      if hasattr(self, "kv") else [])
+        metrics.observed_counter(m, metrics.WORKER_EVICTIONS,
+                                 lambda _: [Observation(self.kv.store.evictions, attrs)]
+                                 if hasattr(self, "kv") else [])
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -178,6 +183,8 @@ class WorkerService(Service):
                                 self._on_reset, expect=wire.ResetCache)
         await self._heartbeat()
         self.spawn(self._heartbeats(), "heartbeats")
+        if s.dataplane.connect_ahead:
+            self.spawn(self._connect_ahead(), "connect-ahead")
         self.spawn(self._load_reports(), "load-reports")
 
     async def on_stop(self) -> None:
@@ -278,7 +285,25 @@ class WorkerService(Service):
         except CpdError as e:
             self.reject(msg.subject, e)
             return
+        if (self.peers.get(hb.node) != hb.ucx_address and hb.node != self.node_id
+                and self._may_pull_from(hb.role)):
+            self._ahead.put_nowait((hb.node, hb.ucx_address, time.monotonic()))
         self.peers[hb.node] = hb.ucx_address
+
+    def _may_pull_from(self, role: str) -> bool:
+        """Prefill roles pull prefixes from any worker; decode pulls only hand-offs."""
+        return role in WORKER_ROLES and (self.role in PREFILL_ROLES or role in PREFILL_ROLES)
+
+    async def _connect_ahead(self) -> None:
+        """Dial each new peer once its listener had a moment to settle, one at a time (a
+        burst of concurrent handshakes with a just-restarted peer is what UCX handles
+        worst), so the first warm request does not pay the connection set-up."""
+        delay = self.settings.dataplane.connect_ahead_delay_s
+        while not self.stopping:
+            node, address, seen = await self._ahead.get()
+            await asyncio.sleep(max(0.0, seen + delay - time.monotonic()))
+            if self.peers.get(node) == address and await self.client.connect_ahead(address):
+                self.log.info("worker.peer_connected", peer=node)
 
     def _salt(self, namespace: str) -> str:
         """vLLM cache salt of a request: tenants' namespaces never share engine blocks."""
@@ -373,8 +398,8 @@ class WorkerService(Service):
             self._load_changed()
         t_done = time.perf_counter()
         attrs = {"role": self.role}
-        self._m_phase.record((t_load - t0) * 1e3, {**attrs, "phase": "load"})
-        self._m_phase.record((t_done - t_load) * 1e3, {**attrs, "phase": "prefill"})
+        self._m_phase.record(t_load - t0, {**attrs, "phase": "load"})
+        self._m_phase.record(t_done - t_load, {**attrs, "phase": "prefill"})
         slot = self.kv.store.slot_bytes
         self._m_kv_bytes.add(len(saved) * slot, {**attrs, "direction": "write"})
         self._m_kv_bytes.add(step.loaded_blocks * slot, {**attrs, "direction": "load"})
@@ -412,6 +437,8 @@ class WorkerService(Service):
         remote = 0
         t_recv = time.time()
         failure = ""
+        if any(src.node != self.node_id and src.num_blocks for src in req.sources):
+            self._m_loads_planned.add(1, {"role": self.role, "stage": "prefix"})
         for src in sorted(req.sources, key=lambda x: x.first_block):
             want = hashes[src.first_block:src.first_block + src.num_blocks]
             if src.node == self.node_id or not want:
@@ -437,7 +464,7 @@ class WorkerService(Service):
                 if self.audit is not None:
                     self.audit.pulled("prefix", src.node, req.namespace, want, t_recv, error)
         if failure:
-            self._m_load_failures.add(1, {"role": self.role, "error": error})
+            self._m_fallbacks.add(1, {"role": self.role, "stage": "prefix", "reason": error})
         have = [e.hash for e in self._sealed_prefix(hashes)]
         return have, min(remote, len(have)), failure
 
@@ -585,6 +612,13 @@ class WorkerService(Service):
         try:
             pulled_ok = True
             address = self.peers.get(req.source_node)
+            if hashes:
+                self._m_loads_planned.add(1, {"role": self.role, "stage": "handoff"})
+            if hashes and address is None:  # recomputed: a fallback like any other
+                pulled_ok = False
+                self._m_fallbacks.add(1, {"role": self.role, "stage": "handoff",
+                                          "reason": ErrorCode.UNAVAILABLE.value})
+                self.log.warning("decode.peer_unknown", peer=req.source_node)
             if hashes and address is not None:
                 error = ""
                 try:
@@ -593,6 +627,8 @@ class WorkerService(Service):
                 except CpdError as e:  # recompute what could not be pulled
                     pulled_ok = False
                     error = e.code.value
+                    self._m_fallbacks.add(1, {"role": self.role, "stage": "handoff",
+                                              "reason": error})
                     self.log.warning("decode.pull_failed", peer=req.source_node,
                                      error=e.code.value, detail=e.message)
                 if self.audit is not None:
@@ -641,8 +677,8 @@ class WorkerService(Service):
             if last.failed_blocks:
                 await self._drop_corrupt([e.hash for e in have])
             t_end = time.perf_counter()
-            self._m_phase.record((t_pull - t0) * 1e3, {"role": self.role, "phase": "pull"})
-            self._m_phase.record((t_end - t_pull) * 1e3, {"role": self.role, "phase": "decode"})
+            self._m_phase.record(t_pull - t0, {"role": self.role, "phase": "pull"})
+            self._m_phase.record(t_end - t_pull, {"role": self.role, "phase": "decode"})
             self._m_kv_bytes.add(last.loaded_blocks * self.kv.store.slot_bytes,
                                  {"role": self.role, "direction": "load"})
             route = wire.Route(**{**_route_fields(req.route), "decode_node": self.node_id,

@@ -129,3 +129,21 @@ async def test_a_resumed_peer_serves_a_fresh_connection(client: TransferClient) 
         dests[0][:] = 0
         await client.get_into(p.address, p.hashes(range(8)), dests, timeout_s=10)
         assert np.array_equal(dests[0], p.expected(0))
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_connecting_ahead_to_a_dead_peer_is_one_bounded_silent_dial(
+        client: TransferClient) -> None:
+    with peer(seed=73, sizes="65536x1") as p:
+        address = p.address
+    t0 = time.monotonic()
+    assert not await client.connect_ahead(address)  # refused: reported, not raised
+    assert time.monotonic() - t0 < client.settings.connect_timeout_s + 1
+    assert not client.is_connected(address)
+    # Nothing it left behind stalls the next peer's connection or transfer.
+    with peer(seed=74, sizes="1048576x4") as live:
+        assert await client.connect_ahead(live.address)
+        dests = [np.empty(1 << 20, np.uint8) for _ in range(4)]
+        await client.get_into(live.address, live.hashes(range(4)), dests, timeout_s=10)
+        assert all(np.array_equal(d, live.expected(i)) for i, d in enumerate(dests))
+

@@ -16,7 +16,7 @@ import nats.micro
 import nkeys
 from nats.aio.client import Client as NatsClient
 
-from cpd.ops import telemetry
+from cpd.ops import metrics, telemetry
 from cpd.ops.config import NatsSettings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import (
@@ -86,6 +86,8 @@ async def connect(settings: NatsSettings, name: str, *, url: str | None = None,
                        code=ErrorCode.UNAVAILABLE, retryable=True) from e
     holder["nc"] = nc
     _DENIALS[nc] = denials
+    for op in ("publish", "subscribe"):  # at 0 from the start: alerts see the series
+        _denied_counter().add(0, {"client": name, "operation": op})
     return nc
 
 
@@ -119,9 +121,7 @@ _DENIALS: weakref.WeakKeyDictionary[NatsClient, _Denials] = weakref.WeakKeyDicti
 
 @functools.cache
 def _denied_counter() -> Any:
-    return telemetry.meter().create_counter(
-        "cpd_nats_permission_denied_total",
-        description="publishes/subscribes the NATS server refused (identity lacks the right)")
+    return metrics.counter(telemetry.meter(), metrics.NATS_PERMISSION_DENIED)
 
 
 async def flush_all(nc: NatsClient) -> None:

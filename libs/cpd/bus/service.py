@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from cpd.ops import telemetry
+from cpd.ops import metrics, telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import (
@@ -82,8 +82,7 @@ class Service:
         self._stopped = asyncio.Event()
         self.rejected = 0
         self.log = telemetry.get_logger(f"cpd.{self.name}", node=self.node_id)
-        self._rejections = telemetry.meter().create_counter(
-            "cpd_rejected_messages_total", description="messages refused as bad input")
+        self._rejections = metrics.counter(telemetry.meter(), metrics.REJECTED_MESSAGES)
 
     # -- lifecycle -------------------------------------------------------------------
 

@@ -225,6 +225,12 @@ class GatewaySettings(_Section):
     served_model_name: str = ""
     # Deadline of one HTTP request when the body sets none.
     request_timeout_s: Positive = 300.0
+    # A streamed reply whose first message has not come after stream_headers_after_s
+    # gets its headers then (an error before it keeps its HTTP status), and an SSE
+    # comment every sse_keepalive_s until it comes: a cold 100K-token prompt queued for
+    # minutes must not outlast a proxy's idle timeout.
+    stream_headers_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
+    sse_keepalive_s: Positive = 10.0
     # API keys and per-tenant limits. Empty: no authentication, every request is the
     # "default" tenant's (a local cluster); set, every request needs a tenant's key
     # (``Authorization: Bearer <key>``).
@@ -297,6 +303,12 @@ class DataPlaneSettings(_Section):
     transfer_timeout_s: Positive = 10.0
     # One connection handshake; attempts repeat until the transfer's deadline.
     connect_timeout_s: Positive = 2.0
+    # Workers dial each peer they may pull from connect_ahead_delay_s after its first
+    # heartbeat, one peer at a time, one handshake each, so a first warm request does not
+    # pay the handshake (docs/architecture.md, "KV tiers and the data plane"); a dial that
+    # fails is left to the transfer that needs it.
+    connect_ahead: bool = True
+    connect_ahead_delay_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.25
     # How long aborting an endpoint may wait for UCX to tear it down.
     abort_wait_s: Positive = 0.1
     # Default lease of blocks pinned for a pull (until the puller acks or it expires).

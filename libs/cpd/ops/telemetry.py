@@ -32,6 +32,7 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from cpd.ops.config import TelemetrySettings
+from cpd.protocol.errors import ConfigError
 
 _propagator = TraceContextTextMapPropagator()
 _configured: str | None = None
@@ -56,7 +57,13 @@ def setup(service: str, settings: TelemetrySettings | None = None, *,
     resource = Resource.create({"service.name": f"cpd-{service}"})
     _install_provider(TracerProvider(resource=resource))
     if settings.otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
+        except ImportError as e:
+            raise ConfigError("telemetry.otlp_endpoint needs the OTLP exporter: install "
+                              "the otlp extra (pip install 'cpd[otlp]')") from e
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         export_spans(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))

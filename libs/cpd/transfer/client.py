@@ -226,15 +226,37 @@ class TransferClient:
             self._inflight -= 1
             self._buffers.put_nowait(buf)
 
-    async def _connection(self, address: bytes) -> _Conn:
+    def is_connected(self, address: bytes) -> bool:
+        """Whether a connection to the peer at ``address`` is open."""
         conn = self._conns.get(address)
-        if conn is not None and not conn.ep.closed:
-            return conn
+        return conn is not None and not conn.ep.closed
+
+    async def connect_ahead(self, address: bytes) -> bool:
+        """Open the connection to the peer at ``address`` before any transfer needs it, so
+        the first one does not pay the handshake (and, in a new process, UCX's first
+        endpoint set-up). One handshake, bounded by ``connect_timeout_s`` and never cancelled
+        part-way; a transfer that needs the connection meanwhile waits
+        for it under its own deadline. Returns whether the connection is open; failures are
+        logged, not raised (the transfer that needs the peer dials again)."""
+        try:
+            async with progress_while_busy():
+                await self._connection(address, attempts=1)
+        except Exception as e:  # a best-effort dial must not end its caller
+            log.info("UCX connection ahead of need failed", peer=address.decode(),
+                     error=e.code.value if isinstance(e, CpdError) else type(e).__name__,
+                     detail=str(e))
+            return False
+        return True
+
+    async def _connection(self, address: bytes, attempts: int | None = None) -> _Conn:
+        """The open connection to ``address``, dialled if there is none. Handshakes repeat
+        on a timeout, ``attempts`` times at most (``None``: until the caller's deadline)."""
+        if self.is_connected(address):
+            return self._conns[address]
         lock = self._connecting.setdefault(address, asyncio.Lock())
         async with lock:
-            conn = self._conns.get(address)
-            if conn is not None and not conn.ep.closed:
-                return conn
+            if self.is_connected(address):
+                return self._conns[address]
             host, port = decode_address(address)
             init_ucx(self.settings)
             import ucxx
@@ -252,6 +274,9 @@ class TransferClient:
                 except TimeoutError:
                     log.info("UCX connect attempt timed out; retrying", peer=address.decode(),
                              attempt=attempt)
+                    if attempts is not None and attempt >= attempts:
+                        raise TransferTimeout(f"no handshake with {address.decode()} in "
+                                              f"{attempt} attempts") from None
                 except ucx_error() as e:
                     raise PeerGone(f"cannot connect to {address.decode()}: {e}") from e
             conn = _Conn(address, ep)

@@ -3,7 +3,7 @@ estimate uses, and the transfer metrics."""
 
 from __future__ import annotations
 
-from cpd.ops import telemetry
+from cpd.ops import metrics, telemetry
 
 
 class BandwidthMeter:
@@ -44,15 +44,10 @@ class BandwidthMeter:
 class TransferMetrics:
     def __init__(self) -> None:
         m = telemetry.meter("cpd.transfer")
-        self.bytes = m.create_counter("cpd.kv.transfer.bytes", unit="By",
-                                      description="KV bytes moved over UCX")
-        self.transfers = m.create_counter("cpd.kv.transfers",
-                                          description="KV transfers by operation and outcome")
-        self.seconds = m.create_histogram("cpd.kv.transfer.duration", unit="s",
-                                          description="Duration of one KV transfer")
-        self.denied = m.create_counter(
-            "cpd.kv.capability.denied",
-            description="data-plane requests refused for a missing or wrong capability")
+        self.bytes = metrics.counter(m, metrics.KV_TRANSFER)
+        self.transfers = metrics.counter(m, metrics.KV_TRANSFERS)
+        self.seconds = metrics.histogram(m, metrics.KV_TRANSFER_DURATION)
+        self.denied = metrics.counter(m, metrics.KV_CAPABILITY_DENIED)
 
     def done(self, op: str, outcome: str, nbytes: int, seconds: float) -> None:
         attrs = {"op": op, "outcome": outcome}
