@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -146,40 +146,34 @@ class _Gateway:
     async def tokenize(self, request: Request) -> Response:
         """The token ids CPD computes for a prompt (``prompt``) or a chat
         (``messages``), as vLLM's ``/tokenize`` answers."""
-        try:
-            body = protocol.decode_tokenize(await request.body())
-            if body.model and body.model != self.served_name:
-                raise self._unknown_model(body.model)
-            if body.messages is not None:
-                text = protocol.chat_prompt(body.chat(), self.model)
-            elif body.prompt is not None:
-                text = body.prompt
-            else:
-                raise ApiError.invalid("give a prompt or messages", param="prompt")
-            ids = await asyncio.to_thread(self.model.encode, text)
-        except ApiError as e:
-            return e.response()
-        except CpdError as e:
-            return ApiError.from_cpd(e).response()
-        return _json({"count": len(ids), "max_model_len": self.model.max_model_len,
-                      "tokens": ids})
+        return await _answer(self._tokenize(await request.body()))
+
+    async def _tokenize(self, raw: bytes) -> dict[str, Any]:
+        body = protocol.decode_tokenize(raw)
+        if body.model and body.model != self.served_name:
+            raise self._unknown_model(body.model)
+        if body.messages is not None:
+            text = protocol.chat_prompt(body.chat(), self.model)
+        elif body.prompt is not None:
+            text = body.prompt
+        else:
+            raise ApiError.invalid("give a prompt or messages", param="prompt")
+        ids = await asyncio.to_thread(self.model.encode, text)
+        return {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request) -> Response:
         """The text of token ids, as vLLM's ``/detokenize`` answers."""
-        try:
-            body = protocol.decode_detokenize(await request.body())
-            if body.model and body.model != self.served_name:
-                raise self._unknown_model(body.model)
-            if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < (
-                    self.model.vocab_size):
-                raise ApiError.invalid(f"token ids must lie in [0, {self.model.vocab_size})",
-                                       param="tokens")
-            text = await asyncio.to_thread(self.model.decode, body.tokens)
-        except ApiError as e:
-            return e.response()
-        except CpdError as e:
-            return ApiError.from_cpd(e).response()
-        return _json({"prompt": text})
+        return await _answer(self._detokenize(await request.body()))
+
+    async def _detokenize(self, raw: bytes) -> dict[str, Any]:
+        body = protocol.decode_detokenize(raw)
+        if body.model and body.model != self.served_name:
+            raise self._unknown_model(body.model)
+        if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < (
+                self.model.vocab_size):
+            raise ApiError.invalid(f"token ids must lie in [0, {self.model.vocab_size})",
+                                   param="tokens")
+        return {"prompt": await asyncio.to_thread(self.model.decode, body.tokens)}
 
     async def version(self) -> Response:
         """CPD's version."""
@@ -504,6 +498,16 @@ def _genai_request(call: _Call, body: protocol.CompletionRequest | protocol.Chat
         if value is not None:
             attrs[key] = value
     call.span.set_attributes(attrs)
+
+
+async def _answer(reply: Awaitable[dict[str, Any]]) -> Response:
+    """The JSON of ``reply``, or the OpenAI-style error it raised."""
+    try:
+        return _json(await reply)
+    except ApiError as e:
+        return e.response()
+    except CpdError as e:
+        return ApiError.from_cpd(e).response()
 
 
 async def _next(messages: AsyncIterator[wire.TokenChunk | wire.Final]
