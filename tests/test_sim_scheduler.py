@@ -269,3 +269,77 @@ def test_deterministic(reqs: list[tuple[int, int, int]]) -> None:
         return run(s)
 
     assert once() == once()
+
+
+def _step_ends(s: Scheduler, now: float, steps: int) -> tuple[list[float], list[str]]:
+    """Step ``steps`` times from ``now``: when each step ends, and who finished."""
+    ends, finished = [], []
+    for _ in range(steps):
+        p = s.step(now)
+        assert p is not None
+        now += p.duration_s
+        ends.append(now)
+        finished += [a.request_id for a in p.advances if a.finished]
+    return ends, finished
+
+
+@given(reqs=st.lists(st.tuples(st.integers(1, 40_000), st.integers(2, 300)),
+                     min_size=1, max_size=8))
+@settings(max_examples=40, deadline=None)
+def test_decode_span_prices_the_steps_one_by_one_would(reqs: list[tuple[int, int]]) -> None:
+    """A span is the run of decode-only steps up to the first finish, priced exactly as
+    :meth:`Scheduler.step` prices them, and applying it leaves the scheduler where the
+    steps would."""
+    def started() -> Scheduler:
+        s = sched(budget=50_000, seqs=8)
+        for i, (n, out) in enumerate(reqs):
+            s.add(f"r{i}", n, out)
+        while s.decode_span(0.0) is None:   # prefill steps until everyone decodes
+            assert s.step(0.0) is not None
+        return s
+
+    a, b = started(), started()
+    span = a.decode_span(0.0)
+    assert span is not None
+    ends, finished = _step_ends(b, 0.0, span.steps)
+    assert list(span.ends_s) == pytest.approx(ends, rel=1e-12)
+    done = a.apply_decodes(span.steps)
+    assert done and done == finished
+    assert a.num_running == b.num_running
+    assert [s.output for s in a._running] == [s.output for s in b._running]
+
+
+def test_decode_span_not_while_prefilling_or_waiting() -> None:
+    s = sched(budget=100, seqs=2)
+    s.add("a", 250, 5)
+    assert s.decode_span() is None          # nothing scheduled yet: a is waiting
+    s.step()
+    assert s.decode_span() is None          # a still has prompt left
+    s.step()
+    s.step()
+    span = s.decode_span()
+    assert span is not None and span.steps == 4  # tokens 1..4 of 5 (token 0 came with the prompt)
+    s.add("b", 10, 1)
+    assert s.decode_span() is None          # b waits: the next step takes it
+
+
+def test_decode_span_ends_where_an_async_load_lands() -> None:
+    """A KV load landing mid-span joins the next step, so the span stops at the last
+    step that starts before it; ``started_before`` says where a span is cut."""
+    s = _loading_sched(async_kv_load=True)
+    s.add("dec", 10, 100_000)
+    s.step(0.0)                       # dec's prompt
+    s.add("big", 100_000, 2)
+    now = s.step(0.0)                 # big goes to the link; dec decodes one token
+    assert now is not None and s.num_waiting == 1
+    t = now.duration_s
+    ready = s.next_ready_s()
+    assert ready is not None and ready > t
+    span = s.decode_span(t)
+    assert span is not None
+    starts = [0.0, *span.ends_s[:-1]]
+    assert starts[-1] < ready - t <= span.ends_s[-1]
+    assert span.started_before(0.0) == 1 and span.started_before(span.ends_s[-1]) == span.steps
+    assert span.started_before(span.ends_s[0]) == 1
+    assert span.started_before(span.ends_s[0] + 1e-9) == 2
+    assert s.decode_span(ready) is None    # landed: the next step is a real one

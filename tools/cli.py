@@ -329,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="fuzz: corpus seed")
     bench.set_defaults(func=cmd_bench)
 
+    from tools.plan.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
+
     n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")
     n.add_argument("--port", type=int, help="default: nats.embedded_port; 0 = any free port")
     n.add_argument("--store-dir")

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from cpd.ops.config import RouterSettings
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.roles import PREFILL_ROLES, Role
@@ -101,6 +102,18 @@ class PolicyConfig:
     host_bandwidth_gbps: float = 8.0
     single_flight: bool = True
     max_single_flight_wait_ms: float = 30_000.0
+
+    @classmethod
+    def from_settings(cls, router: RouterSettings) -> PolicyConfig:
+        """The policy of ``[router]`` (the router service and the planner both build
+        theirs here, so they cannot drift apart)."""
+        return cls(name=router.policy, cold_reuse_ratio=router.cold_reuse_ratio,
+                   min_reuse_tokens=router.min_reuse_tokens,
+                   overflow_margin_ms=router.overflow_margin_ms,
+                   default_bandwidth_gbps=router.default_bandwidth_gbps,
+                   host_bandwidth_gbps=router.host_bandwidth_gbps,
+                   single_flight=router.single_flight,
+                   max_single_flight_wait_ms=router.max_single_flight_wait_ms)
 
 
 @dataclass(frozen=True)

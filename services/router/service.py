@@ -97,17 +97,7 @@ class RouterService(Service):
         self.block_size = self.settings.cache.block_size
         self.nodes.namespace = self.model.namespace.id
         c = self.cfg
-        self.policy = Router(
-            PolicyConfig(name=c.policy, cold_reuse_ratio=c.cold_reuse_ratio,
-                         min_reuse_tokens=c.min_reuse_tokens,
-                         overflow_margin_ms=c.overflow_margin_ms,
-                         default_bandwidth_gbps=c.default_bandwidth_gbps,
-                         host_bandwidth_gbps=c.host_bandwidth_gbps,
-                         single_flight=c.single_flight,
-                         max_single_flight_wait_ms=c.max_single_flight_wait_ms),
-            prefill_cost(profile),
-            LoadCost(kv_bytes_per_token=max(1, profile.slot_bytes // self.block_size),
-                     per_transfer_ms=c.transfer_fixed_ms))
+        self.policy = make_policy(self.settings, profile)
         nc = self.bus.nc
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
@@ -488,6 +478,15 @@ class RouterService(Service):
                       decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
                       cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),
                       failovers=failovers)
+
+
+def make_policy(settings: Settings, profile: EngineProfile) -> Router:
+    """The routing policy of a router serving ``settings`` (the planner builds the
+    router it simulates here too, so both decide alike)."""
+    return Router(PolicyConfig.from_settings(settings.router), prefill_cost(profile),
+                  LoadCost(kv_bytes_per_token=max(1, profile.slot_bytes
+                                                  // settings.cache.block_size),
+                           per_transfer_ms=settings.router.transfer_fixed_ms))
 
 
 def prefill_cost(profile: EngineProfile) -> PrefillCost:

@@ -25,6 +25,13 @@ Each :meth:`Scheduler.step`:
    is complete after this step (the step that computes the last prompt token samples the
    first output token, as in vLLM), finished requests leave.
 
+A run of decode-only steps can also be taken at once (:meth:`Scheduler.decode_span`,
+:meth:`Scheduler.apply_decodes`): while every running request decodes and nothing else can
+join, the batch is the same from step to step and only its context grows, so the steps
+up to the first finish are priced in one go, exactly as :meth:`Scheduler.step` would
+price them one by one. The capacity planner uses it; a decode node then costs one event
+per change of its batch instead of one per step.
+
 Tokens a request starts with in cache (engine prefix cache or loaded from the arena) are
 not computed; the last prompt token always is (its logits give the first token). No
 clock of its own: the caller advances time by :attr:`StepPlan.duration_s`. No I/O.
@@ -35,6 +42,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from cpd.sim.costmodel import CostModel
 
@@ -72,8 +81,9 @@ class Admission:
     cached_tokens: int = 0   # prompt tokens not computed
     load_tokens: int = 0     # of which are copied in from the arena in this step
     # Full prompt blocks to write through to the arena once their KV exists (blocks just
-    # loaded from the arena are already there: leave them out).
-    save_blocks: frozenset[int] = frozenset()
+    # loaded from the arena are already there: leave them out); a ``range`` is taken
+    # without a membership test per block.
+    save_blocks: frozenset[int] | range = frozenset()
 
 
 AdmitHook = Callable[[str], Admission]
@@ -91,7 +101,7 @@ class SeqState:
     output: int = 0          # output tokens produced
     admitted: bool = False
     load_tokens: int = 0
-    save_blocks: frozenset[int] = frozenset()
+    save_blocks: frozenset[int] | range = frozenset()
     saved_upto: int = 0      # prompt blocks [0, saved_upto) handled for saving
     ready_s: float = 0.0     # asynchronous load: when its KV is in (simulated seconds)
 
@@ -131,6 +141,26 @@ class StepPlan:
     duration_s: float
     batched_tokens: int
     save_tokens: int = 0     # KV written through to the arena in this step
+
+
+@dataclass(frozen=True)
+class DecodeSpan:
+    """Consecutive decode-only steps of an unchanged batch: ``ends_s[j]`` is when step
+    ``j`` ends, in simulated seconds from the span's start; the last one is the first
+    step after which a request finishes (or the last to start before a KV load lands)."""
+
+    ends_s: np.ndarray
+
+    @property
+    def steps(self) -> int:
+        return len(self.ends_s)
+
+    def started_before(self, dt_s: float) -> int:
+        """How many of the span's steps start before ``dt_s`` after its start (at least
+        the first: it has started)."""
+        if dt_s <= 0:
+            return 1
+        return min(len(self.ends_s), 1 + int(np.searchsorted(self.ends_s, dt_s, side="left")))
 
 
 @dataclass
@@ -247,6 +277,47 @@ class Scheduler:
             return None
         return self._apply(picks)
 
+    def decode_span(self, now_s: float = 0.0) -> DecodeSpan | None:
+        """The decode-only steps from ``now_s`` on, as :meth:`step` would run them, up
+        to the first one after which a request finishes; None unless every running
+        request is decoding and nothing else can join before the span's last step
+        starts (nothing waiting; an asynchronous load landing later cuts it short)."""
+        if self._waiting or not self._running:
+            return None
+        running = self._running
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        if any(s.remaining_prompt for s in running):
+            return None
+        ready = self._loading[0].ready_s if self._loading else None
+        if ready is not None and ready <= now_s:
+            return None
+        c = self.cost
+        batch = len(running)
+        steps = min(s.max_tokens - s.output for s in running)
+        context = sum(s.context for s in running) + batch * np.arange(steps, dtype=float)
+        compute = c.per_token_s * batch + c.per_pair_s * context
+        memory = c.weight_read_s + c.per_kv_token_read_s * context
+        ends = np.cumsum(c.overhead_s + np.maximum(compute, memory))
+        if ready is not None:
+            # A step that starts once the load has landed takes the loaded request too.
+            ends = ends[:DecodeSpan(ends).started_before(ready - now_s)]
+        return DecodeSpan(ends)
+
+    def apply_decodes(self, steps: int) -> list[str]:
+        """Apply ``steps`` steps of the current :meth:`decode_span` (at most its length):
+        every running request gains that many output tokens; returns the ids of those
+        that finished (they leave)."""
+        done = []
+        for seq in self._running:
+            seq.output += steps
+            if seq.output >= seq.max_tokens:
+                done.append(seq)
+        for seq in done:
+            self._running.remove(seq)
+            del self._by_id[seq.request_id]
+        return [s.request_id for s in done]
+
     def _admit(self, seq: SeqState) -> None:
         seq.admitted = True
         if self.admit_hook is not None:
@@ -295,7 +366,12 @@ class Scheduler:
                 # Like CPD's connector: every full prompt block with KV after this step,
                 # cached ones included, is written through once.
                 upto = min(seq.computed, seq.prompt_len) // bs
-                saved = tuple(i for i in range(seq.saved_upto, upto) if i in seq.save_blocks)
+                save_set = seq.save_blocks
+                if isinstance(save_set, range) and save_set.step == 1:
+                    saved = tuple(range(max(seq.saved_upto, save_set.start),
+                                        min(upto, save_set.stop)))
+                else:
+                    saved = tuple(i for i in range(seq.saved_upto, upto) if i in save_set)
                 seq.saved_upto = max(seq.saved_upto, upto)
                 save += len(saved) * bs
             emits = seq.remaining_prompt == 0

@@ -1,0 +1,267 @@
+"""``cpd plan``: the planner's pure parts (topologies within a budget, intervals, the
+verdict, the prefix store, engine block ids), its simulation deciding as the router does,
+and the quick command end to end on two synthetic traces whose verdicts must differ."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from cpd.engines.profile import SimProfile
+from cpd.protocol.errors import CpdError
+from cpd.sim.workloads import WorkloadRequest
+from services.router.service import make_policy
+from tools.plan.blocks import engine_blocks
+from tools.plan.cli import parse_topologies
+from tools.plan.planner import Verdict, verdict
+from tools.plan.prefixstore import PrefixStore
+from tools.plan.search import (
+    QUICK_PHASES,
+    PlanConfig,
+    interval,
+    planner_settings,
+    ratio_interval,
+    run_probe,
+    topology,
+    within_budget,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ------------------------------------------------------------------- topologies
+
+
+@pytest.mark.parametrize(("gpus", "per_node", "labels"), [
+    (12, 4, ["1P2D pd-rr", "2P1D pd-rr", "1P2D pd-kv", "2P1D pd-kv", "CPD-1D"]),
+    (16, 4, ["1P3D pd-rr", "2P2D pd-rr", "3P1D pd-rr", "1P3D pd-kv", "2P2D pd-kv",
+             "3P1D pd-kv", "CPD-2D", "CPD-1:2:1", "CPD-2:1:1"]),
+    (2, 1, ["1P1D pd-rr", "1P1D pd-kv"]),
+])
+def test_within_budget_is_every_split_into_pools(gpus: int, per_node: int,
+                                                 labels: list[str]) -> None:
+    assert [t.label for t in within_budget(gpus, per_node)] == labels
+
+
+def test_a_budget_of_one_node_is_refused() -> None:
+    with pytest.raises(ValueError):
+        within_budget(4, 4)
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("2P1D pd-kv", [("pd-kv", 0, 2, 1)]),
+    ("CPD-1D, CPD-2D", [("cpd", 1, 1, 1), ("cpd", 1, 1, 2)]),
+    ("CPD-2:1:3,1P1D pd-rr", [("cpd", 2, 1, 3), ("pd-rr", 0, 1, 1)]),
+])
+def test_topologies_are_read_as_the_sweep_names_them(text: str,
+                                                     want: list[tuple]) -> None:
+    got = [(t.policy, t.preprefill, t.prefill, t.decode) for t in parse_topologies(text)]
+    assert got == want
+
+
+@pytest.mark.parametrize("text", ["2P1D", "2P1D pd-xx", "CPD-x", "CPD-1:2", "", ","])
+def test_unreadable_topologies_are_a_typed_error(text: str) -> None:
+    with pytest.raises(CpdError):
+        parse_topologies(text)
+
+
+# ------------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize(("values", "mean", "ci"), [
+    ([], None, None),
+    ([2.0], 2.0, None),
+    ([1.0, 1.0, 1.0], 1.0, [1.0, 1.0]),
+    ([1.0, 3.0], 2.0, [0.0, 14.706]),   # t(1) = 12.706: two seeds say little
+    ([1.0, 2.0, 3.0], 2.0, [0.0, 4.4843]),
+])
+def test_interval_is_a_student_t_interval_never_below_zero(
+        values: list[float], mean: float | None, ci: list[float] | None) -> None:
+    iv = interval(values)
+    assert iv["mean"] == mean and iv["ci95"] == ci and iv["n"] == len(values)
+
+
+def test_ratio_interval_pairs_seeds_and_skips_an_empty_denominator() -> None:
+    assert ratio_interval([2.0, 3.0, 5.0], [1.0, 0.0, 2.5])["mean"] == 2.0
+
+
+def _summary(ci: list[float] | None, mean: float = 1.2, *, kv: bool = True) -> dict:
+    best = {"cpd": {"topology": "CPD-1D", "sustainable_qps_per_gpu": {"mean": 1.2}}}
+    if kv:
+        best["pd-kv"] = {"topology": "2P1D pd-kv", "sustainable_qps_per_gpu": {"mean": 1.0}}
+    return {"best": best, "best_cpd_over_best_pd_kv": {"mean": mean, "ci95": ci},
+            "traffic": {"cold_share": 0.1, "reuse_share_mean": 0.9,
+                        "load_over_recompute": 0.3}}
+
+
+@pytest.mark.parametrize(("summary", "code"), [
+    (_summary([1.1, 1.4]), Verdict.PAYS),
+    (_summary([1.0, 1.03], 1.01), Verdict.NO_GAIN),
+    (_summary([1.0, 1.0], 1.0), Verdict.NO_GAIN),
+    (_summary([0.7, 0.9], 0.8), Verdict.BEHIND),
+    (_summary([0.0, 2.6], 1.3), Verdict.UNDECIDED),   # too wide to tell
+    (_summary(None), Verdict.UNDECIDED),              # one seed
+    (_summary([1.1, 1.4], kv=False), Verdict.UNDECIDED),
+    ({"best": {}, "best_cpd_over_best_pd_kv": {}, "traffic": {}}, Verdict.UNDECIDED),
+])
+def test_verdict_codes(summary: dict, code: Verdict) -> None:
+    got, text = verdict(summary)
+    assert got is code and text
+
+
+# ------------------------------------------------------------------ prefix store
+
+
+def test_prefix_store_matches_the_longest_held_prefix() -> None:
+    s = PrefixStore(100, touch_on_hit=True)
+    assert s.insert((1, 2, 3, 4), 4) == 4
+    assert s.insert((1, 2, 5), 3) == 1       # shares 1, 2
+    assert [s.match(p) for p in [(1, 2, 3, 4, 9), (1, 2, 5), (1, 9), (9,), ()]] == [
+        4, 3, 1, 0, 0]
+    assert s.match((1, 2, 3, 4), 2) == 2 and len(s) == 5
+
+
+def test_prefix_store_evicts_the_least_recent_chain_tail_first() -> None:
+    s = PrefixStore(6, touch_on_hit=True)
+    s.insert((1, 2, 3), 3)
+    s.insert((7, 8, 9), 3)
+    s.hit((1, 2, 3))                  # 1-2-3 is now the more recent chain
+    s.insert((4,), 1)                 # one over: 9 (the older chain's tail) goes
+    assert s.match((7, 8, 9)) == 2 and s.match((1, 2, 3)) == 3 and s.evictions == 1
+
+
+def test_prefix_store_never_evicts_a_block_before_its_held_child() -> None:
+    s = PrefixStore(4, touch_on_hit=False)
+    s.insert((1, 2), 2)
+    s.insert((1, 2, 3), 3)            # extends 1-2: 3 is 1-2's child
+    s.insert((5, 6, 7), 3)            # two over: 1-2 is older, but 3 goes first, then 2
+    assert s.match((1, 2, 3)) == 1 and s.match((5, 6, 7)) == 3 and len(s) == 4
+
+
+def test_an_arena_ages_from_writing_not_from_hits() -> None:
+    s = PrefixStore(4, touch_on_hit=False)
+    s.insert((1, 2), 2)
+    s.insert((3, 4), 2)
+    s.hit((1, 2))                     # no refresh in an arena
+    s.insert((5,), 1)
+    assert s.match((1, 2)) == 1 and s.match((3, 4)) == 2
+
+
+# ------------------------------------------------------------------ block ids
+
+
+def _req(block_tokens: int, ids: tuple[int, ...], prompt_len: int) -> WorkloadRequest:
+    return WorkloadRequest(request_id="r", arrival_s=0.0, session_id="s",
+                           prompt_len=prompt_len, block_ids=ids, block_tokens=block_tokens,
+                           output_len=1)
+
+
+def test_engine_blocks_of_equal_sizes_are_the_content_ids() -> None:
+    assert engine_blocks(_req(256, (5, 6, 7), 700), 256) == (5, 6)
+
+
+def test_engine_blocks_name_their_whole_prefix_across_sizes() -> None:
+    a = engine_blocks(_req(512, (5, 6), 1024), 256)
+    b = engine_blocks(_req(512, (5, 9), 1024), 256)
+    assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2] and len(set(a)) == 4
+
+
+# ------------------------------------------------------------ the same decisions
+
+
+@pytest.mark.parametrize("label", ["CPD-1D", "2P1D pd-kv", "2P1D pd-rr"])
+def test_the_planner_decides_as_the_router_service_would(label: str) -> None:
+    """Every decision the simulation took, replayed on a router built as the router
+    service builds its own (:func:`services.router.service.make_policy` from the same
+    settings), is the same decision: the planner has no copy of the policy."""
+    cfg = PlanConfig(topologies=(), phases=QUICK_PHASES, seeds=1)
+    top = parse_topologies(label)[0]
+    point, res = run_probe(cfg, top, 0.6, 0, record_decisions=400)
+    assert len(res.decisions) == 400
+    settings = planner_settings(cfg, top)
+    router = make_policy(settings, SimProfile(settings))
+    paths = set()
+    for prompt, bs, hits, loads, decision in res.decisions:
+        again = router.decide(prompt, bs, hits, loads)
+        assert msgspec.structs.asdict(again.route()) == msgspec.structs.asdict(
+            decision.route())
+        assert again == decision
+        paths.add(decision.path)
+    if top.policy == "cpd":
+        assert {"cold", "warm"} <= paths, paths
+    assert point["completed"] > 0
+
+
+def test_a_different_policy_setting_changes_the_plan() -> None:
+    """The planner reads the router's settings: a CPD that never counts reuse as warm
+    (cold_reuse_ratio above 1) routes every prompt to pre-prefill."""
+    base = PlanConfig(topologies=(), phases=QUICK_PHASES, seeds=1)
+    s = base.settings
+    never_warm = msgspec.structs.replace(
+        s, router=msgspec.structs.replace(s.router, cold_reuse_ratio=1.5))
+    top = topology("cpd", 1, 1, 1)
+    _, a = run_probe(base, top, 0.6, 0)
+    _, b = run_probe(PlanConfig(topologies=(), phases=QUICK_PHASES, seeds=1,
+                                settings=never_warm), top, 0.6, 0)
+    assert a.paths["warm"] > 0 and b.paths["warm"] == 0
+
+
+# ------------------------------------------------------------ the command itself
+
+
+def _trace(path: Path, *, shared: bool) -> Path:
+    """A Mooncake-format trace of ~100K-token prompts (512-token hash blocks). Shared:
+    a few long contexts, each reused with a short new suffix, and a new context (a
+    cold prompt) one time in twelve; otherwise every prompt is its own."""
+    rows, nid, contexts = [], 0, []
+    for i in range(3_000):
+        if not shared or not contexts or i % 12 == 0:
+            contexts = [*contexts[-7:], list(range(nid, nid + 190))]
+            nid += 190
+        ctx = contexts[-1] if not shared else contexts[(i * 7919) % len(contexts)]
+        ids = ctx + list(range(nid, nid + 4))
+        nid += 4
+        rows.append({"timestamp": i * 10, "input_length": len(ids) * 512,
+                     "output_length": 64, "hash_ids": ids})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _plan_quick(trace: Path, out: Path) -> tuple[dict, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "plan", "--quick",
+                           "--workload", "mooncake", "--trace", str(trace),
+                           "--json", str(out / "plan.json")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=180)
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "plan.json").read_text()), wall
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_plan_quick_verdict_flips_with_the_traffic(tmp_path: Path) -> None:
+    """No reuse: CPD does not pay. Long shared contexts with colds among them: it does.
+    Each quick plan runs in under 30 s."""
+    results = {}
+    for shared in (False, True):
+        d = tmp_path / ("shared" if shared else "unique")
+        d.mkdir()
+        results[shared] = _plan_quick(_trace(d / "trace.jsonl", shared=shared), d)
+    (unique, t_unique), (shared, t_shared) = results[False], results[True]
+    assert unique["verdict"] in (Verdict.NO_GAIN, Verdict.BEHIND), unique["verdict_text"]
+    assert unique["cpd_pays"] is False
+    assert unique["traffic"]["reuse_share_mean"] == 0
+    assert shared["verdict"] == Verdict.PAYS, shared["verdict_text"]
+    assert shared["cpd_pays"] is True
+    assert shared["traffic"]["reuse_share_mean"] > 0.8
+    for r in (unique, shared):
+        assert r["config"]["seeds"] == 3
+        assert {"2P1D pd-kv", "2P1D pd-rr", "CPD-1D"} <= set(r["topologies"])
+        assert Path(r["table"]).exists()
+    assert t_unique < 30 and t_shared < 30, (t_unique, t_shared)

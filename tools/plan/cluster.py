@@ -1,0 +1,495 @@
+"""One topology serving one workload in simulated time: the planner's discrete-event
+simulation (docs/plan.md, "The simulation").
+
+Everything that decides is the services' own pure code; only the I/O is replaced:
+
+* **Routing** — :class:`services.router.policy.Router`, built by
+  :func:`services.router.service.make_policy` as the router service builds its own,
+  fed the :class:`~services.router.policy.Hits` kvindex would answer and the
+  :class:`~services.router.policy.NodeLoad` the workers' load reports would give
+  (held prefills with their time in the engine: reports here are never late).
+  Single-flight waits are honoured as the router does (poll, then decide once more).
+* **Engines** — :class:`cpd.sim.scheduler.Scheduler` with the node's cost preset and
+  the sim engine's admission rule (its GPU prefix cache first, then the arena blocks the
+  worker found sealed, every new full block written through); decode nodes step through
+  whole decode spans (:meth:`~cpd.sim.scheduler.Scheduler.decode_span`), which price
+  exactly the steps one by one would.
+* **Caches** — each worker's GPU prefix cache and DRAM arena as a
+  :class:`~tools.plan.prefixstore.PrefixStore` of their capacities (prefix-closed LRU;
+  the arena ages blocks from their writing, the GPU cache from their use), looked up
+  per location by binary search as kvindex does.
+* **Transfers** — a peer pull costs :class:`services.router.cost.LoadCost` (the data
+  plane's fixed cost plus bytes over the network bandwidth), one pull at a time per
+  receiving node; loads from a node's own arena into its engine are the cost model's
+  host link, inside the step (prefill) or off it (decode), as the sim engine does.
+* **Client** — the load driver's open loop: at most ``max_inflight`` requests out, the
+  rest in a FIFO whose wait counts in TTFT (measured from the scheduled arrival).
+
+The flow of one request is the workers': route → pull the planned remote prefix →
+prefill (first token) → seal the new blocks (visible to kvindex) → hand-off: decode
+pulls what it lacks → decode to the last token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from cpd.protocol import wire
+from cpd.protocol.roles import PREFILL_ROLES, Role
+from cpd.sim.costmodel import CostModel
+from cpd.sim.scheduler import Admission, Scheduler, SchedulerConfig
+from cpd.sim.workloads import WorkloadRequest
+from services.router.policy import Decision, Hits, NodeLoad, Router
+from tools.bench.loaddriver import UNFINISHED, Result
+from tools.plan.blocks import engine_blocks
+from tools.plan.prefixstore import PrefixStore
+
+# The router re-reads kvindex this often while a single-flight request waits
+# (services/router/service.py polls at the same interval).
+SINGLE_FLIGHT_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One worker: its id, role and cost preset."""
+
+    name: str
+    role: str
+    cost: CostModel
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A topology and everything its simulation needs besides the workload."""
+
+    nodes: tuple[NodeSpec, ...]
+    scheduler: SchedulerConfig
+    # Which engines load arena KV off the step (worker.async_kv_load).
+    async_kv_load: str = "decode"
+    block_size: int = 256
+    # The engine's GPU prefix cache in blocks (None: from each preset's GPU memory).
+    gpu_cache_blocks: int | None = None
+    # Host DRAM each worker gives its block arena.
+    dram_bytes: int = 2 << 40
+    # Between nodes, per receiving node (GB/s of modelled KV bytes).
+    network_gbps: float = 50.0
+    max_inflight: int = 24
+    # Router work and bus hops before the prefill node has the request, and between the
+    # first token and decode having the hand-off (simulated seconds).
+    dispatch_s: float = 0.002
+    handoff_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if not any(n.role == Role.DECODE for n in self.nodes):
+            raise ValueError("a topology needs a decode node")
+        if not any(n.role in PREFILL_ROLES for n in self.nodes):
+            raise ValueError("a topology needs a prefill-side node")
+        if self.max_inflight < 1 or self.network_gbps <= 0:
+            raise ValueError("max_inflight and network_gbps must be > 0")
+
+
+@dataclass
+class _Req:
+    w: WorkloadRequest
+    blocks: tuple[int, ...]          # full engine blocks
+    sent: float = -1.0
+    first: float | None = None
+    finish: float | None = None
+    decision: Decision | None = None
+    waited: bool = False
+    # Per node it is on: arena blocks found sealed when it entered the engine.
+    dram_have: int = 0
+    cached_tokens: int = 0
+    tokens_gpu: int = 0
+    tokens_dram: int = 0
+    tokens_remote: int = 0
+    tokens_computed: int = 0
+
+
+class _Node:
+    def __init__(self, spec: NodeSpec, cfg: ClusterConfig) -> None:
+        self.name, self.role, self.cost = spec.name, spec.role, spec.cost
+        bs = cfg.block_size
+        async_load = cfg.async_kv_load == "all" or (cfg.async_kv_load == "decode"
+                                                    and spec.role == Role.DECODE)
+        sc = replace(cfg.scheduler, block_size=bs, async_kv_load=async_load)
+        self.sched = Scheduler(spec.cost, sc, admit_hook=self._admit)
+        gpu = (cfg.gpu_cache_blocks if cfg.gpu_cache_blocks is not None
+               else spec.cost.kv_capacity_tokens // bs)
+        self.gpu = PrefixStore(gpu, touch_on_hit=True)
+        self.dram = PrefixStore(cfg.dram_bytes // (spec.cost.kv_bytes_per_token * bs),
+                                touch_on_hit=False)
+        self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
+        self.reqs: dict[str, _Req] = {}           # in the engine
+        # Prefills held (pulling or in the engine): [new tokens, context, engine start].
+        self.held: dict[str, list[float]] = {}
+        self.busy = False
+        self.epoch = 0            # a step end scheduled under an older epoch is void
+        self.span: tuple[float, object] | None = None
+        self.nic_free = 0.0
+        self.busy_s = 0.0
+        self.waiters: list[_Req] = []            # single-flight requests waiting on us
+        self.prefill_role = spec.role in PREFILL_ROLES
+
+    def _admit(self, rid: str) -> Admission:
+        """The sim engine's rule (cpd.engines.sim.engine.SimEngine._admit)."""
+        r = self.reqs[rid]
+        bs = self.sched.config.block_size
+        n = len(r.blocks)
+        cap = (r.w.prompt_len - 1) // bs if self.prefill_role else min(r.w.prompt_len // bs, n)
+        gpu = self.gpu.hit(r.blocks, cap)
+        have = min(r.dram_have, cap)
+        loaded = max(have - gpu, 0)
+        cached = max(gpu, have) * bs
+        if not self.prefill_role:  # decode: what the client sees was the prefill's
+            return Admission(cached_tokens=cached, load_tokens=loaded * bs)
+        r.cached_tokens = cached
+        r.tokens_gpu, r.tokens_dram = gpu * bs, loaded * bs
+        return Admission(cached_tokens=cached, load_tokens=loaded * bs,
+                         save_blocks=range(r.dram_have, n))
+
+
+@dataclass
+class SimResult:
+    """What one simulated run gives."""
+
+    results: list[Result]
+    paths: Counter[str] = field(default_factory=Counter)
+    tokens_by_tier: Counter[str] = field(default_factory=Counter)
+    busy_s: dict[str, float] = field(default_factory=dict)
+    end_s: float = 0.0
+    events: int = 0
+    # (prompt tokens, block size, hits, nodes, decision) of the first decisions, when
+    # asked for: the inputs a router given them must decide the same on.
+    decisions: list[tuple[int, int, Hits, list[NodeLoad], Decision]] = field(
+        default_factory=list)
+
+
+class Cluster:
+    """The simulation of one :class:`ClusterConfig` (see the module doc)."""
+
+    def __init__(self, cfg: ClusterConfig, router: Router, record_decisions: int = 0) -> None:
+        self.cfg = cfg
+        self.nodes = {s.name: _Node(s, cfg) for s in cfg.nodes}
+        self.workers = list(self.nodes.values())
+        self.prefill_side = [n for n in self.workers if n.prefill_role]
+        self.bs = cfg.block_size
+        self.router = router
+        # Pulls cost what the router prices them at: the data plane's fixed cost plus
+        # the bytes over the network.
+        self.load = router.load
+        self.single_flight = router.config.single_flight and router.config.name == "cpd"
+        self.shares_steps = cfg.scheduler.long_prefill_token_threshold > 0
+        self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self._queue: deque[_Req] = deque()
+        self._out = 0
+        self._record = record_decisions
+        self.result = SimResult(results=[])
+
+    # ------------------------------------------------------------------- events
+
+    def _at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self, requests: Sequence[WorkloadRequest]) -> SimResult:
+        """Serve ``requests`` (sorted by arrival) to the end; per-request records."""
+        reqs = [_Req(w, engine_blocks(w, self.bs)) for w in requests]
+        for r in reqs:
+            self._at(r.w.arrival_s, self._arrive, r)
+        events = self._events
+        n = 0
+        while events:
+            t, _, fn, args = heapq.heappop(events)
+            self.now = t
+            fn(*args)
+            n += 1
+        res = self.result
+        res.events, res.end_s = n, self.now
+        res.results = [_result(r) for r in reqs]
+        res.busy_s = {x.name: x.busy_s for x in self.workers}
+        return res
+
+    # ------------------------------------------------------------------- client
+
+    def _arrive(self, r: _Req) -> None:
+        if self._out < self.cfg.max_inflight:
+            self._send(r)
+        else:
+            self._queue.append(r)
+
+    def _send(self, r: _Req) -> None:
+        self._out += 1
+        r.sent = self.now
+        self._at(self.now + self.cfg.dispatch_s, self._route, r)
+
+    def _done(self, r: _Req) -> None:
+        r.finish = self.now
+        self._out -= 1
+        if self._queue:
+            self._send(self._queue.popleft())
+
+    # ------------------------------------------------------------------- router
+
+    def _hits(self, r: _Req) -> Hits:
+        blocks, n = r.blocks, len(r.blocks)
+        gpu: dict[str, int] = {}
+        dram: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        single_flight = self.single_flight
+        for x in self.workers:
+            if x.prefill_role and (g := x.gpu.match(blocks, n)):
+                gpu[x.name] = g
+            d = x.dram.match(blocks, n)
+            if d:
+                dram[x.name] = d
+            if single_flight and x.writing and d < n:
+                cover = _cover(x, blocks, n)
+                if cover > d:
+                    pending[x.name] = cover
+        return Hits(gpu=gpu, dram=dram, pending=pending)
+
+    def _loads(self) -> list[NodeLoad]:
+        now = self.now
+        out = []
+        for x in self.workers:
+            if x.prefill_role:
+                works = tuple(wire.PrefillWork(
+                    new_tokens=int(h[0]), context_tokens=int(h[1]),
+                    elapsed_ms=(now - h[2]) * 1e3 if h[2] >= 0 else 0.0)
+                    for h in itertools.islice(x.held.values(), wire.MAX_REPORTED_PREFILLS))
+                out.append(NodeLoad(node=x.name, role=x.role, in_flight=len(x.reqs),
+                                    bandwidth_gbps=self.cfg.network_gbps, prefills=works,
+                                    shares_steps=self.shares_steps))
+            else:
+                out.append(NodeLoad(node=x.name, role=x.role, in_flight=len(x.reqs),
+                                    bandwidth_gbps=self.cfg.network_gbps))
+        return out
+
+    def _route(self, r: _Req) -> None:
+        hits, loads = self._hits(r), self._loads()
+        d = self.router.decide(r.w.prompt_len, self.bs, hits, loads)
+        if len(self.result.decisions) < self._record:
+            self.result.decisions.append((r.w.prompt_len, self.bs, hits, loads, d))
+        if d.wait is not None and not r.waited:
+            r.waited = True
+            node = self.nodes[d.wait.node]
+            node.waiters.append(r)
+            self._at(self.now + d.wait.max_wait_ms / 1e3, self._wait_over, r, node)
+            return
+        r.decision = d
+        self.result.paths[d.path] += 1
+        p = d.plan
+        node = self.nodes[p.node]
+        node.held[r.w.request_id] = [p.computed_tokens, r.w.prompt_len - p.computed_tokens, -1.0]
+        remote = [s for s in p.sources if s.node != p.node and s.num_blocks]
+        if not remote:
+            self._enter(node, r)
+            return
+        # One pull at a time into a node (its NIC), as the transfer client queues them.
+        src = remote[0]
+        peer = self.nodes[src.node]
+        end = src.first_block + src.num_blocks
+        got = max(0, peer.dram.match(r.blocks, end) - src.first_block)
+        start = max(self.now, node.nic_free)
+        node.nic_free = start + self.load.ms(got * self.bs, self.cfg.network_gbps) / 1e3
+        r.tokens_remote = got * self.bs
+        self._at(node.nic_free, self._pulled, node, r, src.first_block + got)
+
+    def _wait_over(self, r: _Req, node: _Node) -> None:
+        if r in node.waiters:
+            node.waiters.remove(r)
+            self._route(r)
+
+    def _pulled(self, node: _Node, r: _Req, upto: int) -> None:
+        node.dram.insert(r.blocks, upto)
+        self._enter(node, r)
+
+    # -------------------------------------------------------------- prefill side
+
+    def _enter(self, node: _Node, r: _Req) -> None:
+        rid = r.w.request_id
+        r.dram_have = node.dram.match(r.blocks)
+        held = node.held.get(rid)
+        if held is not None:
+            held[2] = self.now
+        for b in r.blocks[r.dram_have:]:
+            node.writing[b] += 1
+        node.reqs[rid] = r
+        node.sched.add(rid, r.w.prompt_len, 1)
+        self._kick(node)
+
+    def _prefilled(self, node: _Node, r: _Req) -> None:
+        rid = r.w.request_id
+        del node.reqs[rid]
+        node.held.pop(rid, None)
+        n = len(r.blocks)
+        node.gpu.insert(r.blocks, n)
+        node.dram.insert(r.blocks, n)
+        w = node.writing
+        for b in r.blocks[r.dram_have:]:
+            if w[b] <= 1:
+                del w[b]
+            else:
+                w[b] -= 1
+        r.first = self.now
+        r.tokens_computed = r.w.prompt_len - r.cached_tokens
+        # Pulled blocks the engine held on its GPU were not loaded (the worker's rule).
+        r.tokens_remote = min(r.tokens_remote, r.tokens_dram)
+        r.tokens_dram -= r.tokens_remote
+        tiers = self.result.tokens_by_tier
+        tiers["gpu"] += r.tokens_gpu
+        tiers["dram"] += r.tokens_dram
+        tiers["remote"] += r.tokens_remote
+        tiers["computed"] += r.tokens_computed
+        if node.waiters:
+            poll = self.now + SINGLE_FLIGHT_POLL_S
+            for q in node.waiters:
+                self._at(poll, self._wait_over, q, node)
+        if r.w.output_len <= 1:
+            self._done(r)
+            return
+        assert r.decision is not None
+        self._at(self.now + self.cfg.handoff_s, self._handoff, node,
+                 self.nodes[r.decision.decode_node], r)
+
+    # ------------------------------------------------------------------- decode
+
+    def _handoff(self, src: _Node, dst: _Node, r: _Req) -> None:
+        n = len(r.blocks)
+        held = src.dram.match(r.blocks, n)
+        lack = held - dst.dram.match(r.blocks, held)
+        start = max(self.now, dst.nic_free)
+        dst.nic_free = start + (self.load.ms(lack * self.bs, self.cfg.network_gbps) / 1e3
+                                if lack > 0 else 0.0)
+        self._at(dst.nic_free, self._decode, dst, r, held)
+
+    def _decode(self, node: _Node, r: _Req, upto: int) -> None:
+        node.dram.insert(r.blocks, upto)
+        rid = r.w.request_id
+        r.dram_have = node.dram.match(r.blocks)
+        node.reqs[rid] = r
+        node.sched.add(rid, r.w.prompt_len + 1, r.w.output_len - 1)
+        if node.span is not None:
+            self._cut_span(node)
+        self._kick(node)
+
+    # -------------------------------------------------------------------- steps
+
+    def _kick(self, node: _Node) -> None:
+        if node.busy or not node.sched.has_work():
+            return
+        now = self.now
+        if not node.prefill_role:
+            span = node.sched.decode_span(now)
+            if span is not None:
+                node.busy = True
+                node.span = (now, span)
+                node.epoch += 1
+                self._at(now + float(span.ends_s[-1]), self._span_end, node, span.steps,
+                         node.epoch)
+                return
+        plan = node.sched.step(now)
+        if plan is None:
+            ready = node.sched.next_ready_s()
+            if ready is not None:
+                node.epoch += 1
+                self._at(max(ready, now), self._wake, node, node.epoch)
+            return
+        node.busy = True
+        node.epoch += 1
+        self._at(now + plan.duration_s, self._step_end, node, plan, node.epoch)
+
+    def _wake(self, node: _Node, epoch: int) -> None:
+        if epoch == node.epoch:
+            self._kick(node)
+
+    def _step_end(self, node: _Node, plan: object, epoch: int) -> None:
+        if epoch != node.epoch:
+            return
+        node.busy = False
+        node.busy_s += plan.duration_s  # type: ignore[attr-defined]
+        for adv in plan.advances:  # type: ignore[attr-defined]
+            if not adv.emits_token:
+                continue
+            r = node.reqs.get(adv.request_id)
+            if r is None:
+                continue
+            if node.prefill_role:
+                self._prefilled(node, r)
+            else:
+                if adv.output_index == 0:
+                    node.gpu.insert(r.blocks, len(r.blocks))
+                if adv.finished:
+                    del node.reqs[adv.request_id]
+                    self._done(r)
+        self._kick(node)
+
+    def _cut_span(self, node: _Node) -> None:
+        """A request joined mid-span: the span ends with the step running now."""
+        assert node.span is not None
+        t0, span = node.span
+        k = span.started_before(self.now - t0)  # type: ignore[attr-defined]
+        if k < span.steps:  # type: ignore[attr-defined]
+            node.epoch += 1
+            self._at(t0 + float(span.ends_s[k - 1]), self._span_end, node, k,  # type: ignore[attr-defined]
+                     node.epoch)
+
+    def _span_end(self, node: _Node, steps: int, epoch: int) -> None:
+        if epoch != node.epoch:
+            return
+        assert node.span is not None
+        t0 = node.span[0]
+        node.span = None
+        node.busy = False
+        node.busy_s += self.now - t0
+        for rid in node.sched.apply_decodes(steps):
+            self._done(node.reqs.pop(rid))
+        self._kick(node)
+
+
+def _result(r: _Req) -> Result:
+    """A request as the load driver records it (so one report serves both)."""
+    d = r.decision
+    return Result(
+        request_id=r.w.request_id, arrival_s=r.w.arrival_s, prompt_tokens=r.w.prompt_len,
+        sent_s=r.sent if r.sent >= 0 else None, first_token_s=r.first, finish_s=r.finish,
+        output_tokens=r.w.output_len if r.finish is not None else 0,
+        cached_tokens=r.cached_tokens, path=d.path if d else "",
+        prefill_node=d.plan.node if d else "", decode_node=d.decode_node if d else "",
+        tokens_gpu=r.tokens_gpu, tokens_dram=r.tokens_dram, tokens_remote=r.tokens_remote,
+        tokens_computed=r.tokens_computed, turn=r.w.turn,
+        error=None if r.finish is not None else UNFINISHED)
+
+
+def _cover(node: _Node, blocks: tuple[int, ...], n: int) -> int:
+    """Leading blocks held or being written on ``node`` (kvindex's pending coverage)."""
+    held, writing = node.dram, node.writing
+
+    def has(i: int) -> bool:
+        b = blocks[i]
+        return b in held or b in writing
+
+    if not has(0):
+        return 0
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if has(mid - 1):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def simulate(cfg: ClusterConfig, router: Router, requests: Sequence[WorkloadRequest], *,
+             record_decisions: int = 0) -> SimResult:
+    """Serve ``requests`` on the cluster of ``cfg``, routed by ``router`` (see the
+    module doc; :func:`services.router.service.make_policy` builds the router a router
+    service of the same settings would run)."""
+    return Cluster(cfg, router, record_decisions).run(requests)
