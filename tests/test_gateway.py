@@ -366,9 +366,9 @@ async def test_tokenize_detokenize_version_and_the_openapi_schema(
 async def test_a_waiting_stream_gets_its_headers_then_keepalives(
         http: httpx.AsyncClient, router: FakeRouter) -> None:
     """A request whose first token is slow in coming (a queued cold prefill) gets its
-    HTTP headers after ``gateway.stream_headers_after_s`` and an SSE comment every
-    ``gateway.sse_keepalive_s`` (0.2 s here) until it comes; an error after the headers
-    is an SSE error event."""
+    HTTP headers after ``gateway.stream_headers_after_s`` and a chunk with no choices
+    every ``gateway.sse_keepalive_s`` (0.2 s here) until it comes, never an SSE comment;
+    an error after the headers is an SSE error event."""
     router.first_delay_s = 1.5
     body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 3, "stream": True}
     t0 = time.monotonic()
@@ -377,17 +377,56 @@ async def test_a_waiting_stream_gets_its_headers_then_keepalives(
         assert resp.status_code == 200
         lines = [line async for line in resp.aiter_lines()]
     assert headers_after < 1.2  # long before the first token
-    keepalives = [x for x in lines if x.startswith(":")]
-    assert len(keepalives) >= 3 and all(x == ": keep-alive" for x in keepalives)
-    data = [x for x in lines if x.startswith("data: ")]
-    assert "".join(msgspec.json.decode(x[6:])["choices"][0]["text"]
-                   for x in data[:-2]) == "".join(PIECES[:3])
-    assert data[-1] == "data: [DONE]"
+    assert not [x for x in lines if x.startswith(":")]
+    data = [msgspec.json.decode(x[6:]) for x in lines
+            if x.startswith("data: ") and x != "data: [DONE]"]
+    keepalives = [x for x in data if not x["choices"]]
+    assert len(keepalives) >= 3 and all(x["object"] == "text_completion" for x in keepalives)
+    assert data[0]["choices"] == []       # the stream opens with keep-alives
+    assert "".join(x["choices"][0]["text"] for x in data if x["choices"]) == "".join(
+        PIECES[:3])
+    assert [x for x in lines if x][-1] == "data: [DONE]"
     router.error_after_wait = Unavailable("no decode node")
     async with http.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
         events = await _sse_events(resp)
     assert events[-2]["error"]["code"] == "unavailable" and events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+async def test_vllm_benchmark_client_times_the_first_token_past_keepalives(
+        gateway: GatewayService, router: FakeRouter, backend: str) -> None:
+    """vLLM's own benchmark request functions (``vllm bench serve``), which strip each
+    network read before splitting on blank lines, read a stream whose first token comes
+    after several keep-alives: the request succeeds and its TTFT is the first token's."""
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        ASYNC_REQUEST_FUNCS,
+        RequestFuncInput,
+    )
+
+    router.first_delay_s = 1.2
+    path = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    req = RequestFuncInput(prompt="hi", api_url=gateway.url + path, prompt_len=1,
+                           output_len=3, model=SERVED_NAME)
+    async with aiohttp.ClientSession() as session:
+        out = await ASYNC_REQUEST_FUNCS[backend](req, session)
+    assert out.success, out.error
+    assert out.ttft >= 1.1 and out.generated_text == "".join(PIECES[:3])
+
+
+async def test_openai_client_streams_past_keepalives(oai: openai.AsyncOpenAI,
+                                                     router: FakeRouter) -> None:
+    """The official client yields the keep-alives as chunks without choices and the
+    text whole."""
+    router.first_delay_s = 0.9
+    stream = await oai.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        stream=True)
+    chunks = [c async for c in stream]
+    assert sum(not c.choices for c in chunks) >= 2
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(
+        PIECES[:3])
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -19,8 +19,11 @@ A request is parsed and checked here, then sent to the router with the gateway's
 deadline. A whole reply's errors keep their HTTP status. A streaming reply starts once
 its first message arrived or ``gateway.stream_headers_after_s`` passed, whichever is
 first, so refusals (bad input, overload) keep their status while a request that waits
-gets its headers and an SSE comment every ``gateway.sse_keepalive_s`` (proxies close
-idle connections); an error after the headers ends the stream with an
+gets its headers and a chunk with no choices every ``gateway.sse_keepalive_s`` (proxies
+close idle connections; an SSE comment would do for a browser, but clients that strip each
+network read before splitting on blank lines, vLLM's benchmark among them, lose a comment's
+separator and the data after it, while every OpenAI client skips a chunk without choices,
+as it does the final usage chunk); an error after the headers ends the stream with an
 ``{"error": ...}`` event. A client that disconnects mid-stream stops
 the gateway's side of the request; the router finishes it or times it out on its own.
 """
@@ -64,7 +67,6 @@ HEALTH_TIMEOUT_S = 1.0
 """How long ``/health`` waits for a router's status reply."""
 
 _SSE_DONE = b"data: [DONE]\n\n"
-_SSE_KEEPALIVE = b": keep-alive\n\n"
 # A request needs a node of each kind to run: a prefill side (warm or cold) and decode.
 _NEEDED_ROLES: dict[str, set[str]] = {"prefill": set(PREFILL_ROLES), "decode": {"decode"}}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -287,8 +289,9 @@ class _Gateway:
     async def _events(self, call: _Call, first: asyncio.Future[wire.TokenChunk | wire.Final],
                       messages: AsyncIterator[wire.TokenChunk | wire.Final]
                       ) -> AsyncIterator[bytes]:
-        """The SSE body of a streaming reply: an SSE comment every ``sse_keepalive_s``
-        while the first message is awaited, then the chunks."""
+        """The SSE body of a streaming reply: a chunk without choices every
+        ``sse_keepalive_s`` while the first message is awaited (module doc), then the
+        chunks."""
         shape = call.shape
         ended = False
 
@@ -301,7 +304,7 @@ class _Gateway:
                 while not first.done():
                     await asyncio.wait({first}, timeout=self.sse_keepalive_s)
                     if not first.done():
-                        yield _SSE_KEEPALIVE
+                        yield chunk([])
                 msg = first.result()
                 if opening := shape.opening_choices():
                     yield chunk(opening)

@@ -226,8 +226,8 @@ class GatewaySettings(_Section):
     # Deadline of one HTTP request when the body sets none.
     request_timeout_s: Positive = 300.0
     # A streamed reply whose first message has not come after stream_headers_after_s
-    # gets its headers then (an error before it keeps its HTTP status), and an SSE
-    # comment every sse_keepalive_s until it comes: a cold 100K-token prompt queued for
+    # gets its headers then (an error before it keeps its HTTP status), and a chunk with
+    # no choices every sse_keepalive_s until it comes: a cold 100K-token prompt queued for
     # minutes must not outlast a proxy's idle timeout.
     stream_headers_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
     sse_keepalive_s: Positive = 10.0
