@@ -137,9 +137,7 @@ class Client:
                 subjects.GENERATE, req, timeout=timeout, idle_timeout=timeout,
                 silence_limit=self.keepalive_interval_s * self.keepalive_misses,
                 keepalive_misses=self.keepalive_misses)) as stream:
-            async for msg in stream:
-                if isinstance(msg, wire.TokenChunk) and msg.keepalive_ms:
-                    continue  # consumed by the reader; never passed on
+            async for msg in stream:  # keep-alives are consumed by the reader
                 if isinstance(msg, wire.TokenChunk | wire.Final):
                     yield msg
 

@@ -117,16 +117,6 @@ class Changes:
     unmapped: int = 0
     transitions: int = 0
 
-    def merge(self, other: Changes) -> None:
-        self.visible += other.visible
-        self.invalidated += other.invalidated
-        self.reannounce |= other.reannounce
-        self.illegal += other.illegal
-        self.duplicates += other.duplicates
-        self.stale += other.stale
-        self.unmapped += other.unmapped
-        self.transitions += other.transitions
-
 
 class Index:
     """The whole kvindex state."""

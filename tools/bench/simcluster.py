@@ -201,11 +201,6 @@ class SimCluster:
         finally:
             self._nats_restarting = False
 
-    def kill_nats(self) -> None:
-        """``kill -9`` NATS (the supervisor starts it again on the same port and store)."""
-        assert self.server is not None
-        self.server.kill()
-
     # ------------------------------------------------------------------ helpers
 
     async def reset_caches(self) -> None:

@@ -15,9 +15,9 @@
 from .connection import connect, flush_all, identity_options, permission_denials, wait_denied
 from .replymux import ReplyMux
 from .request import Bus, encoded_size
-from .service import BAD_INPUT, EXIT_REFUSED, Handler, Request, Service, current_span, run_service
+from .service import BAD_INPUT, EXIT_REFUSED, Handler, Request, Service, run_service
 from .stream import ReplyStream, StreamReader
 
 __all__ = ["BAD_INPUT", "EXIT_REFUSED", "Bus", "Handler", "ReplyMux", "ReplyStream", "Request",
-           "Service", "StreamReader", "connect", "current_span", "encoded_size", "flush_all",
+           "Service", "StreamReader", "connect", "encoded_size", "flush_all",
            "identity_options", "permission_denials", "run_service", "wait_denied"]

@@ -14,7 +14,6 @@ import nats
 import nats.errors
 import nats.micro
 from nats.aio.msg import Msg
-from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from cpd.ops import metrics, telemetry
@@ -317,8 +316,3 @@ def run_service(service: Service) -> None:
         service.log.error("service.refused", error=e.code.value, detail=e.message)
         print(f"{service.name}: refused by NATS: {e.message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
-
-
-def current_span() -> trace.Span:
-    """The span of the request being handled (for attributes and events)."""
-    return trace.get_current_span()

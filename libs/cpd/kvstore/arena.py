@@ -420,10 +420,6 @@ class BlockStore:
             self.unpin(lid)
         return expired
 
-    def next_expiry(self) -> float | None:
-        """When the earliest lease expires (clock seconds), or ``None``."""
-        return min((lease.expires for lease in self._leases.values()), default=None)
-
     # -------------------------------------------------------------------------- events
 
     def drain_events(self) -> list[wire.KvEvent]:

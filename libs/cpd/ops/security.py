@@ -217,12 +217,6 @@ def identities_for(nodes: Mapping[str, str] | Iterable[tuple[str, str]]) -> list
     return out
 
 
-def default_identities() -> list[Identity]:
-    """One node of every service (``<kind>-0``, as ``cpd up`` and docker-compose name
-    them), ``client`` and ``admin``."""
-    return identities_for({f"{k}-0": k for k in SERVICE_KINDS})
-
-
 @dataclass(frozen=True)
 class Credentials:
     """The secrets of one identity: a password and an nkey user seed (either works)."""

@@ -39,12 +39,3 @@ PENDING: frozenset[BlockState] = frozenset({BlockState.ALLOCATED, BlockState.WRI
 def can_transition(old: BlockState, new: BlockState) -> bool:
     """Whether ``old → new`` is a legal step."""
     return new in _ALLOWED[old]
-
-
-class IllegalTransition(ValueError):
-    """A lifecycle step the state machine forbids (logged and counted, never applied)."""
-
-    def __init__(self, old: BlockState | None, new: BlockState, what: str = "") -> None:
-        name = old.name if old is not None else "ABSENT"
-        super().__init__(f"illegal transition {name} → {new.name}{f' ({what})' if what else ''}")
-        self.old, self.new = old, new

@@ -20,8 +20,3 @@ WORKER_ROLES: Final[tuple[Role, ...]] = tuple(Role)
 
 PREFILL_ROLES: Final[tuple[Role, ...]] = (Role.PREPREFILL, Role.PREFILL)
 """The roles that run prefills (and so send first tokens and hand off to decode)."""
-
-
-def is_prefill(role: str) -> bool:
-    """Whether ``role`` runs prefills."""
-    return role in PREFILL_ROLES
