@@ -66,3 +66,9 @@ def test_quick_router_bench_reports_latency_throughput_and_breakdown(
         assert set(a["paths"]) <= {"agent->warm", "agent->overflow"}
     assert t["decisions_per_s_agent_turns_met"] == (r["decisions_per_s_agent_turns"] >= 2000)
     assert t["decision_p99_agent_turns_met"] == (r["decision_p99_ms_agent_turns"] < 2.0)
+    # Single-flight: both kinds of waiter resumed in every round, after the seal.
+    assert r["single_flight_rounds"] == 20
+    for kind in ("", "_poll"):
+        assert r[f"single_flight_wake_p90_ms{kind}"] >= r[f"single_flight_wake_p50_ms{kind}"]
+        assert r[f"single_flight_seal_to_wake_p50_ms{kind}"] > 0
+    assert t["single_flight_wake_p50_met"] == (r["single_flight_wake_p50_ms"] <= 5.0)

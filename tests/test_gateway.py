@@ -197,7 +197,9 @@ async def test_completion_reply_has_openai_shape_and_cpd_route(
     assert cpd["timings"]["ttft_ms"] == 1.5
     assert resp.id == f"cmpl-{cpd['request_id']}" == f"cmpl-{router.received[-1].request_id}"
     sent = router.received[-1]
-    assert sent.prompt == "def fib(n):" and sent.tokens is None
+    # The gateway tokenizes once and sends the ids: the router never sees text.
+    assert sent.prompt is None and sent.tokens is not None
+    assert wire.unpack_tokens(sent.tokens).tolist() == model.encode("def fib(n):")
     assert sent.model == model.name  # clients' alias, the cluster's own name
     assert (sent.sampling.max_tokens, sent.sampling.temperature, sent.sampling.seed) == (
         4, 0.0, 7)
@@ -265,8 +267,8 @@ async def test_chat_reply_renders_messages_with_the_template(
     assert resp.choices[0].finish_reason == "length"
     assert _extra(resp, "cpd")["route"]["path"] == "cold"
     sent = router.received[-1]
-    assert sent.prompt == model.render_chat(messages)
-    assert "You answer briefly." in sent.prompt and "What is a fox?" in sent.prompt
+    assert sent.prompt is None and sent.tokens is not None
+    assert model.decode(wire.unpack_tokens(sent.tokens).tolist()) == model.render_chat(messages)
     assert sent.sampling.max_tokens == 3
 
 
@@ -277,7 +279,7 @@ async def test_chat_without_max_tokens_may_fill_the_context(
     await oai.chat.completions.create(model=SERVED_NAME, messages=messages)  # type: ignore[arg-type]
     sent = router.received[-1]
     prompt = model.render_chat([{"role": "user", "content": "Hi there"}])
-    assert sent.prompt == prompt
+    assert wire.unpack_tokens(sent.tokens or b"").tolist() == model.encode(prompt)
     assert sent.sampling.max_tokens == model.max_model_len - len(model.encode(prompt))
 
 
@@ -419,7 +421,7 @@ async def test_openai_client_streams_past_keepalives(oai: openai.AsyncOpenAI,
                                                      router: FakeRouter) -> None:
     """The official client yields the keep-alives as chunks without choices and the
     text whole."""
-    router.first_delay_s = 0.9
+    router.first_delay_s = 1.5   # headers after 0.5 s, then a keep-alive every 0.2 s
     stream = await oai.chat.completions.create(
         model=SERVED_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
         stream=True)
@@ -427,6 +429,19 @@ async def test_openai_client_streams_past_keepalives(oai: openai.AsyncOpenAI,
     assert sum(not c.choices for c in chunks) >= 2
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(
         PIECES[:3])
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("seed", 1 << 64), ("seed", -(1 << 63) - 1), ("priority", 1 << 63), ("top_k", 1 << 31),
+    ("top_k", -2), ("stop_token_ids", [1 << 32])])
+async def test_integers_past_what_the_engines_take_are_refused(
+        http: httpx.AsyncClient, router: FakeRouter, field: str, value: object) -> None:
+    """Every integer a client may set is bounded where it is read (a 400 naming the
+    field), so none can fail later when the request is encoded for the router."""
+    resp = await http.post("/v1/completions", json={"prompt": "hi", field: value})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] in (field, f"{field}[0]")
+    assert not router.received
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from cpd.protocol import wire
+from cpd.protocol.wire import RouteReason
 from services.router.cost import LoadCost, PrefillCost
 from services.router.policy import Hits, NoCapacity, NodeLoad, PolicyConfig, Router, choose_decode
 from services.router.queueing import remaining_ms, wait_ms
@@ -50,7 +51,8 @@ class Case:
     remote_node: str = ""
     wait: bool = False
     config: dict = field(default_factory=dict)
-    reason: str = ""
+    # None: the reason of the path (warm → WARM, cold → COLD); set for every overflow.
+    reason: RouteReason | None = None
 
 
 CASES = [
@@ -69,29 +71,31 @@ CASES = [
          path="warm", node="p0", gpu=20 * BS, remote=18 * BS, remote_node="pp1"),
     Case("loading slower than recomputing: cold", Hits(dram={"pp0": 38}),
          loads={"p0": {"bandwidth_gbps": 1e-5}, "p1": {"bandwidth_gbps": 1e-5}},
-         path="cold", reason="cold"),
+         path="cold", reason=RouteReason.COLD),
     Case("reuse below the threshold: cold", Hits(dram={"p0": 10}), path="cold"),
     Case("kvindex unavailable is a miss (§10)", Hits(ok=False), path="cold",
-         reason="kvindex unavailable"),
+         reason=RouteReason.KVINDEX_UNAVAILABLE),
     Case("pre-prefill queue too long: cold overflows to prefill (§10)", Hits(),
          loads={"pp0": {"queue_ms": 9000}, "pp1": {"queue_ms": 8000}},
-         path="overflow", node="p0"),
+         path="overflow", node="p0", reason=RouteReason.PREPREFILL_BUSY),
     Case("prefill tier saturated: warm overflows to pre-prefill", Hits(dram={"pp1": 38}),
          loads={"p0": {"queue_ms": 9000}, "p1": {"queue_ms": 9000}},
-         path="overflow", node="pp1", dram=38 * BS),
+         path="overflow", node="pp1", dram=38 * BS, reason=RouteReason.PREFILL_BUSY),
     Case("no pre-prefill node: cold goes to prefill", Hits(),
-         loads={"pp0": {"gone": True}, "pp1": {"gone": True}}, path="overflow", node="p0"),
+         loads={"pp0": {"gone": True}, "pp1": {"gone": True}}, path="overflow", node="p0",
+         reason=RouteReason.NO_PREPREFILL),
     Case("same prefix being computed, pre-prefill queued: wait for it (single-flight)",
-         Hits(pending={"pp0": 40}), loads=COLD_BUSY, path="overflow", wait=True),
+         Hits(pending={"pp0": 40}), loads=COLD_BUSY, path="overflow", wait=True,
+         reason=RouteReason.PREPREFILL_BUSY),
     Case("same prefix being computed, everything queued: wait, same latency, half the work",
          Hits(pending={"pp0": 40}), loads=BUSY, path="cold", wait=True),
     Case("same prefix being computed, warm tier far busier: compute now",
          Hits(pending={"pp0": 40}), loads={"p0": {"queue_ms": 5000}, "p1": {"queue_ms": 5000}},
          path="cold"),
     Case("single-flight off", Hits(pending={"pp0": 40}), loads=COLD_BUSY, path="overflow",
-         config={"single_flight": False}),
+         config={"single_flight": False}, reason=RouteReason.PREPREFILL_BUSY),
     Case("small pending prefix (still cold after it): no wait", Hits(pending={"pp0": 8}),
-         loads=COLD_BUSY, path="overflow"),
+         loads=COLD_BUSY, path="overflow", reason=RouteReason.PREPREFILL_BUSY),
     Case("some reuse but pre-prefill idle: no overflow", Hits(dram={"p0": 10}),
          path="cold", node="pp0"),
 ]
@@ -109,7 +113,13 @@ def test_cpd_policy(case: Case) -> None:
     assert d.plan.remote_node == case.remote_node
     assert d.plan.computed_tokens == N - d.plan.reused_tokens
     assert (d.wait is not None) == case.wait
-    assert case.reason in d.reason
+    want = case.reason or {"warm": RouteReason.WARM, "cold": RouteReason.COLD}[case.path]
+    assert d.reason is want
+    route = d.route()
+    assert (route.reason, route.reusable_tokens, route.planned_reused_tokens) == (
+        want, d.reusable_tokens, d.plan.reused_tokens)
+    assert route.describe()  # every code has words
+    assert d.lookup_missed is route.lookup_missed is (not case.hits.ok)
     if d.path == "cold":
         assert d.plan.role == "preprefill"
     assert d.decode_node == "d0"

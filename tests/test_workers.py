@@ -126,7 +126,8 @@ async def test_vanished_peer_means_recompute_not_failure(cluster: dict, referenc
     tokens, final = await _ask(cluster, "p0", c, [src])
     assert tokens == reference["c"]
     assert final.route.tokens_remote == 0
-    assert final.route.load_error == "gone-node: unavailable (no heartbeat seen)"
+    assert final.route.load_error == wire.LoadError(peer="gone-node", code="unavailable",
+                                                    detail="no heartbeat seen")
 
 
 def test_engines_run_their_model_in_the_engine_core_process(cluster: dict) -> None:
@@ -177,7 +178,7 @@ async def test_a_refused_pull_is_reported_in_the_route_not_hidden(cluster: dict,
     forged = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0, num_blocks=4)
     tokens, final = await _ask(cluster, "p0", d, [forged])
     assert tokens == reference["d"]
-    assert final.route.load_error == "pp0: capability_denied"
+    assert final.route.load_error == wire.LoadError(peer="pp0", code="capability_denied")
     assert (final.route.tokens_remote, final.route.tokens_computed) == (0, len(d))
 
 

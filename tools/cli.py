@@ -160,7 +160,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 r, t = final.route, final.timings
                 print(f"\n\n[{final.finish_reason}] {final.usage.prompt_tokens} prompt tokens "
                       f"({final.usage.cached_tokens} cached), {len(ids)} generated; "
-                      f"path {r.path} via {r.prefill_node} -> {r.decode_node}; "
+                      f"path {r.path} via {r.prefill_node} -> {r.decode_node} "
+                      f"({r.describe()}); "
                       f"TTFT {t.ttft_ms:.0f} ms, total {t.total_ms:.0f} ms", file=sys.stderr)
             return 0
 

@@ -375,18 +375,13 @@ class _Gateway:
                                       if reason == "prompt_too_long"
                                       else ErrorCode.INVALID_REQUEST.value))
 
-    async def _check_tenant_prompt(self, tenant: Tenant, prompt: str | list[int],
-                                   param: str) -> None:
+    def _check_tenant_prompt(self, tenant: Tenant, prompt_tokens: int, param: str) -> None:
         limit = tenant.max_prompt_tokens
-        if not limit:
-            return
-        n = len(prompt) if isinstance(prompt, list) else len(
-            await asyncio.to_thread(self.model.encode, prompt))
-        if n > limit:
+        if limit and prompt_tokens > limit:
             raise self._tenant_limit(
                 tenant, "prompt_too_long",
-                f"the prompt has {n} tokens; tenant {tenant.name!r} may send at most "
-                f"{limit}", param)
+                f"the prompt has {prompt_tokens} tokens; tenant {tenant.name!r} may send "
+                f"at most {limit}", param)
 
     def _cap_max_tokens(self, tenant: Tenant, max_tokens: int, explicit: bool) -> int:
         cap = tenant.max_tokens
@@ -405,23 +400,31 @@ class _Gateway:
         if body.model and body.model != self.served_name:
             raise self._unknown_model(body.model)
         protocol.refuse_unsupported(body)
-        prompt: str | list[int]
+        text_or_ids: str | list[int]
         if isinstance(body, protocol.ChatRequest):
-            prompt = protocol.chat_prompt(body, self.model)
-            await self._check_tenant_prompt(tenant, prompt, "messages")
-            max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
-                          else body.max_tokens)
-            explicit = max_tokens is not None
-            if max_tokens is None:
-                max_tokens = await self._room_after(prompt)
+            text_or_ids, param = protocol.chat_prompt(body, self.model), "messages"
+            requested = (body.max_completion_tokens if body.max_completion_tokens is not None
+                         else body.max_tokens)
         else:
-            prompt = protocol.completion_prompt(body, self.model)
-            await self._check_tenant_prompt(tenant, prompt, "prompt")
-            explicit = body.max_tokens is not None
-            max_tokens = (protocol.DEFAULT_MAX_TOKENS if body.max_tokens is None
-                          else body.max_tokens)
-            if isinstance(prompt, list):
-                self._check_length(len(prompt))
+            text_or_ids, param = protocol.completion_prompt(body, self.model), "prompt"
+            requested = body.max_tokens
+        # The one tokenization of the request: the router and the workers take the ids.
+        if isinstance(text_or_ids, str) and self.model.surely_too_long(text_or_ids):
+            raise ApiError.invalid(
+                f"the prompt has {len(text_or_ids)} characters, more than this model's "
+                f"context of {self.model.max_model_len} tokens can hold", param=param,
+                code=ErrorCode.PROMPT_TOO_LONG.value)
+        ids = (text_or_ids if isinstance(text_or_ids, list)
+               else await asyncio.to_thread(self.model.encode, text_or_ids))
+        self._check_length(len(ids))
+        self._check_tenant_prompt(tenant, len(ids), param)
+        explicit = requested is not None
+        if requested is not None:
+            max_tokens = requested
+        elif param == "messages" and self.model.max_model_len:
+            max_tokens = self.model.max_model_len - len(ids)  # what the context has left,
+        else:                                              # as OpenAI and vLLM do
+            max_tokens = protocol.DEFAULT_MAX_TOKENS
         max_tokens = self._cap_max_tokens(tenant, max_tokens, explicit)
         given = {"top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                  "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
@@ -433,19 +436,9 @@ class _Gateway:
         temperature = (protocol.DEFAULT_TEMPERATURE if body.temperature is None
                        else body.temperature)
         return self.client.request(
-            prompt, max_tokens=max_tokens, temperature=temperature, model=self.model.name,
+            ids, max_tokens=max_tokens, temperature=temperature, model=self.model.name,
             timeout_s=self.timeout_s, request_id=request_id, tenant=tenant.name,
             **{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
-
-    async def _room_after(self, prompt: str) -> int:
-        """Default completion length of a chat: what the context has left (as OpenAI and
-        vLLM do), or the completions default when the model's limit is unknown."""
-        if not self.model.max_model_len:
-            return protocol.DEFAULT_MAX_TOKENS
-        # A long prompt takes milliseconds to tokenize; keep the event loop serving.
-        n = len(await asyncio.to_thread(self.model.encode, prompt))
-        self._check_length(n)
-        return self.model.max_model_len - n
 
     def _check_length(self, prompt_tokens: int) -> None:
         limit = self.model.max_model_len

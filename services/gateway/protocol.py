@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -46,7 +46,7 @@ class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: wire.Int64 | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -55,13 +55,14 @@ class _Common(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras, which CPD implements.
-    top_k: int | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: wire.TopK | None = None
+    stop_token_ids: list[wire.TokenId] | None = None
     ignore_eos: bool | None = None
     # Into the request's cache namespace: requests with different salts share no KV.
     cache_salt: str | None = None
     # vLLM's meaning: lower values are served first (the router's admission queue).
-    priority: int | None = None
+    # Within int64 once negated for the router.
+    priority: Annotated[int, msgspec.Meta(ge=-(1 << 63) + 1, le=(1 << 63) - 1)] | None = None
     # OpenAI's end-user id: logged with the request, nothing else.
     user: str | None = None
     # vLLM's extras CPD does not implement: refused unless given their neutral value.

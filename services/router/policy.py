@@ -29,6 +29,7 @@ from cpd.ops.config import RouterSettings
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.roles import PREFILL_ROLES, Role
+from cpd.protocol.wire import RouteReason
 from services.router.cost import LoadCost, PrefillCost
 from services.router.queueing import ahead_ms, wait_ms
 
@@ -152,14 +153,21 @@ class Wait:
 
 @dataclass(frozen=True)
 class Decision:
-    """Where a request goes and why."""
+    """Where a request goes and why: a reason code and the figures behind it
+    (:meth:`route` carries both; :meth:`wire.Route.describe` words them)."""
 
     policy: str
     path: Literal["cold", "warm", "overflow"]
     plan: Plan
     decode_node: str
-    reason: str
+    reason: RouteReason
+    # The most any prefill node could reuse (what warm or cold was decided on).
+    reusable_tokens: int = 0
+    # On overflow: the estimated TTFT on the tier the request was taken from.
+    busy_ttft_ms: float = 0.0
     wait: Wait | None = None
+    waited_for: str = ""
+    lookup_missed: bool = False   # decided without kvindex's answer
 
     def route(self) -> wire.Route:
         """The decision as the ``Route`` of the final message."""
@@ -167,7 +175,13 @@ class Decision:
         return wire.Route(policy=self.policy, path=self.path, reason=self.reason,
                           prefill_node=p.node, decode_node=self.decode_node,
                           tokens_gpu=p.gpu_tokens, tokens_dram=p.dram_tokens,
-                          tokens_remote=p.remote_tokens, tokens_computed=p.computed_tokens)
+                          tokens_remote=p.remote_tokens, tokens_computed=p.computed_tokens,
+                          reusable_tokens=self.reusable_tokens,
+                          planned_reused_tokens=p.reused_tokens,
+                          est_ttft_ms=round(p.ttft_ms, 3),
+                          busy_ttft_ms=round(self.busy_ttft_ms, 3),
+                          remote_node=p.remote_node, waited_for=self.waited_for,
+                          lookup_missed=self.lookup_missed)
 
 
 class Router:
@@ -194,10 +208,12 @@ class Router:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
         name = self.config.name
         if name == "pd-rr":
-            return self._round_robin(prompt_tokens, block_size, hits, nodes, decode)
-        if name == "pd-kv":
-            return self._kv_aware(prompt_tokens, block_size, hits, nodes, decode)
-        return self._cpd(prompt_tokens, block_size, hits, nodes, decode)
+            d = self._round_robin(prompt_tokens, block_size, hits, nodes, decode)
+        elif name == "pd-kv":
+            d = self._kv_aware(prompt_tokens, block_size, hits, nodes, decode)
+        else:
+            d = self._cpd(prompt_tokens, block_size, hits, nodes, decode)
+        return d if hits.ok else replace(d, lookup_missed=True)
 
     # -------------------------------------------------------------------- plans
 
@@ -282,30 +298,26 @@ class Router:
             # Overflow only relieves a queue: an idle tier keeps its own work.
             if (alt and best_warm.queue_ms > cfg.overflow_margin_ms
                     and alt.ttft_ms + cfg.overflow_margin_ms < best_warm.ttft_ms):
-                return Decision("cpd", "overflow", alt, decode,
-                                f"prefill tier busy: {best_warm.ttft_ms:.0f} ms there vs "
-                                f"{alt.ttft_ms:.0f} ms on pre-prefill")
-            why = (f"warm: {reuse}/{n} tokens cached"
-                   + (f" (remote from {best_warm.remote_node})" if best_warm.remote_tokens
-                      else ""))
-            return Decision("cpd", "warm", best_warm, decode, why)
-        reason = ("kvindex unavailable: treated as a miss" if not hits.ok
-                  else f"cold: {reuse}/{n} tokens reusable")
+                return Decision("cpd", "overflow", alt, decode, RouteReason.PREFILL_BUSY,
+                                reusable_tokens=reuse, busy_ttft_ms=best_warm.ttft_ms)
+            return Decision("cpd", "warm", best_warm, decode, RouteReason.WARM,
+                            reusable_tokens=reuse)
+        reason = RouteReason.COLD if hits.ok else RouteReason.KVINDEX_UNAVAILABLE
         cold = self._cheapest(cold_nodes, n, bs, hits, reuse_prefix=False)
         # Overflow: a cold request takes an idle prefill node rather than queue.
         over = self._cheapest(warm_nodes, n, bs, hits, reuse_prefix=True)
         if cold is None or (over and cold.queue_ms > cfg.overflow_margin_ms
                             and over.ttft_ms + cfg.overflow_margin_ms < cold.ttft_ms):
             assert over is not None
-            decision = Decision("cpd", "overflow", over, decode,
-                                reason + ("; no pre-prefill node" if cold is None else
-                                          f"; pre-prefill busy ({cold.ttft_ms:.0f} ms)"))
+            why = (RouteReason.NO_PREPREFILL if cold is None
+                   else RouteReason.PREPREFILL_BUSY)
+            decision = Decision("cpd", "overflow", over, decode, why, reusable_tokens=reuse,
+                                busy_ttft_ms=cold.ttft_ms if cold is not None else 0.0)
         else:
-            decision = Decision("cpd", "cold", cold, decode, reason)
+            decision = Decision("cpd", "cold", cold, decode, reason, reusable_tokens=reuse)
         wait = self._single_flight(n, bs, hits, warm_nodes, decision.plan) if hits.ok else None
         if wait is not None:
-            decision = replace(decision, wait=wait,
-                               reason=decision.reason + f"; waiting for {wait.node}'s prefix")
+            decision = replace(decision, wait=wait)
         return decision
 
     def _cheapest(self, nodes: list[NodeLoad], n: int, bs: int, hits: Hits, *,
@@ -345,8 +357,7 @@ class Router:
         plans = [self.plan(x, n, bs, hits, remote=False) for x in cands]
         best = min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
         return Decision("pd-kv", "warm" if best.reused_tokens else "cold", best, decode,
-                        f"least cost: {best.computed_tokens} new tokens, "
-                        f"{best.queue_ms:.0f} ms queued")
+                        RouteReason.LEAST_COST, reusable_tokens=best.reused_tokens)
 
     def _round_robin(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
                      decode: str) -> Decision:
@@ -357,7 +368,7 @@ class Router:
         # The engine still uses its own GPU prefix cache; the router just doesn't look.
         plan = self.plan(node, n, bs, Hits(ok=hits.ok, gpu=hits.gpu), remote=False)
         return Decision("pd-rr", "warm" if plan.reused_tokens else "cold", plan, decode,
-                        "round-robin")
+                        RouteReason.ROUND_ROBIN, reusable_tokens=plan.reused_tokens)
 
 
 def choose_decode(nodes: Iterable[NodeLoad]) -> str:

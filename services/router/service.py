@@ -17,6 +17,7 @@ client); admission slots are held exactly as long as requests run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import replace
 
@@ -45,10 +46,12 @@ from cpd.protocol.hashmemo import PrefixHashMemo
 from services.router.admission import Admission
 from services.router.cost import LoadCost, PrefillCost
 from services.router.nodes import NodeTable
-from services.router.policy import Decision, Hits, NoCapacity, PolicyConfig, Router
+from services.router.policy import Decision, Hits, NoCapacity, PolicyConfig, Router, Wait
+from services.router.waiters import PrefixWaiters
 
-# Poll interval while a single-flight request waits for another node's prefix.
-_SINGLE_FLIGHT_POLL_S = 0.05
+# A single-flight waiter is woken by kvindex's visibility events; it also looks itself
+# this often, in case an event was lost (core NATS delivers at most once).
+_SINGLE_FLIGHT_LOOK_S = 1.0
 # Nodes silent this many lease lengths are dropped from the table (and from `cpd status`).
 _FORGET_AFTER_LEASES = 60
 
@@ -78,6 +81,7 @@ class RouterService(Service):
         self.admission = Admission(settings.admission.max_inflight,
                                    settings.admission.max_queue)
         self.nodes = NodeTable()
+        self.waiters = PrefixWaiters()
         self.stats = wire.RouterStats(node=self.node_id, policy=self.cfg.policy,
                                       max_inflight=settings.admission.max_inflight)
         self.kvindex_state: str = "ok"
@@ -101,6 +105,8 @@ class RouterService(Service):
         nc = self.bus.nc
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
+        await nc.subscribe(subjects.KV_VISIBLE, cb=self._on_visible)
+        await nc.subscribe(subjects.KV_INVALIDATE, cb=self._on_invalidated)
         await self.add_endpoint("generate", subjects.GENERATE, self._on_generate,
                                 expect=wire.GenerateRequest, queue=subjects.QUEUE_ROUTER)
         await self.add_endpoint("status", subjects.ROUTER_STATUS, self._on_status,
@@ -139,6 +145,19 @@ class RouterService(Service):
         report = self.decode_or_reject(msg, wire.LoadReport)
         if report is not None:
             self.nodes.load_report(report, time.monotonic())
+
+    async def _on_visible(self, msg: Msg) -> None:
+        ev = self.decode_or_reject(msg, wire.BlocksVisible)
+        if ev is not None and len(self.waiters):
+            try:
+                self.waiters.visible(ev)
+            except CpdError as e:  # a hash array of the wrong width
+                self.log.warning("router.bad_visibility_event", error=e.code.value)
+
+    async def _on_invalidated(self, msg: Msg) -> None:
+        ev = self.decode_or_reject(msg, wire.BlocksInvalidated)
+        if ev is not None and len(self.waiters):
+            self.waiters.invalidated(ev)
 
     async def _keepalives(self) -> None:
         """Keep every client stream from being silent longer than a keep-alive interval,
@@ -308,28 +327,34 @@ class RouterService(Service):
         lookup_ms = (time.perf_counter() - t) * 1000
         decision = self._decide(n, hits, exclude)
         if decision.wait is not None:
-            await self._await_prefix(decision, ns, hashes, req.request_id)
+            await self.await_prefix(decision.wait, ns, hashes, req.request_id)
             hits = await self._lookup(ns, hashes, req.request_id)
             again = self._decide(n, hits, exclude)
             # Waiting once is the bargain; a prefix still pending now is not waited for.
-            decision = replace(again, wait=None,
-                               reason=again.reason + f" (after waiting for "
-                                                     f"{decision.wait.node}'s prefix)")
+            decision = replace(again, wait=None, waited_for=decision.wait.node)
         return decision, lookup_ms
 
-    async def _await_prefix(self, decision: Decision, ns: Namespace, hashes: bytes,
-                            request_id: str) -> None:
-        """Single-flight: poll until the pending node shows the blocks, stops writing
-        them, or the wait the policy allowed is over."""
-        wait = decision.wait
-        assert wait is not None
+    async def await_prefix(self, wait: Wait, ns: Namespace, hashes: bytes,
+                           request_id: str) -> None:
+        """Single-flight: wait until kvindex says the pending node's last awaited block
+        is visible, the node drops blocks, a safety look finds it done or no longer
+        writing, or the wait the policy allowed is over (:mod:`services.router.waiters`)."""
+        hb = wire.HASH_BYTES
+        block = hashes[(wait.blocks - 1) * hb:wait.blocks * hb]
         end = time.monotonic() + wait.max_wait_ms / 1000
-        while time.monotonic() < end:
-            await asyncio.sleep(_SINGLE_FLIGHT_POLL_S)
-            hits = await self._lookup(ns, hashes, request_id)
-            if (not hits.ok or hits.dram.get(wait.node, 0) >= wait.blocks
-                    or wait.node not in hits.pending):
-                return
+        woken = self.waiters.add(ns.id, wait.node, block)
+        try:
+            while (left := end - time.monotonic()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), min(left, _SINGLE_FLIGHT_LOOK_S))
+                if woken.is_set():
+                    return
+                hits = await self._lookup(ns, hashes, request_id)
+                if (not hits.ok or hits.dram.get(wait.node, 0) >= wait.blocks
+                        or wait.node not in hits.pending):
+                    return
+        finally:
+            self.waiters.discard(ns.id, wait.node, block, woken)
 
     async def _serve(self, req: wire.GenerateRequest, tokens: np.ndarray, ns: Namespace,
                      out: ReplyStream, t0: float, waited: float,
@@ -445,20 +470,13 @@ class RouterService(Service):
             final.timings, admission_ms=waited * 1000, lookup_ms=decision_ms,
             ttft_ms=ttft_ms, total_ms=(now - t0) * 1000)
         r = final.route
-        reused = r.tokens_gpu + r.tokens_dram + r.tokens_remote
-        plan = decision.plan
-        planned = plan.gpu_tokens + plan.dram_tokens + plan.remote_tokens
-        if reused > planned:
-            # The route was decided on what kvindex showed; the node found more cached
-            # (e.g. its own GPU copy of a prefix whose blocks were not visible yet).
-            r.reason += f"; {r.prefill_node} found {reused} tokens cached, not {planned}"
-        if failovers:
-            r.reason += f"; after {failovers} failover(s)"
+        r.failovers = failovers
         s = self.stats
         s.completed += 1
-        if r.load_error:
+        if r.load_error is not None:
             s.load_failures += 1
-            self.log.warning("router.load_failed", node=r.prefill_node, error=r.load_error)
+            self.log.warning("router.load_failed", node=r.prefill_node,
+                             peer=r.load_error.peer, error=r.load_error.code)
         s.prompt_tokens += final.usage.prompt_tokens
         s.tokens_gpu += r.tokens_gpu
         s.tokens_dram += r.tokens_dram
@@ -474,7 +492,8 @@ class RouterService(Service):
             self._m_ttft.record(ttft_ms / 1000, attrs)
         if relay.sent > 1 and relay.first_at:
             self._m_tpot.record((now - relay.first_at) / (relay.sent - 1), attrs)
-        self.log.info("router.request_done", path=path, reason=r.reason, prefill=r.prefill_node,
+        self.log.info("router.request_done", path=path, reason=r.reason,
+                      why=r.describe(), prefill=r.prefill_node,
                       decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
                       cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),
                       failovers=failovers)

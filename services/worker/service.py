@@ -428,15 +428,15 @@ class WorkerService(Service):
             return
         await self._handoff(req, hashes, first, route, timings, out, saved)
 
-    async def _gather_prefix(self, req: wire.PrefillRequest,
-                             hashes: list[bytes]) -> tuple[list[bytes], int, str]:
+    async def _gather_prefix(self, req: wire.PrefillRequest, hashes: list[bytes]
+                             ) -> tuple[list[bytes], int, wire.LoadError | None]:
         """The sealed local blocks the engine will load, in chain order from block 0,
         after pulling the planned remote runs; how many of them came from peers; and,
-        when a planned pull failed, ``"<peer>: <error code>"`` (the rest is recomputed,
-        and the final's route says so)."""
+        when a planned pull failed, which and why (the rest is recomputed, and the
+        final's route says so)."""
         remote = 0
         t_recv = time.time()
-        failure = ""
+        failure: wire.LoadError | None = None
         if any(src.node != self.node_id and src.num_blocks for src in req.sources):
             self._m_loads_planned.add(1, {"role": self.role, "stage": "prefix"})
         for src in sorted(req.sources, key=lambda x: x.first_block):
@@ -447,7 +447,8 @@ class WorkerService(Service):
             if address is None:
                 self.log.warning("prefill.peer_unknown", peer=src.node)
                 error = ErrorCode.UNAVAILABLE.value
-                failure = f"{src.node}: {error} (no heartbeat seen)"
+                failure = wire.LoadError(peer=src.node, code=error,
+                                         detail="no heartbeat seen")
                 break
             error = ""
             try:
@@ -456,15 +457,16 @@ class WorkerService(Service):
                                                      capability=src.capability))
             except CpdError as e:  # peer gone, evicted, corrupt: recompute from here
                 error = e.code.value
-                failure = f"{src.node}: {error}"
+                failure = wire.LoadError(peer=src.node, code=error)
                 self.log.warning("prefill.pull_failed", peer=src.node, error=error,
                                  detail=e.message)
                 break
             finally:
                 if self.audit is not None:
                     self.audit.pulled("prefix", src.node, req.namespace, want, t_recv, error)
-        if failure:
-            self._m_fallbacks.add(1, {"role": self.role, "stage": "prefix", "reason": error})
+        if failure is not None:
+            self._m_fallbacks.add(1, {"role": self.role, "stage": "prefix",
+                                      "reason": failure.code})
         have = [e.hash for e in self._sealed_prefix(hashes)]
         return have, min(remote, len(have)), failure
 

@@ -434,7 +434,7 @@ async def probe(client: Client, prompts: Prompts, cfg: FaultConfig) -> str | Non
         if planned and reused >= len(doc):
             return None
         if time.monotonic() >= end:
-            return (f"probe not served from cache: {done.route.path} ({r.reason}); "
+            return (f"probe not served from cache: {done.route.path} ({r.describe()}); "
                     f"first {first.route.path} on {first.route.prefill_node}")
         suffix += 1
         await asyncio.sleep(0.1)

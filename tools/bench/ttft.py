@@ -178,8 +178,8 @@ def check_route(case: str, n: int, block_size: int, route: wire.Route) -> str:
     parts = [f"{k}={g} (want {w})" for k, (g, w) in wrong.items()]
     if route.prefill_node != node:
         parts.append(f"prefill_node={route.prefill_node!r} (want {node!r})")
-    if route.load_error:
-        parts.append(f"load failed ({route.load_error})")
+    if route.load_error is not None:
+        parts.append(f"load from {route.load_error.peer} failed ({route.load_error.code})")
     if route.decode_node != DECODE_NODE:
         parts.append(f"decode_node={route.decode_node!r} (want {DECODE_NODE!r})")
     return ", ".join(parts)

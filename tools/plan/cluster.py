@@ -8,7 +8,8 @@ Everything that decides is the services' own pure code; only the I/O is replaced
   fed the :class:`~services.router.policy.Hits` kvindex would answer and the
   :class:`~services.router.policy.NodeLoad` the workers' load reports would give
   (held prefills with their time in the engine: reports here are never late).
-  Single-flight waits are honoured as the router does (poll, then decide once more).
+  Single-flight waits are honoured as the router does (woken when the prefix is
+  sealed, then decide once more).
 * **Engines** — :class:`cpd.sim.scheduler.Scheduler` with the node's cost preset and
   the sim engine's admission rule (its GPU prefix cache first, then the arena blocks the
   worker found sealed, every new full block written through); decode nodes step through
@@ -48,9 +49,10 @@ from tools.bench.loaddriver import UNFINISHED, Result
 from tools.plan.blocks import engine_blocks
 from tools.plan.prefixstore import PrefixStore
 
-# The router re-reads kvindex this often while a single-flight request waits
-# (services/router/service.py polls at the same interval).
-SINGLE_FLIGHT_POLL_S = 0.05
+# A single-flight waiter resumes this long after the awaited node sealed the prefix:
+# kvindex's visibility event reaching the router, and its look-up (services/router/
+# waiters.py; the wake-up benchmark measures it).
+SINGLE_FLIGHT_WAKE_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -348,9 +350,9 @@ class Cluster:
         tiers["remote"] += r.tokens_remote
         tiers["computed"] += r.tokens_computed
         if node.waiters:
-            poll = self.now + SINGLE_FLIGHT_POLL_S
+            wake = self.now + SINGLE_FLIGHT_WAKE_S
             for q in node.waiters:
-                self._at(poll, self._wait_over, q, node)
+                self._at(wake, self._wait_over, q, node)
         if r.w.output_len <= 1:
             self._done(r)
             return

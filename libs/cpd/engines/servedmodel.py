@@ -91,6 +91,20 @@ class ServedModel:
             raise InvalidRequest(f"{self.name} has no tokenizer: send token ids, not text")
         return Tokenizer.from_file(str(self.folder / "tokenizer.json"))
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: its longest vocabulary entry (a
+        byte-level entry has a character per byte, so this bounds decoded text too)."""
+        return max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)),
+                   default=0)
+
+    def surely_too_long(self, text: str) -> bool:
+        """Whether ``text`` cannot fit the context, known without tokenizing it: more
+        characters than ``max_model_len`` tokens of the longest entry cover. Tokenizing
+        megabytes of one word takes seconds; this refuses it in nanoseconds."""
+        return bool(self.max_model_len) and len(text) > self.max_model_len * max(
+            self.max_token_chars, 1)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added: the locally built models add
         none, and a chat template places its own)."""

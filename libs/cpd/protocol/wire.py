@@ -35,6 +35,11 @@ T = TypeVar("T", bound="Message")
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+# Integers a request may set freely: within a signed 64-bit word (what engines seed
+# their generators with), so no value a client sends can fail encoding later.
+Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)]   # -1: off
 
 
 class Tier(enum.StrEnum):
@@ -59,9 +64,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
-    seed: int | None = None
-    stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=list)
+    top_k: TopK = -1
+    seed: Int64 | None = None
+    stop_token_ids: list[TokenId] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
 
 
@@ -76,7 +81,7 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     model: str = ""
     tenant: str = "default"
     cache_salt: str = ""
-    priority: int = 0
+    priority: Int64 = 0
     # 0 = the router's default deadline; bounded (~35 years) so deadlines derived from it
     # stay within the uint64 milliseconds of the messages the router sends on.
     timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
@@ -117,24 +122,93 @@ class Timings(msgspec.Struct, kw_only=True):
     total_ms: NonNegFloat = 0.0
 
 
+class RouteReason(enum.StrEnum):
+    """Why the router sent a request where it did (the figures behind it are fields of
+    the :class:`Route`; :meth:`Route.describe` words them for people)."""
+
+    WARM = "warm"                        # enough reusable: the prefill tier
+    COLD = "cold"                        # too little reusable: the pre-prefill tier
+    KVINDEX_UNAVAILABLE = "kvindex_unavailable"  # no lookup answer: a miss, never a guess
+    PREFILL_BUSY = "prefill_busy"        # warm, overflowed to the idle pre-prefill tier
+    PREPREFILL_BUSY = "preprefill_busy"  # cold, overflowed to the idle prefill tier
+    NO_PREPREFILL = "no_preprefill"      # cold, and no pre-prefill node is up
+    LEAST_COST = "least_cost"            # pd-kv: the cheapest prefill node
+    ROUND_ROBIN = "round_robin"          # pd-rr: the next prefill node in turn
+
+
+class LoadError(msgspec.Struct, frozen=True, kw_only=True):
+    """A planned load that did not happen (the prefix was then recomputed)."""
+
+    peer: str
+    code: str                 # an ``errors.ErrorCode`` value
+    detail: str = ""          # for people only
+
+
 class Route(msgspec.Struct, kw_only=True):
     """What the router decided and what the workers actually did."""
 
     policy: str = ""
     path: Literal["", "cold", "warm", "overflow"] = ""
-    reason: str = ""
+    reason: RouteReason | None = None
     prefill_node: str = ""
     decode_node: str = ""
     tokens_gpu: NonNegInt = 0
     tokens_dram: NonNegInt = 0
     tokens_remote: NonNegInt = 0
     tokens_computed: NonNegInt = 0
+    # The router's view when it decided: the most any prefill node could reuse (what it
+    # classed warm or cold on), what the chosen plan reuses, the chosen node's estimated
+    # TTFT and, on overflow, the busier tier's.
+    reusable_tokens: NonNegInt = 0
+    planned_reused_tokens: NonNegInt = 0
+    est_ttft_ms: NonNegFloat = 0.0
+    busy_ttft_ms: NonNegFloat = 0.0
+    remote_node: str = ""     # the peer the plan loads from, if any
+    waited_for: str = ""      # single-flight: the node whose prefix it waited for
+    lookup_missed: bool = False  # decided without kvindex's answer (a miss)
+    failovers: NonNegInt = 0
     # The decode node's side of the hand-off: prompt tokens it pulled vs recomputed.
     decode_tokens_pulled: NonNegInt = 0
     decode_tokens_computed: NonNegInt = 0
-    # A planned load that did not happen, as "<peer>: <error code>" (the prefix was then
-    # recomputed): the request succeeded on a slower path than the router chose.
-    load_error: str = ""
+    # A planned load that failed: the request succeeded on a slower path than planned.
+    load_error: LoadError | None = None
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens not computed: from the GPU, local DRAM and peers."""
+        return self.tokens_gpu + self.tokens_dram + self.tokens_remote
+
+    def describe(self) -> str:
+        """The route in words (logs, ``cpd generate``); derived from the fields, never
+        read back."""
+        why = {
+            RouteReason.WARM: f"warm: {self.reusable_tokens} tokens cached"
+            + (f" (remote from {self.remote_node})" if self.remote_node else ""),
+            RouteReason.COLD: f"cold: {self.reusable_tokens} tokens reusable",
+            RouteReason.KVINDEX_UNAVAILABLE: "kvindex unavailable: treated as a miss",
+            RouteReason.PREFILL_BUSY: f"prefill tier busy: {self.busy_ttft_ms:.0f} ms there "
+                                      f"vs {self.est_ttft_ms:.0f} ms on pre-prefill",
+            RouteReason.PREPREFILL_BUSY: f"cold: {self.reusable_tokens} tokens reusable; "
+                                         f"pre-prefill busy ({self.busy_ttft_ms:.0f} ms)",
+            RouteReason.NO_PREPREFILL: f"cold: {self.reusable_tokens} tokens reusable; "
+                                       f"no pre-prefill node",
+            RouteReason.LEAST_COST: f"least cost: {self.tokens_computed} new tokens",
+            RouteReason.ROUND_ROBIN: "round-robin",
+        }.get(self.reason, "") if self.reason is not None else ""
+        parts = [why] if why else []
+        if self.lookup_missed and self.reason is not RouteReason.KVINDEX_UNAVAILABLE:
+            parts.append("kvindex unavailable: treated as a miss")
+        if self.waited_for:
+            parts.append(f"after waiting for {self.waited_for}'s prefix")
+        if self.reused_tokens > self.planned_reused_tokens:
+            parts.append(f"{self.prefill_node} found {self.reused_tokens} tokens cached, "
+                         f"not {self.planned_reused_tokens}")
+        if self.failovers:
+            parts.append(f"after {self.failovers} failover(s)")
+        if self.load_error is not None:
+            parts.append(f"load from {self.load_error.peer} failed "
+                         f"({self.load_error.code}), recomputed")
+        return "; ".join(parts)
 
 
 class Final(Message, tag="final", kw_only=True):

@@ -1,0 +1,85 @@
+"""Routes are types, not prose: no test, benchmark or service reads a route's reason or
+its wording (``Route.describe``) for a substring; they compare the reason code and the
+route's fields.
+
+The walk reads every module under ``tests/``, ``tools/``, ``services/`` and ``libs/`` and
+flags ``x in <obj>.reason`` / ``<obj>.describe()``, string searches on them
+(``startswith``, ``find``, ``split``, ...) and ``re`` calls given them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from cpd.protocol import wire
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = ("tests", "tools", "services", "libs")
+_STRING_SEARCHES = {"startswith", "endswith", "find", "rfind", "index", "rindex", "count",
+                    "split", "rsplit", "partition", "rpartition", "removeprefix",
+                    "removesuffix"}
+_RE_CALLS = {"search", "match", "fullmatch", "findall", "finditer", "split", "sub"}
+
+
+def _is_prose(node: ast.AST) -> bool:
+    """``<obj>.reason`` or ``<obj>.describe()``."""
+    if isinstance(node, ast.Attribute) and node.attr == "reason":
+        return True
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "describe")
+
+
+def prose_reads(source: str) -> list[int]:
+    """Lines of ``source`` that search a reason or a route's wording."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for op, right in zip(node.ops, node.comparators, strict=True):
+                if isinstance(op, ast.In | ast.NotIn) and _is_prose(right):
+                    out.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            searched = f.attr in _STRING_SEARCHES and _is_prose(f.value)
+            by_re = (f.attr in _RE_CALLS and isinstance(f.value, ast.Name)
+                     and f.value.id == "re" and any(_is_prose(a) for a in node.args))
+            if searched or by_re:
+                out.append(node.lineno)
+    return out
+
+
+@pytest.mark.parametrize(("source", "flagged"), [
+    ('assert "kvindex unavailable" in r.reason', True),
+    ('assert "failover" not in final.route.reason', True),
+    ("ok = d.route().describe().startswith('warm')", True),
+    ("m = re.search('found', r.reason)", True),
+    ("x = r.reason.split(';')", True),
+    ('assert "warm" in r.describe()', True),
+    ("assert r.reason is RouteReason.WARM", False),
+    ("assert r.reason == RouteReason.COLD", False),
+    ('assert ev.reason == "checksum"', False),
+    ("log.info('x', why=r.describe())", False),
+])
+def test_the_rule_catches_substring_reads(source: str, flagged: bool) -> None:
+    assert bool(prose_reads(source)) is flagged
+
+
+def test_no_module_reads_a_reason_for_substrings() -> None:
+    found = []
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue  # this module's own examples
+            found += [f"{path.relative_to(ROOT)}:{line}"
+                      for line in prose_reads(path.read_text())]
+    assert not found, found
+
+
+@pytest.mark.parametrize("reason", list(wire.RouteReason))
+def test_every_reason_code_has_words(reason: wire.RouteReason) -> None:
+    route = wire.Route(policy="cpd", path="cold", reason=reason, reusable_tokens=10)
+    assert route.describe()
+    decoded = wire.decode(wire.encode(wire.Final(request_id="r", seq=1, route=route)))
+    assert isinstance(decoded, wire.Final) and decoded.route.reason is reason
