@@ -154,3 +154,20 @@ def test_cpd_vllm_runs_vllms_own_cli_from_this_environment() -> None:
                           "--help=base-url"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--base-url BASE_URL" in out.stdout
+
+
+def test_start_up_progress_quotes_only_this_runs_log(tmp_path: Path) -> None:
+    """``cpd up`` appends to each service's log; its progress line quotes what the
+    current start logged, never the last line of a run before."""
+    from tools.supervisor import Proc, _last_log_line
+
+    log = tmp_path / "kvindex-0.log"
+    log.write_text('{"event": "service.stopped"}\n')
+    p = Proc(service="kvindex", node_id="kvindex-0", log_path=log,
+             env={"PATH": "/usr/bin:/bin"})
+    p.open_log().close()    # as a start opens it
+    assert _last_log_line(log, since=p.log_offset) == "(nothing logged yet)"
+    with open(log, "a") as f:
+        f.write("INFO 12-03 [core.py:1] loading weights\n")
+    assert _last_log_line(log, since=p.log_offset) == "loading weights"
+    assert _last_log_line(log) == "loading weights"

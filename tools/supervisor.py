@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 import nats.errors
@@ -57,9 +57,17 @@ class Proc:
     env: dict[str, str]
     popen: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
+    # Where this start's output begins in the (appended) log file.
+    log_offset: int = 0
+
+    def open_log(self) -> BinaryIO:
+        """The log file, opened to append this start's output (noting where it begins)."""
+        out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.log_offset = out.tell()
+        return out
 
     def start(self) -> None:
-        out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        out = self.open_log()
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", f"services.{self.service}"],
@@ -266,11 +274,12 @@ def _progress(line: str) -> None:
     print(f"cpd: {line}", flush=True)
 
 
-def _last_log_line(path: Path, width: int = 100) -> str:
-    """The last line a process logged, without vLLM's prefix (what it is doing now)."""
+def _last_log_line(path: Path, width: int = 100, since: int = 0) -> str:
+    """The last line a process logged since byte ``since`` of its log (its current
+    start: the file keeps earlier runs), without vLLM's prefix (what it is doing now)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            f.seek(max(since, f.seek(0, os.SEEK_END) - 4096))
             lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
     except OSError:
         return ""
@@ -300,7 +309,7 @@ async def _each_ready(procs: list[Proc], url: str, timeout: float,
                 for p in procs:
                     if p.node_id in pending:
                         _progress(f"{p.node_id} starting ({elapsed:.0f} s): "
-                                  f"{_last_log_line(p.log_path)}")
+                                  f"{_last_log_line(p.log_path, since=p.log_offset)}")
         waits.result()
     finally:
         waits.cancel()

@@ -18,6 +18,7 @@ import uvicorn
 
 from cpd.bus import Service
 from cpd.client import Client
+from cpd.engines.profile import served_model
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import Settings
 from services.gateway.app import create_app
@@ -52,7 +53,8 @@ class GatewayService(Service):
         cfg = self.settings.gateway
         if self.model is None:
             # Building or hashing the model folder takes a while; keep the loop free.
-            self.model = await asyncio.to_thread(ServedModel.load, self.settings)
+            # Through the engine profile: the sim engine's model has no tokenizer.
+            self.model = await asyncio.to_thread(served_model, self.settings)
         client = Client(self.bus, default_timeout_s=cfg.request_timeout_s)
         app = create_app(client, self.model, self.settings)
         # Bound here, not by uvicorn: a busy port fails start() with an OSError (uvicorn
