@@ -257,3 +257,16 @@ def test_requests_dispatched_since_the_last_report_count_as_held_work() -> None:
     # No prefill list (an older worker): its own estimate, as before.
     assert router.queue_ms(NodeLoad(node="p0", role="prefill", queue_ms=70.0), 50.0) == 70.0
 
+
+
+def test_every_configurable_policy_is_a_class_behind_one_protocol() -> None:
+    from typing import get_args
+
+    from services.router.policy import POLICIES, PolicyName, RoutingPolicy
+
+    assert set(POLICIES) == set(get_args(PolicyName))
+    for name, cls in POLICIES.items():
+        assert issubclass(cls, RoutingPolicy) and cls.name == name
+        router = Router(PolicyConfig(name=name), COST, LOAD)  # type: ignore[arg-type]
+        assert isinstance(router.policy, cls)
+        assert router.decide(N, BS, Hits(), nodes()).policy == name

@@ -21,9 +21,10 @@ Decode goes to the least-loaded decode node for every policy.
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from cpd.ops.config import RouterSettings
 from cpd.protocol import wire
@@ -185,13 +186,14 @@ class Decision:
 
 
 class Router:
-    """Stateful only for round-robin; everything else is a function of the inputs."""
+    """Plans every node and lets the configured :class:`RoutingPolicy` choose; stateful
+    only for round-robin, everything else a function of the inputs."""
 
     def __init__(self, config: PolicyConfig, prefill: PrefillCost, load: LoadCost) -> None:
         self.config = config
         self.prefill = prefill
         self.load = load
-        self._rr = itertools.count()
+        self.policy: RoutingPolicy = POLICIES[config.name]()
         # Per decision: the priced work each node holds (a decision plans every node
         # several times; the held work does not depend on the request).
         self._ahead: dict[int, tuple[NodeLoad, list[float]]] = {}
@@ -206,13 +208,7 @@ class Router:
         decode = choose_decode(nodes)
         if not hits.ok:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
-        name = self.config.name
-        if name == "pd-rr":
-            d = self._round_robin(prompt_tokens, block_size, hits, nodes, decode)
-        elif name == "pd-kv":
-            d = self._kv_aware(prompt_tokens, block_size, hits, nodes, decode)
-        else:
-            d = self._cpd(prompt_tokens, block_size, hits, nodes, decode)
+        d = self.policy.choose(self, prompt_tokens, block_size, hits, nodes, decode)
         return d if hits.ok else replace(d, lookup_missed=True)
 
     # -------------------------------------------------------------------- plans
@@ -273,28 +269,43 @@ class Router:
         # Each worker measures what it achieves when pulling; the puller's figure counts.
         return dst.bandwidth_gbps or self.config.default_bandwidth_gbps
 
-    # ----------------------------------------------------------------- policies
+class RoutingPolicy(ABC):
+    """How one policy chooses among the router's plans (module doc); the router calls
+    :meth:`choose` with the live nodes and the decode node already chosen."""
 
-    def _cpd(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+    name: ClassVar[str]
+
+    @abstractmethod
+    def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+               decode: str) -> Decision:
+        """The decision for a prompt of ``n`` tokens in blocks of ``bs``."""
+
+
+class CpdPolicy(RoutingPolicy):
+    """Cold prompts to pre-prefill, warm ones to prefill, overflow and single-flight."""
+
+    name = "cpd"
+
+    def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
              decode: str) -> Decision:
-        cfg = self.config
+        cfg = r.config
         warm_nodes = [x for x in nodes if x.role == Role.PREFILL]
         cold_nodes = [x for x in nodes if x.role == Role.PREPREFILL]
         if not warm_nodes and not cold_nodes:
             raise NoCapacity("no prefill or pre-prefill node is up")
-        warm = [self.plan(x, n, bs, hits) for x in warm_nodes]
+        warm = [r.plan(x, n, bs, hits) for x in warm_nodes]
         # Local hits beat remote ones at equal cost; then the shorter queue.
         warm.sort(key=lambda p: (p.ttft_ms, p.remote_tokens > 0, p.queue_ms, p.node))
         best_warm = warm[0] if warm else None
         reuse = best_warm.reused_tokens if best_warm else 0
         if cold_nodes and not best_warm:
-            reuse = max((self.plan(x, n, bs, hits).reused_tokens for x in cold_nodes),
+            reuse = max((r.plan(x, n, bs, hits).reused_tokens for x in cold_nodes),
                         default=0)
         is_cold = (not hits.ok or reuse < min(cfg.min_reuse_tokens, n - 1) or reuse == 0
                    or reuse < cfg.cold_reuse_ratio * n)
         if not is_cold:
             assert best_warm is not None
-            alt = self._cheapest(cold_nodes, n, bs, hits, reuse_prefix=True)
+            alt = self._cheapest(r, cold_nodes, n, bs, hits, reuse_prefix=True)
             # Overflow only relieves a queue: an idle tier keeps its own work.
             if (alt and best_warm.queue_ms > cfg.overflow_margin_ms
                     and alt.ttft_ms + cfg.overflow_margin_ms < best_warm.ttft_ms):
@@ -303,9 +314,9 @@ class Router:
             return Decision("cpd", "warm", best_warm, decode, RouteReason.WARM,
                             reusable_tokens=reuse)
         reason = RouteReason.COLD if hits.ok else RouteReason.KVINDEX_UNAVAILABLE
-        cold = self._cheapest(cold_nodes, n, bs, hits, reuse_prefix=False)
+        cold = self._cheapest(r, cold_nodes, n, bs, hits, reuse_prefix=False)
         # Overflow: a cold request takes an idle prefill node rather than queue.
-        over = self._cheapest(warm_nodes, n, bs, hits, reuse_prefix=True)
+        over = self._cheapest(r, warm_nodes, n, bs, hits, reuse_prefix=True)
         if cold is None or (over and cold.queue_ms > cfg.overflow_margin_ms
                             and over.ttft_ms + cfg.overflow_margin_ms < cold.ttft_ms):
             assert over is not None
@@ -315,25 +326,25 @@ class Router:
                                 busy_ttft_ms=cold.ttft_ms if cold is not None else 0.0)
         else:
             decision = Decision("cpd", "cold", cold, decode, reason, reusable_tokens=reuse)
-        wait = self._single_flight(n, bs, hits, warm_nodes, decision.plan) if hits.ok else None
+        wait = self._single_flight(r, n, bs, hits, warm_nodes, decision.plan) if hits.ok else None
         if wait is not None:
             decision = replace(decision, wait=wait)
         return decision
 
-    def _cheapest(self, nodes: list[NodeLoad], n: int, bs: int, hits: Hits, *,
+    def _cheapest(self, r: Router, nodes: list[NodeLoad], n: int, bs: int, hits: Hits, *,
                   reuse_prefix: bool) -> Plan | None:
         if not nodes:
             return None
-        plans = [self.plan(x, n, bs, hits, remote=reuse_prefix, local=reuse_prefix)
-                 if reuse_prefix else self.plan(x, n, bs, Hits(ok=False)) for x in nodes]
+        plans = [r.plan(x, n, bs, hits, remote=reuse_prefix, local=reuse_prefix)
+                 if reuse_prefix else r.plan(x, n, bs, Hits(ok=False)) for x in nodes]
         return min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
 
-    def _single_flight(self, n: int, bs: int, hits: Hits, warm_nodes: list[NodeLoad],
+    def _single_flight(self, r: Router, n: int, bs: int, hits: Hits, warm_nodes: list[NodeLoad],
                        now: Plan) -> Wait | None:
         """Wait for a prefix another node is computing when, once it is visible, the
         request is warm and finishes about as soon as going ahead now (within the
         overflow margin): equal latency, and that prefix is computed once, not twice."""
-        cfg = self.config
+        cfg = r.config
         if not cfg.single_flight or not hits.pending or not warm_nodes:
             return None
         node, blocks = max(hits.pending.items(), key=lambda kv: (kv[1], kv[0]))
@@ -341,34 +352,54 @@ class Router:
         if covered < max(cfg.min_reuse_tokens, cfg.cold_reuse_ratio * n):
             return None  # even after the wait it would be cold
         # Upper bound: that node computing the whole pending prefix from now on.
-        wait_ms = self.prefill.ms(covered, 0)
+        wait_ms = r.prefill.ms(covered, 0)
         queue = min(x.queue_ms for x in warm_nodes)
-        after = (wait_ms + queue + self.load.ms(covered, cfg.default_bandwidth_gbps)
-                 + self.prefill.ms(n - covered, covered))
+        after = (wait_ms + queue + r.load.ms(covered, cfg.default_bandwidth_gbps)
+                 + r.prefill.ms(n - covered, covered))
         if after > now.ttft_ms + cfg.overflow_margin_ms or wait_ms > cfg.max_single_flight_wait_ms:
             return None
         return Wait(node=node, blocks=covered // bs, max_wait_ms=wait_ms)
 
-    def _kv_aware(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+
+class KvAwarePolicy(RoutingPolicy):
+    """Every prefill-capable node a candidate at its own cached prefix; no tiers."""
+
+    name = "pd-kv"
+
+    def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
                   decode: str) -> Decision:
         cands = [x for x in nodes if x.role in PREFILL_ROLES]
         if not cands:
             raise NoCapacity("no prefill node is up")
-        plans = [self.plan(x, n, bs, hits, remote=False) for x in cands]
+        plans = [r.plan(x, n, bs, hits, remote=False) for x in cands]
         best = min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
         return Decision("pd-kv", "warm" if best.reused_tokens else "cold", best, decode,
                         RouteReason.LEAST_COST, reusable_tokens=best.reused_tokens)
 
-    def _round_robin(self, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Prefill-capable nodes in turn."""
+
+    name = "pd-rr"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
                      decode: str) -> Decision:
         cands = sorted((x for x in nodes if x.role in PREFILL_ROLES), key=lambda x: x.node)
         if not cands:
             raise NoCapacity("no prefill node is up")
-        node = cands[next(self._rr) % len(cands)]
+        node = cands[next(self._turn) % len(cands)]
         # The engine still uses its own GPU prefix cache; the router just doesn't look.
-        plan = self.plan(node, n, bs, Hits(ok=hits.ok, gpu=hits.gpu), remote=False)
+        plan = r.plan(node, n, bs, Hits(ok=hits.ok, gpu=hits.gpu), remote=False)
         return Decision("pd-rr", "warm" if plan.reused_tokens else "cold", plan, decode,
                         RouteReason.ROUND_ROBIN, reusable_tokens=plan.reused_tokens)
+
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (CpdPolicy, KvAwarePolicy, RoundRobinPolicy)}
 
 
 def choose_decode(nodes: Iterable[NodeLoad]) -> str:
