@@ -4,6 +4,7 @@ use of it against a real kvindex is in ``cpd bench router`` and tests/test_route
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from cpd.protocol import wire
@@ -51,10 +52,11 @@ async def test_every_waiter_of_a_block_wakes_and_discard_forgets_them() -> None:
     assert len(w) == 0 and w.visible(_visible("pp0", B, C)) == 0
 
 
-async def test_a_malformed_hash_array_is_a_typed_error() -> None:
-    w = PrefixWaiters()
-    w.add("ns", "pp0", B)
-    bad = wire.BlocksVisible(namespace="ns", node="pp0", tier=wire.Tier.DRAM,
-                             block_hashes=b"x" * (wire.HASH_BYTES + 1))
+@pytest.mark.parametrize("kind", ["kv_visible", "kv_invalidated"])
+def test_a_hash_array_of_the_wrong_width_never_decodes(kind: str) -> None:
+    """A visibility event whose hashes are not whole fails decoding (the router counts
+    it as rejected) before the waiters see it."""
+    raw = msgspec.msgpack.encode({"kind": kind, "v": 1, "namespace": "ns", "node": "pp0",
+                                  "tier": "dram", "block_hashes": b"x" * 17})
     with pytest.raises(MalformedMessage):
-        w.visible(bad)
+        wire.decode(raw)

@@ -500,6 +500,26 @@ _UCX_HOSTILE: Hostile = {
 }
 
 
+def _visible(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
+    return {"kind": "kv_visible", "v": 1, "namespace": ctx.namespace,
+            "node": rng.choice(ctx.fake_nodes), "tier": "dram",
+            "block_hashes": _hashes(rng, rng.randint(1, 4))}
+
+
+def _invalidated(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
+    return {"kind": "kv_invalidated", "v": 1, "namespace": ctx.namespace,
+            "node": rng.choice(ctx.fake_nodes), "tier": "dram",
+            "block_hashes": _hashes(rng, rng.randint(0, 4)), "reason": "fuzz"}
+
+
+_VISIBILITY_HOSTILE: Hostile = {
+    "node": _hostile_node,
+    "namespace": _hostile_namespace,
+    "tier": lambda c, r: r.choice(["tape", 3, None, BAD_UTF8]),
+    "block_hashes": lambda c, r: r.choice([b"\x00" * 15, b"\x00" * 17, "text", None]),
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """A message family: its wire kind, a valid template and hostile substitutions."""
@@ -523,6 +543,9 @@ FAMILIES: dict[str, Family] = {
     "reset": Family(wire.ResetCache, _reset, _RESET_HOSTILE, "reason"),
     "pull_ack": Family(wire.PullAck, _pull_ack, _PULL_ACK_HOSTILE, "lease_id"),
     "reannounce": Family(wire.Reannounce, _reannounce, _REANNOUNCE_HOSTILE, "reason"),
+    "visible": Family(wire.BlocksVisible, _visible, _VISIBILITY_HOSTILE, "block_hashes"),
+    "invalidated": Family(wire.BlocksInvalidated, _invalidated, _VISIBILITY_HOSTILE,
+                          "block_hashes"),
     "ucx_header": Family(wire.Message, _ucx_header, _UCX_HOSTILE, "hashes"),
 }
 

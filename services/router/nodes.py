@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cpd.protocol import wire
-from cpd.protocol.roles import WORKER_ROLES
+from cpd.protocol.roles import WORKER_ROLES, Role
 from services.router.cost import PrefillCost
 from services.router.policy import NodeLoad
 from services.router.queueing import ahead_ms
@@ -17,7 +17,7 @@ _MAX_DISPATCHED = 256  # entries kept per node between two of its load reports
 @dataclass
 class _Node:
     node: str
-    role: str
+    role: Role
     last_seen: float
     lease_ttl_s: float
     namespace: str = ""
@@ -50,7 +50,8 @@ class NodeTable:
         self.foreign.discard(hb.node)
         n = self._nodes.get(hb.node)
         if n is None or n.started_unix_ms != hb.started_unix_ms or n.role != hb.role:
-            n = self._nodes[hb.node] = _Node(hb.node, hb.role, now, hb.lease_ttl_ms / 1000)
+            n = self._nodes[hb.node] = _Node(hb.node, Role(hb.role), now,
+                                             hb.lease_ttl_ms / 1000)
         n.last_seen = now
         n.lease_ttl_s = hb.lease_ttl_ms / 1000
         n.namespace = hb.namespace

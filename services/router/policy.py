@@ -49,7 +49,7 @@ class NodeLoad:
     """A worker as the router sees it (from its load reports and heartbeats)."""
 
     node: str
-    role: str
+    role: Role
     queue_ms: float = 0.0
     queued_new_tokens: int = 0
     in_flight: int = 0
@@ -123,7 +123,7 @@ class Plan:
     """One way to prefill the request on one node, with its estimated cost."""
 
     node: str
-    role: str
+    role: Role
     gpu_tokens: int = 0
     dram_tokens: int = 0
     remote_tokens: int = 0

@@ -149,10 +149,7 @@ class RouterService(Service):
     async def _on_visible(self, msg: Msg) -> None:
         ev = self.decode_or_reject(msg, wire.BlocksVisible)
         if ev is not None and len(self.waiters):
-            try:
-                self.waiters.visible(ev)
-            except CpdError as e:  # a hash array of the wrong width
-                self.log.warning("router.bad_visibility_event", error=e.code.value)
+            self.waiters.visible(ev)
 
     async def _on_invalidated(self, msg: Msg) -> None:
         ev = self.decode_or_reject(msg, wire.BlocksInvalidated)

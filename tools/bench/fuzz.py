@@ -109,6 +109,10 @@ def targets() -> list[Target]:
                ("router",), (("router", subjects.LOAD_ALL),)),
         Target(subjects.KV_EVENTS_ALL, "kv_event", subjects.kv_events("fz0"), "jetstream",
                ("kvi",), (("kvi", subjects.KV_STREAM),)),
+        Target(subjects.KV_VISIBLE, "visible", subjects.KV_VISIBLE, "publish", ("router",),
+               (("router", subjects.KV_VISIBLE),)),
+        Target(subjects.KV_INVALIDATE, "invalidated", subjects.KV_INVALIDATE, "publish",
+               ("router",), (("router", subjects.KV_INVALIDATE),)),
     ]
     for node, role in WORKERS.items():
         out += [

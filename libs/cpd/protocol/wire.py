@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 
 from cpd.protocol.errors import MalformedMessage, SchemaVersionError, UnknownKind, WrongKind
+from cpd.protocol.roles import Role
 
 SCHEMA_VERSION = 1
 
@@ -371,6 +372,9 @@ class BlocksVisible(Message, tag="kv_visible", kw_only=True):
     tier: Tier
     block_hashes: bytes
 
+    def __post_init__(self) -> None:
+        _check_hash_width(self.block_hashes)
+
 
 class BlocksInvalidated(Message, tag="kv_invalidated", kw_only=True):
     """These blocks (or all of ``node``'s, when ``block_hashes`` is empty) are gone."""
@@ -381,6 +385,9 @@ class BlocksInvalidated(Message, tag="kv_invalidated", kw_only=True):
     block_hashes: bytes = b""
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        _check_hash_width(self.block_hashes)
+
 
 # ------------------------------------------------------------------------ node liveness
 
@@ -389,6 +396,7 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     """Lease renewal and identity of a node; missing heartbeats expire the lease."""
 
     node: str
+    # A worker's Role, or the service kind of kvindex and routers (they hold leases too).
     role: Literal["kvindex", "router", "preprefill", "prefill", "decode"]
     started_unix_ms: NonNegInt
     lease_ttl_ms: Annotated[int, msgspec.Meta(gt=0)]
@@ -419,7 +427,7 @@ class LoadReport(Message, tag="load", kw_only=True):
     """A worker's load, every ~100-200 ms and on change."""
 
     node: str
-    role: Literal["preprefill", "prefill", "decode"]
+    role: Role
     queue_depth: NonNegInt = 0
     queued_new_tokens: NonNegInt = 0
     est_queue_ms: NonNegFloat = 0.0
@@ -517,7 +525,7 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     """One worker as the router last heard of it."""
 
     node: str
-    role: str
+    role: Role
     alive: bool
     last_seen_ms: NonNegFloat = 0.0  # ago
     queue_depth: NonNegInt = 0
@@ -701,6 +709,13 @@ def unpack_tokens(data: bytes) -> np.ndarray:
     if len(data) % TOKEN_DTYPE.itemsize:
         raise MalformedMessage(f"token array of {len(data)} bytes is not a multiple of 4")
     return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+def _check_hash_width(data: bytes) -> None:
+    """A hash array's length is a whole number of hashes (a message that says otherwise
+    fails decoding as malformed, before any handler reads it)."""
+    if len(data) % HASH_BYTES:
+        raise ValueError(f"hash array of {len(data)} bytes is not a multiple of {HASH_BYTES}")
 
 
 def split_hashes(data: bytes) -> list[bytes]:
