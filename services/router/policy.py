@@ -269,6 +269,7 @@ class Router:
         # Each worker measures what it achieves when pulling; the puller's figure counts.
         return dst.bandwidth_gbps or self.config.default_bandwidth_gbps
 
+
 class RoutingPolicy(ABC):
     """How one policy chooses among the router's plans (module doc); the router calls
     :meth:`choose` with the live nodes and the decode node already chosen."""
@@ -339,8 +340,8 @@ class CpdPolicy(RoutingPolicy):
                  if reuse_prefix else r.plan(x, n, bs, Hits(ok=False)) for x in nodes]
         return min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
 
-    def _single_flight(self, r: Router, n: int, bs: int, hits: Hits, warm_nodes: list[NodeLoad],
-                       now: Plan) -> Wait | None:
+    def _single_flight(self, r: Router, n: int, bs: int, hits: Hits,
+                       warm_nodes: list[NodeLoad], now: Plan) -> Wait | None:
         """Wait for a prefix another node is computing when, once it is visible, the
         request is warm and finishes about as soon as going ahead now (within the
         overflow margin): equal latency, and that prefix is computed once, not twice."""
@@ -367,7 +368,7 @@ class KvAwarePolicy(RoutingPolicy):
     name = "pd-kv"
 
     def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
-                  decode: str) -> Decision:
+               decode: str) -> Decision:
         cands = [x for x in nodes if x.role in PREFILL_ROLES]
         if not cands:
             raise NoCapacity("no prefill node is up")
@@ -386,7 +387,7 @@ class RoundRobinPolicy(RoutingPolicy):
         self._turn = itertools.count()
 
     def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
-                     decode: str) -> Decision:
+               decode: str) -> Decision:
         cands = sorted((x for x in nodes if x.role in PREFILL_ROLES), key=lambda x: x.node)
         if not cands:
             raise NoCapacity("no prefill node is up")
@@ -395,7 +396,6 @@ class RoundRobinPolicy(RoutingPolicy):
         plan = r.plan(node, n, bs, Hits(ok=hits.ok, gpu=hits.gpu), remote=False)
         return Decision("pd-rr", "warm" if plan.reused_tokens else "cold", plan, decode,
                         RouteReason.ROUND_ROBIN, reusable_tokens=plan.reused_tokens)
-
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

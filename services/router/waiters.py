@@ -25,15 +25,17 @@ class PrefixWaiters:
         # (namespace, node) -> awaited block hash -> events of its waiters
         self._by_node: dict[tuple[str, str], dict[bytes, list[asyncio.Event]]] = (
             defaultdict(lambda: defaultdict(list)))
+        self._count = 0
 
     def __len__(self) -> int:
-        return sum(len(evs) for blocks in self._by_node.values() for evs in blocks.values())
+        return self._count
 
     def add(self, namespace: str, node: str, block: bytes) -> asyncio.Event:
         """Wait for ``block`` to turn visible on ``node``; the event is set when it does
         (or when ``node`` drops blocks of the namespace). Call :meth:`discard` after."""
         ev = asyncio.Event()
         self._by_node[(namespace, node)][block].append(ev)
+        self._count += 1
         return ev
 
     def discard(self, namespace: str, node: str, block: bytes, ev: asyncio.Event) -> None:
@@ -44,6 +46,7 @@ class PrefixWaiters:
         evs = blocks.get(block)
         if evs is not None and ev in evs:
             evs.remove(ev)
+            self._count -= 1
             if not evs:
                 del blocks[block]
         if not blocks:

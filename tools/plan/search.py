@@ -28,6 +28,7 @@ import numpy as np
 
 from cpd.engines.profile import SimProfile
 from cpd.ops.config import Settings
+from cpd.ops.cpuset import usable_cpus
 from cpd.protocol.roles import Role
 from cpd.sim.costmodel import CostModel, preset
 from cpd.sim.scheduler import SchedulerConfig
@@ -290,7 +291,7 @@ def evaluate(cfg: PlanConfig,
     """Every topology on every seed: per label the per-seed searches (seed order), and
     the CPU seconds they took."""
     tasks = [(cfg, top, seed) for top in cfg.topologies for seed in range(cfg.seeds)]
-    jobs = cfg.jobs or _usable_cpus()
+    jobs = cfg.jobs or len(usable_cpus())
     out: dict[str, list[dict]] = {t.label: [] for t in cfg.topologies}
     cpu = 0.0
     results: Iterable[tuple[str, int, dict, float]]
@@ -311,13 +312,6 @@ def evaluate(cfg: PlanConfig,
     for runs in out.values():
         runs.sort(key=lambda r: r["seed"])
     return out, cpu
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------ statistics

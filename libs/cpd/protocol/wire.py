@@ -182,21 +182,7 @@ class Route(msgspec.Struct, kw_only=True):
     def describe(self) -> str:
         """The route in words (logs, ``cpd generate``); derived from the fields, never
         read back."""
-        why = {
-            RouteReason.WARM: f"warm: {self.reusable_tokens} tokens cached"
-            + (f" (remote from {self.remote_node})" if self.remote_node else ""),
-            RouteReason.COLD: f"cold: {self.reusable_tokens} tokens reusable",
-            RouteReason.KVINDEX_UNAVAILABLE: "kvindex unavailable: treated as a miss",
-            RouteReason.PREFILL_BUSY: f"prefill tier busy: {self.busy_ttft_ms:.0f} ms there "
-                                      f"vs {self.est_ttft_ms:.0f} ms on pre-prefill",
-            RouteReason.PREPREFILL_BUSY: f"cold: {self.reusable_tokens} tokens reusable; "
-                                         f"pre-prefill busy ({self.busy_ttft_ms:.0f} ms)",
-            RouteReason.NO_PREPREFILL: f"cold: {self.reusable_tokens} tokens reusable; "
-                                       f"no pre-prefill node",
-            RouteReason.LEAST_COST: f"least cost: {self.tokens_computed} new tokens",
-            RouteReason.ROUND_ROBIN: "round-robin",
-        }.get(self.reason, "") if self.reason is not None else ""
-        parts = [why] if why else []
+        parts = [self._why()] if self.reason is not None else []
         if self.lookup_missed and self.reason is not RouteReason.KVINDEX_UNAVAILABLE:
             parts.append("kvindex unavailable: treated as a miss")
         if self.waited_for:
@@ -210,6 +196,29 @@ class Route(msgspec.Struct, kw_only=True):
             parts.append(f"load from {self.load_error.peer} failed "
                          f"({self.load_error.code}), recomputed")
         return "; ".join(parts)
+
+    def _why(self) -> str:
+        match self.reason:
+            case RouteReason.WARM:
+                remote = f" (remote from {self.remote_node})" if self.remote_node else ""
+                return f"warm: {self.reusable_tokens} tokens cached{remote}"
+            case RouteReason.COLD:
+                return f"cold: {self.reusable_tokens} tokens reusable"
+            case RouteReason.KVINDEX_UNAVAILABLE:
+                return "kvindex unavailable: treated as a miss"
+            case RouteReason.PREFILL_BUSY:
+                return (f"prefill tier busy: {self.busy_ttft_ms:.0f} ms there vs "
+                        f"{self.est_ttft_ms:.0f} ms on pre-prefill")
+            case RouteReason.PREPREFILL_BUSY:
+                return (f"cold: {self.reusable_tokens} tokens reusable; pre-prefill busy "
+                        f"({self.busy_ttft_ms:.0f} ms)")
+            case RouteReason.NO_PREPREFILL:
+                return f"cold: {self.reusable_tokens} tokens reusable; no pre-prefill node"
+            case RouteReason.LEAST_COST:
+                return f"least cost: {self.tokens_computed} new tokens"
+            case RouteReason.ROUND_ROBIN:
+                return "round-robin"
+        return ""
 
 
 class Final(Message, tag="final", kw_only=True):
@@ -720,8 +729,10 @@ def _check_hash_width(data: bytes) -> None:
 
 def split_hashes(data: bytes) -> list[bytes]:
     """Concatenated block hashes → a list of ``HASH_BYTES`` digests."""
-    if len(data) % HASH_BYTES:
-        raise MalformedMessage(f"hash array of {len(data)} bytes is not a multiple of {HASH_BYTES}")
+    try:
+        _check_hash_width(data)
+    except ValueError as e:
+        raise MalformedMessage(str(e)) from None
     return [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
 
 
