@@ -37,7 +37,7 @@ def fresh_nats(tmp_path: Path) -> Iterator[NatsServer]:
 @pytest.fixture
 def settings(nats_server: NatsServer) -> Settings:
     """Default settings pointing at the session's NATS server."""
-    return load_settings(environ={}, overrides=[f"nats.url={nats_server.url}",
+    return load_settings(environ={}, overrides=[f"nats.servers={nats_server.url}",
                                                 "nats.drain_timeout_s=2"])
 
 

@@ -250,7 +250,7 @@ async def test_size_guard_matches_the_server_limit(tmp_path: Path) -> None:
     conf = tmp_path / "nats.conf"
     conf.write_text("max_payload: 4096\n")
     with NatsServer(store_dir=tmp_path / "js", config_file=str(conf)) as server:
-        s = load_settings(environ={}, overrides=[f"nats.url={server.url}"])
+        s = load_settings(environ={}, overrides=[f"nats.servers={server.url}"])
         b = await Bus.open(s, "size-test")
         try:
             assert b.max_message_bytes == 4096
@@ -315,7 +315,7 @@ async def test_graceful_stop_finishes_in_flight_work(settings: Settings, bus: Bu
 
 
 async def test_service_and_client_survive_a_nats_restart(fresh_nats: NatsServer) -> None:
-    s = load_settings(environ={}, overrides=[f"nats.url={fresh_nats.url}",
+    s = load_settings(environ={}, overrides=[f"nats.servers={fresh_nats.url}",
                                              "nats.reconnect_wait_s=0.1"])
     svc = EchoService(s, "test.restart")
     await svc.start()

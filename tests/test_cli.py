@@ -88,7 +88,7 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     out = subprocess.run([sys.executable, "-c", probe, url], capture_output=True, text=True,
                          timeout=30)
     assert out.stdout.strip() == "True", out.stderr  # JetStream is enabled
-    cli_env = {**env, "CPD_NATS__URL": url}
+    cli_env = {**env, "CPD_NATS__SERVERS": url}
 
     def cpd(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "tools.cli", *args], env=cli_env,

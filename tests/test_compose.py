@@ -126,13 +126,13 @@ def test_every_service_connects_as_its_own_identity_with_the_generated_secrets(
         assert _mounts(svc)[target][1], f"{name}: secrets must be mounted read-only"
         expected = security.identity_env(ident, target, mtls=False)
         nats_env = {k: v for k, v in env.items() if k.startswith("CPD_NATS__")
-                    and k != "CPD_NATS__URL"}
+                    and k != "CPD_NATS__SERVERS"}
         assert nats_env == expected, name
         for var in ("CPD_NATS__NKEY_SEED_FILE", "CPD_NATS__TLS_CA_FILE"):
             generated = secrets / node / Path(env[var]).relative_to(target)
             assert generated.exists(), f"{name}: {env[var]} is not generated"
         # TLS: the URL's host is a name in the server certificate.
-        assert env["CPD_NATS__URL"].split("//")[1].split(":")[0] in security.DEFAULT_HOSTS
+        assert env["CPD_NATS__SERVERS"].split("//")[1].split(":")[0] in security.DEFAULT_HOSTS
         seen.add(name)
     assert seen == set(SERVICE_ORDER)
     # Every identity has permissions; a worker cannot publish client requests.

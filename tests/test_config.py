@@ -21,14 +21,29 @@ def test_defaults() -> None:
 
 def test_precedence_file_then_env_then_overrides(tmp_path: Path) -> None:
     f = tmp_path / "cpd.toml"
-    f.write_text('[cache]\nblock_size = 128\n[nats]\nurl = "nats://file:1"\n')
+    f.write_text('[cache]\nblock_size = 128\n[nats]\nservers = ["nats://file:1"]\n')
     s = load_settings(f, environ={"CPD_CACHE__BLOCK_SIZE": "512"},
                       overrides=["admission.max_inflight=3"])
     assert s.cache.block_size == 512          # env beats file
-    assert s.nats.url == "nats://file:1"      # file beats default
+    assert s.nats.servers == ["nats://file:1"]  # file beats default
     assert s.admission.max_inflight == 3      # override
     s = load_settings(environ={"CPD_CONFIG": str(f)}, overrides=["cache.block_size=64"])
     assert s.cache.block_size == 64
+
+
+def test_list_settings_are_comma_separated_in_env_and_overrides() -> None:
+    seeds = "nats://a:4222, nats://b:4222,nats://c:4222"
+    s = load_settings(environ={"CPD_NATS__SERVERS": seeds})
+    assert s.nats.servers == ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+    s = load_settings(environ={}, overrides=["nats.servers=tls://a:4222"])
+    assert s.nats.servers == ["tls://a:4222"]
+    assert load_settings(environ={}).nats.servers == ["nats://127.0.0.1:4222"]
+
+
+@pytest.mark.parametrize("value", ["", "a:4222", "http://a:4222", "nats://"])
+def test_bad_nats_servers_are_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"nats\.servers"):
+        load_settings(environ={"CPD_NATS__SERVERS": value})
 
 
 def test_env_strings_are_converted() -> None:
@@ -65,7 +80,7 @@ def test_bad_file_and_override(tmp_path: Path) -> None:
 
 def test_env_var_names_cover_every_field() -> None:
     names = env_var_names()
-    assert "CPD_NATS__URL" in names and "CPD_CACHE__BLOCK_SIZE" in names
+    assert "CPD_NATS__SERVERS" in names and "CPD_CACHE__BLOCK_SIZE" in names
     env = {n: "x" for n in names if n != "CPD_CONFIG"}
     # Every listed name is accepted as a key (values may still be invalid).
     with pytest.raises(ConfigError) as e:

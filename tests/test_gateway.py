@@ -119,7 +119,7 @@ class FakeRouter(Service):
 @pytest.fixture(scope="module")
 def gw_settings(nats_server: NatsServer, model_cache: Path) -> Settings:
     return load_settings(environ={}, overrides=[
-        f"nats.url={nats_server.url}", "nats.drain_timeout_s=2",
+        f"nats.servers={nats_server.url}", "nats.drain_timeout_s=2",
         f"model.cache_dir={model_cache}", "gateway.port=0",
         f"gateway.served_model_name={SERVED_NAME}", "gateway.request_timeout_s=20",
         "gateway.sse_keepalive_s=0.2"])
@@ -660,7 +660,7 @@ def _free_port() -> int:
 async def test_gateway_process_serves_metrics(router: FakeRouter, nats_server: NatsServer,
                                               model_cache: Path, tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "CPD_NATS__URL": nats_server.url,
+    env = {**os.environ, "CPD_NATS__SERVERS": nats_server.url,
            "CPD_MODEL__CACHE_DIR": str(model_cache), "CPD_GATEWAY__PORT": str(port),
            "CPD_NATS__DRAIN_TIMEOUT_S": "2"}
     log_path = tmp_path / "gateway.log"

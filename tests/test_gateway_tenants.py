@@ -113,7 +113,7 @@ def _tenants_toml() -> str:
 
 
 def _overrides(nats: NatsServer, model_cache: Path) -> list[str]:
-    return [f"nats.url={nats.url}", "nats.drain_timeout_s=2", f"model.cache_dir={model_cache}",
+    return [f"nats.servers={nats.url}", "nats.drain_timeout_s=2", f"model.cache_dir={model_cache}",
             "gateway.port=0", f"gateway.served_model_name={SERVED}",
             "gateway.request_timeout_s=20"]
 

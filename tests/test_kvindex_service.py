@@ -32,7 +32,7 @@ NS = Namespace(model_id="cpd-tiny", model_revision="r1", tokenizer_hash="t",
 
 
 def _settings(server: NatsServer, tmp: Path, node: str, **extra: str) -> Settings:
-    overrides = [f"nats.url={server.url}", "nats.reconnect_wait_s=0.1",
+    overrides = [f"nats.servers={server.url}", "nats.reconnect_wait_s=0.1",
                  "nats.drain_timeout_s=2", f"node.node_id={node}",
                  f"kvindex.snapshot_dir={tmp / 'snap'}", "kvindex.lease_sweep_interval_s=0.05"]
     return load_settings(environ={}, overrides=overrides + [f"{k}={v}" for k, v in
@@ -256,7 +256,8 @@ async def test_recovering_until_the_stream_is_replayed(fresh_nats: NatsServer,
 
 
 def _spawn(s: Settings, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "CPD_NATS__URL": s.nats.url, "CPD_NODE__NODE_ID": s.node.node_id,
+    env = {**os.environ, "CPD_NATS__SERVERS": ",".join(s.nats.servers),
+           "CPD_NODE__NODE_ID": s.node.node_id,
            "CPD_KVINDEX__SNAPSHOT_DIR": s.kvindex.snapshot_dir,
            "CPD_KVINDEX__SNAPSHOT_INTERVAL_S": "0.3"}
     with open(log, "ab") as out:  # the child keeps its own copy of the descriptor

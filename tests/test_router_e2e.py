@@ -71,7 +71,7 @@ async def make_router(vllm_cluster: VllmCluster) -> AsyncIterator[RouterFactory]
 
     async def make(*overrides: str, node_id: str = "router-t") -> RouterService:
         s = load_settings(environ={}, overrides=[
-            f"nats.url={vllm_cluster.url}", f"node.node_id={node_id}",
+            f"nats.servers={vllm_cluster.url}", f"node.node_id={node_id}",
             f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2",
             *overrides])
         router = RouterService(s)
@@ -159,7 +159,7 @@ async def test_three_request_story_through_the_openai_gateway(
     once on its whole way (the gateway; router and workers take the ids)."""
     router = await make_router()
     s = load_settings(environ={}, overrides=[
-        f"nats.url={vllm_cluster.url}", "node.node_id=gw-t", "gateway.port=0",
+        f"nats.servers={vllm_cluster.url}", "node.node_id=gw-t", "gateway.port=0",
         f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2"])
     gateway = GatewayService(s, model=router.model)
     await gateway.start()

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.fixture
 async def router(nats_server: NatsServer, model_cache: Path) -> AsyncIterator[RouterService]:
     s = load_settings(environ={}, overrides=[
-        f"nats.url={nats_server.url}", "node.node_id=router-failover",
+        f"nats.servers={nats_server.url}", "node.node_id=router-failover",
         f"model.cache_dir={model_cache}", "nats.drain_timeout_s=2"])
     r = RouterService(s)
     await r.start()

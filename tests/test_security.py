@@ -127,7 +127,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[security.
 
 def _nats(secure: tuple[security.SecretsDir, NatsServer], name: str) -> NatsSettings:
     d, server = secure
-    return security.nats_settings_for(d, name, NatsSettings(url=server.url,
+    return security.nats_settings_for(d, name, NatsSettings(servers=[server.url],
                                                             max_reconnect_attempts=2))
 
 
@@ -288,7 +288,7 @@ async def test_wrong_credentials_and_plain_tcp_are_refused(
 async def test_mutual_tls_needs_a_client_certificate(tmp_path: Path) -> None:
     d = security.SecretsDir.ensure(tmp_path / "s", security.identities_for({}), mtls=True)
     with NatsServer(store_dir=tmp_path / "nats", config_file=str(d.config_file)) as server:
-        s = security.nats_settings_for(d, "client", NatsSettings(url=server.url))
+        s = security.nats_settings_for(d, "client", NatsSettings(servers=[server.url]))
         await (await connect(s, "mtls-ok")).close()
         no_cert = msgspec.structs.replace(s, tls_cert_file="", tls_key_file="")
         with pytest.raises(NatsAuthFailed, match=r"nats.tls_cert_file"):
@@ -298,7 +298,7 @@ async def test_mutual_tls_needs_a_client_certificate(tmp_path: Path) -> None:
 def _kvindex_settings(secure: tuple[security.SecretsDir, NatsServer], name: str,
                       tmp: Path):
     d, server = secure
-    env = {"CPD_NATS__URL": server.url, **d.env(name), "CPD_NODE__NODE_ID": "kvindex-0",
+    env = {"CPD_NATS__SERVERS": server.url, **d.env(name), "CPD_NODE__NODE_ID": "kvindex-0",
            "CPD_KVINDEX__SNAPSHOT_DIR": str(tmp / "snap"), "CPD_NATS__DRAIN_TIMEOUT_S": "2"}
     return env, load_settings(environ=env)
 
@@ -369,7 +369,7 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
             lines.append(line)
         banner = "".join(lines)
         exports = dict(re.findall(r"export (CPD_NATS__\w+)=(\S+)", banner))
-        assert {"CPD_NATS__URL", "CPD_NATS__NKEY_SEED_FILE", "CPD_NATS__TLS_CA_FILE",
+        assert {"CPD_NATS__SERVERS", "CPD_NATS__NKEY_SEED_FILE", "CPD_NATS__TLS_CA_FILE",
                 "CPD_NATS__INBOX_PREFIX"} <= set(exports), banner
         assert exports["CPD_NATS__INBOX_PREFIX"] == subjects.inbox_prefix("client")
         settings = load_settings(environ=exports)

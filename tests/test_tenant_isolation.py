@@ -129,7 +129,7 @@ def test_kvindex_lookups_never_cross_namespaces(writes: list[tuple[int, int, int
 
 def _settings(server: NatsServer, tmp: Path) -> Settings:
     return load_settings(environ={}, overrides=[
-        f"nats.url={server.url}", "nats.reconnect_wait_s=0.1", "nats.drain_timeout_s=2",
+        f"nats.servers={server.url}", "nats.reconnect_wait_s=0.1", "nats.drain_timeout_s=2",
         "node.node_id=kvi-cap", f"kvindex.snapshot_dir={tmp / 'snap'}",
         "kvindex.lease_sweep_interval_s=0.05"])
 

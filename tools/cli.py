@@ -12,6 +12,7 @@ import msgspec
 from cpd.ops.config import Settings, load_settings
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError
+from cpd.protocol.roles import WORKER_ROLES
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -130,6 +131,53 @@ def cmd_nats(args: argparse.Namespace) -> int:
         server.stop()
 
 
+def cmd_nats_cluster(args: argparse.Namespace) -> int:
+    """Write one NATS config per cluster member (JetStream, routes to every other member;
+    with ``--secrets``, next to that folder's least-privilege config, which each includes)
+    and print the settings the services need."""
+    from cpd.ops import natscluster, security
+
+    hosts = args.host or [f"nats-{i}" for i in range(args.size)]
+    if len(hosts) != args.size:
+        raise CpdError(f"--size {args.size} but {len(hosts)} --host given")
+    cluster = natscluster.members(hosts)
+    include, folder = "", Path(args.dir)
+    if args.secrets:
+        secrets_root = Path(args.secrets).expanduser()
+        folder = secrets_root / security.SERVER_DIR
+        if not (folder / security.CONFIG_FILE).exists():
+            raise CpdError(f"{folder / security.CONFIG_FILE} does not exist: run "
+                           f"`cpd secure init {args.secrets} --host ...` first")
+        include = security.CONFIG_FILE
+    files = natscluster.write_cluster(folder, cluster, store_dir=args.store_dir,
+                                      include=include)
+    for name, path in files.items():
+        print(f"{name}: {path}")
+    seeds = natscluster.servers_setting(cluster, scheme="tls" if include else "nats")
+    print(f"services: CPD_NATS__SERVERS={seeds}")
+    print(f"kvindex:  CPD_KVINDEX__STREAM_REPLICAS={min(3, len(cluster))}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run one service in the foreground until SIGTERM/SIGINT, joining the NATS
+    deployment ``nats.servers`` names (no embedded server)."""
+    settings = _settings(args)
+    if args.service == "kvindex":
+        from services.kvindex import serve as serve_kvindex
+        serve_kvindex(settings)
+    elif args.service == "router":
+        from services.router import serve as serve_router
+        serve_router(settings)
+    elif args.service == "gateway":
+        from services.gateway import serve as serve_gateway
+        serve_gateway(settings)
+    else:
+        from services.worker import run_worker
+        run_worker("" if args.service == "worker" else args.service, settings)
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -220,7 +268,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     s = _settings(args)
     node = args.node or s.node.node_id
     try:
-        asyncio.run(asyncio.wait_for(wait_ready(s.nats.url, args.service, node, args.timeout,
+        asyncio.run(asyncio.wait_for(wait_ready(None, args.service, node, args.timeout,
                                                 s.nats), args.timeout + 2))
     except (CpdError, OSError, TimeoutError) as e:
         print(f"cpd: {args.service} ({node}) is not healthy: {e!r}", file=sys.stderr)
@@ -334,10 +382,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
 
-    n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the foreground")
+    n = sub.add_parser("nats", help="run the embedded NATS server (JetStream) in the "
+                                    "foreground, or configure a NATS cluster")
     n.add_argument("--port", type=int, help="default: nats.embedded_port; 0 = any free port")
     n.add_argument("--store-dir")
     n.set_defaults(func=cmd_nats)
+    nc = n.add_subparsers(dest="action").add_parser(
+        "cluster", help="write one config per member of a NATS cluster with JetStream")
+    nc.add_argument("dir", metavar="DIR", help="where the configs go (not with --secrets)")
+    nc.add_argument("--size", type=int, default=3, help="members (default 3)")
+    nc.add_argument("--host", action="append",
+                    help="address of member i, in order (repeatable; default nats-0, "
+                         "nats-1, ...: the compose and Kubernetes service names)")
+    nc.add_argument("--store-dir", default="/data/nats",
+                    help="JetStream store on each member (default /data/nats)")
+    nc.add_argument("--secrets", metavar="SECRETS_DIR",
+                    help="a `cpd secure init` folder: the configs go into its server/ "
+                         "folder and include its users, permissions and TLS")
+    nc.set_defaults(func=cmd_nats_cluster)
+
+    sv = sub.add_parser("serve", help="run one service in the foreground, joining the NATS "
+                                      "deployment nats.servers names")
+    sv.add_argument("service", choices=["kvindex", "router", "gateway", "worker",
+                                        *WORKER_ROLES],
+                    help="worker: in the role of worker.role")
+    sv.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="send one request through the router, stream the text")
     g.add_argument("prompt", nargs="?", default="", help="prompt text (the router tokenizes)")

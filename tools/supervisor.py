@@ -118,7 +118,7 @@ def available_services() -> list[str]:
     return [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__")]
 
 
-async def wait_ready(url: str, service: str, node_id: str, timeout: float,
+async def wait_ready(url: str | None, service: str, node_id: str, timeout: float,
                      nats_settings: NatsSettings | None = None) -> None:
     """Wait until ``node_id`` of ``service`` answers a NATS micro PING; connects as the
     identity ``nats_settings`` names (secure set-ups), anonymously by default."""
@@ -196,11 +196,11 @@ def run_cluster(settings: Settings, port: int | None = None, *,
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         base_env = {**os.environ, **override_env(overrides or []),
-                    "CPD_NATS__URL": server.url}
+                    "CPD_NATS__SERVERS": server.url}
         if secrets is not None:
             # Each process gets only its own identity, never one inherited from here.
             base_env = {k: v for k, v in base_env.items()
-                        if not k.startswith(f"{ENV_PREFIX}NATS__") or k == "CPD_NATS__URL"}
+                        if not k.startswith(f"{ENV_PREFIX}NATS__") or k == "CPD_NATS__SERVERS"}
         if config_file:
             base_env["CPD_CONFIG"] = str(Path(config_file).resolve())
         # kvindex first (it replays the stream); then every worker at once: their
@@ -385,11 +385,11 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
     running = {p.service for p in procs}
     lines = ["", UP_BANNER, f"  NATS (JetStream): {url}", f"  services:         {names}",
              f"  logs:             {logs}"]
-    client_env = f"CPD_NATS__URL={url}"
+    client_env = f"CPD_NATS__SERVERS={url}"
     if secrets is not None:
         from cpd.ops.security import CLIENT
 
-        env = {"CPD_NATS__URL": url, **secrets.env(CLIENT)}
+        env = {"CPD_NATS__SERVERS": url, **secrets.env(CLIENT)}
         lines += [f"  secure NATS:      TLS + per-service identities; secrets in {secrets.root}",
                   "  clients connect as the client identity (generate and status only):",
                   *(f"    export {k}={v}" for k, v in env.items())]

@@ -60,7 +60,7 @@ class Client:
     @classmethod
     async def connect(cls, url: str | None = None, *, settings: Settings | None = None,
                       name: str = "cpd-client") -> Client:
-        """Connect to NATS (``url``, else ``settings.nats.url``)."""
+        """Connect to NATS (``url``, else ``settings.nats.servers``)."""
         settings = settings or load_settings()
         bus = await Bus.open(settings, name, url=url)
         return cls(bus, default_timeout_s=settings.admission.default_deadline_s,

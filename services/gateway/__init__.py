@@ -6,6 +6,6 @@ Completions, streaming or not), a thin layer over :class:`cpd.client.Client`.
 """
 
 from services.gateway.app import create_app
-from services.gateway.service import GatewayService
+from services.gateway.service import GatewayService, serve
 
-__all__ = ["GatewayService", "create_app"]
+__all__ = ["GatewayService", "create_app", "serve"]

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from cpd.bus import Service
+from cpd.bus import Service, run_service
 from cpd.client import Client
 from cpd.engines.profile import served_model
 from cpd.engines.servedmodel import ServedModel
+from cpd.ops import telemetry
 from cpd.ops.config import Settings
 from services.gateway.app import create_app
 
@@ -97,3 +98,11 @@ def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as the host resolves)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((host, port), family=family)
+
+
+def serve(settings: Settings) -> None:
+    """Run one gateway process until SIGTERM/SIGINT (``python -m services.gateway``,
+    ``cpd serve gateway``)."""
+    # Metrics are served on the gateway's own /metrics, not on a port of their own.
+    telemetry.setup("gateway", settings.telemetry, prometheus_reader=True)
+    run_service(GatewayService(settings))

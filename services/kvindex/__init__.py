@@ -3,6 +3,6 @@ longest-prefix lookups (docs/architecture.md, "Lifecycle and visibility"). ``ind
 rules, ``service`` the I/O."""
 
 from services.kvindex.index import Changes, Index
-from services.kvindex.service import KvIndexService
+from services.kvindex.service import KvIndexService, serve
 
-__all__ = ["Changes", "Index", "KvIndexService"]
+__all__ = ["Changes", "Index", "KvIndexService", "serve"]

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cpd.bus import Request, Service
+from cpd.bus import Request, Service, run_service
 from cpd.kvstore import events as kvevents
 from cpd.ops import metrics, telemetry
 from cpd.ops.config import Settings
@@ -93,7 +93,8 @@ class KvIndexService(Service):
     async def setup(self) -> None:
         self.js = self.bus.nc.jetstream()
         await kvevents.ensure_stream(self.js, max_age_s=self.cfg.stream_max_age_s,
-                                     max_bytes=self.cfg.stream_max_bytes)
+                                     max_bytes=self.cfg.stream_max_bytes,
+                                     replicas=self.cfg.stream_replicas)
         t0 = time.perf_counter()
         # Loading creates millions of long-lived objects; collecting while they pile up
         # costs seconds of repeated full scans. Collect once when ready (_mark_ready).
@@ -319,3 +320,10 @@ class KvIndexService(Service):
                                   req.include_pending)
         reply.request_id = req.request_id
         return reply
+
+
+def serve(settings: Settings) -> None:
+    """Run one kvindex process until SIGTERM/SIGINT (``python -m services.kvindex``,
+    ``cpd serve kvindex``)."""
+    telemetry.setup("kvindex", settings.telemetry)
+    run_service(KvIndexService(settings))

@@ -6,8 +6,19 @@ them."""
 from services.router.admission import Admission
 from services.router.nodes import NodeTable
 from services.router.policy import Decision, Hits, NodeLoad, PolicyConfig, Router, Wait
-from services.router.service import RouterService
+from services.router.service import RouterService, serve
 from services.router.waiters import PrefixWaiters
 
-__all__ = ["Admission", "Decision", "Hits", "NodeLoad", "NodeTable", "PolicyConfig",
-           "PrefixWaiters", "Router", "RouterService", "Wait"]
+__all__ = [
+           "Admission",
+           "Decision",
+           "Hits",
+           "NodeLoad",
+           "NodeTable",
+           "PolicyConfig",
+           "PrefixWaiters",
+           "Router",
+           "RouterService",
+           "Wait",
+           "serve",
+]

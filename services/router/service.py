@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 from nats.aio.msg import Msg
 
-from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader
+from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader, run_service
 from cpd.engines.profile import EngineProfile, engine_profile
 from cpd.engines.servedmodel import Detokenizer, ServedModel
 from cpd.ops import metrics, telemetry
@@ -554,3 +554,10 @@ class _Relay:
         fields = {f: getattr(final, f) for f in ("finish_reason", "usage", "timings", "route")}
         fields["usage"] = msgspec.structs.replace(final.usage, completion_tokens=self.sent)
         await self.out.final(**fields)
+
+
+def serve(settings: Settings) -> None:
+    """Run one router process until SIGTERM/SIGINT (``python -m services.router``,
+    ``cpd serve router``)."""
+    telemetry.setup("router", settings.telemetry)
+    run_service(RouterService(settings))

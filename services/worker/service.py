@@ -762,13 +762,14 @@ def _timing_fields(t: wire.Timings) -> dict:
     return msgspec.structs.asdict(t)
 
 
-def run_worker(role: str = "") -> None:
-    """Entry point of ``python -m services.<role>``, and of ``python -m services.worker``
-    in the role of ``worker.role``."""
+def run_worker(role: str = "", settings: Settings | None = None) -> None:
+    """Run one worker until SIGTERM/SIGINT: the entry point of ``python -m
+    services.<role>``, of ``python -m services.worker`` and of ``cpd serve``, in ``role``
+    or else ``worker.role``; ``settings`` default to the environment's."""
     from cpd.bus import run_service
     from cpd.ops.config import load_settings
 
-    settings = load_settings()
+    settings = settings or load_settings()
     role = role or settings.worker.role
     if not role:
         raise SystemExit("services.worker: set worker.role (CPD_WORKER__ROLE) to one of "

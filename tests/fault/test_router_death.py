@@ -37,7 +37,7 @@ async def scripted(fresh_nats: NatsServer) -> AsyncIterator[tuple[Client, dict]]
     """A client and a scripted router on a NATS server of this test's own. ``script``
     says what the router does: ``keepalives`` (send them while silent), ``silent_s``
     (how long it says nothing after the first keep-alive), ``die`` (stop after it)."""
-    settings = load_settings(environ={}, overrides=[f"nats.url={fresh_nats.url}",
+    settings = load_settings(environ={}, overrides=[f"nats.servers={fresh_nats.url}",
                                                     "nats.drain_timeout_s=2"])
     router_bus = await Bus.open(settings, "scripted-router")
     client_bus = await Bus.open(settings, "client")

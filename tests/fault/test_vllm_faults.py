@@ -52,7 +52,7 @@ async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture
 async def router(vllm_cluster: VllmCluster) -> AsyncIterator[RouterService]:
     s = load_settings(environ={}, overrides=[
-        f"nats.url={vllm_cluster.url}", "node.node_id=router-f",
+        f"nats.servers={vllm_cluster.url}", "node.node_id=router-f",
         f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2"])
     r = RouterService(s)
     await r.start()

@@ -113,7 +113,7 @@ def _raw(kind: st.SearchStrategy[dict]) -> st.SearchStrategy[bytes]:
 @pytest.fixture(scope="module")
 def gw_settings(nats_server: NatsServer, model_cache: Path) -> Settings:
     return load_settings(environ={}, overrides=[
-        f"nats.url={nats_server.url}", "nats.drain_timeout_s=2",
+        f"nats.servers={nats_server.url}", "nats.drain_timeout_s=2",
         f"model.cache_dir={model_cache}", f"gateway.served_model_name={SERVED}",
         "gateway.request_timeout_s=10"])
 

@@ -55,9 +55,9 @@ class VllmCluster:
         self.server = NatsServer(store_dir=tmp / "nats").start()
         self.url = self.server.url
         self.settings = load_settings(environ={}, overrides=[
-            f"nats.url={self.url}", "node.node_id=kvi", "nats.drain_timeout_s=2",
+            f"nats.servers={self.url}", "node.node_id=kvi", "nats.drain_timeout_s=2",
             f"kvindex.snapshot_dir={tmp / 'snap'}", f"model.cache_dir={model_cache}"])
-        self.env = {**os.environ, "CPD_NATS__URL": self.url,
+        self.env = {**os.environ, "CPD_NATS__SERVERS": self.url,
                     "CPD_MODEL__CACHE_DIR": str(model_cache),
                     "CPD_DATAPLANE__ARENA_BYTES": str(512 << 20),
                     "CPD_TELEMETRY__LOG_JSON": "false"}

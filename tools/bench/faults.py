@@ -690,7 +690,7 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
     ucx_port = free_port()
     ucx_proxy = proxy_cls("127.0.0.1", ucx_port).start_in_thread()
     cluster = SimCluster(NODES, tmp, label="faults", env=env, nats_port=nats_port, node_env={
-        PROXIED_NODE: {"CPD_NATS__URL": f"nats://127.0.0.1:{proxy.port}"},
+        PROXIED_NODE: {"CPD_NATS__SERVERS": f"nats://127.0.0.1:{proxy.port}"},
         UCX_PROXIED_NODE: {"CPD_DATAPLANE__LISTEN_PORT": str(ucx_port),
                            "CPD_DATAPLANE__ADVERTISE_PORT": str(ucx_proxy.port)}})
     t0 = time.monotonic()

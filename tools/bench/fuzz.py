@@ -199,7 +199,7 @@ class FuzzCluster:
         self.server = NatsServer(store_dir=self.tmp / "nats",
                                  extra_args=("-m", str(self.monitor_port))).start()
         url = self.server.url
-        env = {**os.environ, "CPD_NATS__URL": url, "CPD_WORKER__ENGINE": "sim",
+        env = {**os.environ, "CPD_NATS__SERVERS": url, "CPD_WORKER__ENGINE": "sim",
                "CPD_SIM__MAX_MODEL_LEN": str(MAX_MODEL_LEN),
                "CPD_SIM__TIME_SCALE": "50",
                "CPD_DATAPLANE__ARENA_BYTES": str(64 << 20),

@@ -148,7 +148,7 @@ async def _over_nats(snap: bytes, events: list[wire.KvEvent], queries: list[byte
                      misses: list[bytes], rate: int, seconds: float) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="cpd-bench-kvindex-"))
     with NatsServer(store_dir=tmp / "nats") as server:
-        s = load_settings(environ={}, overrides=[f"nats.url={server.url}"])
+        s = load_settings(environ={}, overrides=[f"nats.servers={server.url}"])
         bus = await Bus.open(s, "bench-kvindex")
         js = bus.nc.jetstream()
         await kvevents.ensure_stream(js)
@@ -162,7 +162,7 @@ async def _over_nats(snap: bytes, events: list[wire.KvEvent], queries: list[byte
         for ev in tail:
             await js.publish(subjects.kv_events(ev.node), wire.encode(ev))
         tail_publish_s = time.perf_counter() - t_tail
-        env = {**os.environ, "CPD_NATS__URL": server.url, "CPD_NODE__NODE_ID": "bench-kvi",
+        env = {**os.environ, "CPD_NATS__SERVERS": server.url, "CPD_NODE__NODE_ID": "bench-kvi",
                "CPD_KVINDEX__SNAPSHOT_DIR": str(tmp / "snap"),
                "CPD_TELEMETRY__LOG_LEVEL": "warning"}
         hb_task = asyncio.create_task(_heartbeats(bus))

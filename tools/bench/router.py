@@ -348,7 +348,7 @@ class _KvIndex:
 
     def __init__(self, url: str, tmp: Path) -> None:
         self.log_path = tmp / "kvindex.log"
-        env = {**os.environ, "CPD_NATS__URL": url, "CPD_NODE__NODE_ID": "bench-kvi",
+        env = {**os.environ, "CPD_NATS__SERVERS": url, "CPD_NODE__NODE_ID": "bench-kvi",
                "CPD_KVINDEX__SNAPSHOT_DIR": str(tmp / "snap"),
                # A background snapshot is a forked child competing for two cores: none
                # during the run (recovery is `cpd bench kvindex`'s business).
@@ -392,7 +392,7 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
     router: RouterService | None = None
     try:
         s = msgspec.structs.replace(
-            settings, nats=msgspec.structs.replace(settings.nats, url=server.url),
+            settings, nats=msgspec.structs.replace(settings.nats, servers=[server.url]),
             node=msgspec.structs.replace(settings.node, node_id="bench-router"))
         bus = await Bus.open(s, "bench-router-load")
         js = bus.nc.jetstream()

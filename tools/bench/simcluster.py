@@ -72,7 +72,7 @@ class SimCluster:
         return self.server.url
 
     def base_env(self) -> dict[str, str]:
-        env = {**os.environ, "CPD_NATS__URL": self.url, "CPD_WORKER__ENGINE": "sim",
+        env = {**os.environ, "CPD_NATS__SERVERS": self.url, "CPD_WORKER__ENGINE": "sim",
                "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "snap"),
                "CPD_TELEMETRY__LOG_LEVEL": "warning", "CPD_TELEMETRY__LOG_JSON": "false",
                "PYTHONUNBUFFERED": "1", **self.extra_env}
@@ -97,7 +97,7 @@ class SimCluster:
                 self.procs.append(proc)
                 started.append(proc)
             await self._wait_started(self.url, started)
-        settings = load_settings(environ={}, overrides=[f"nats.url={self.url}"])
+        settings = load_settings(environ={}, overrides=[f"nats.servers={self.url}"])
         self.client = await Client.connect(settings=settings, name=f"cpd-{self.label}")
         await self.until_router_sees(set(self.nodes))
 

@@ -267,7 +267,7 @@ async def _run(quick: bool) -> dict[str, Any]:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cpd-bench-transfer-") as tmp, \
             NatsServer(store_dir=Path(tmp) / "nats", jetstream=False) as server:
-        nc = await connect(NatsSettings(url=server.url), "bench-transfer",
+        nc = await connect(NatsSettings(servers=[server.url]), "bench-transfer",
                            pending_size=256 * MIB)
         client = TransferClient(settings)
         try:

@@ -206,13 +206,13 @@ class _Cluster:
         build(PRESET, s.model_cache_dir)
         self.server = NatsServer(store_dir=self.tmp / "nats").start()
         ks = load_settings(environ={}, overrides=[
-            f"nats.url={self.server.url}", "node.node_id=kvi",
+            f"nats.servers={self.server.url}", "node.node_id=kvi",
             f"kvindex.snapshot_dir={self.tmp / 'snap'}", "telemetry.log_level=warning"])
         self.kvindex = KvIndexService(ks)
         await self.kvindex.start()
         self.bus = await Bus.open(ks, "bench-ttft")
         heartbeats = await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL)
-        env = {**os.environ, "CPD_NATS__URL": self.server.url,
+        env = {**os.environ, "CPD_NATS__SERVERS": self.server.url,
                "CPD_MODEL__CACHE_DIR": str(s.model_cache_dir), "CPD_MODEL__PRESET": PRESET,
                "CPD_DATAPLANE__ARENA_BYTES": str(ARENA_BYTES),
                "CPD_TELEMETRY__LOG_JSON": "false",

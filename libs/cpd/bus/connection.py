@@ -35,13 +35,16 @@ async def connect(settings: NatsSettings, name: str, *, url: str | None = None,
                   **extra: Any) -> NatsClient:
     """Connect to NATS with reconnect handling and state-change logging, as the identity
     ``settings`` names (user/password or nkey, TLS, inbox prefix; cpd.ops.security).
+    ``url`` (one server) replaces ``settings.servers`` (the seeds of a cluster; the
+    client fails over to any member it has seen).
 
     Credentials or TLS the server refuses raise :class:`~cpd.protocol.errors.NatsAuthFailed`
     naming the setting (instead of retrying forever); a publish or subscribe the server
     refuses later is logged, counted and kept for :func:`permission_denials`. ``extra``
     goes to ``nats.connect`` as is (e.g. ``pending_size``).
     """
-    target = url or settings.url
+    servers = [url] if url else list(settings.servers)
+    target = ", ".join(servers)
     denials = _Denials()
 
     async def on_error(e: Exception) -> None:
@@ -64,7 +67,7 @@ async def connect(settings: NatsSettings, name: str, *, url: str | None = None,
         log.info("nats.reconnected", client=name)
 
     options: dict[str, Any] = {
-        "servers": [target],
+        "servers": servers,
         "name": name,
         "connect_timeout": settings.connect_timeout_s,
         "reconnect_time_wait": settings.reconnect_wait_s,

@@ -51,7 +51,7 @@ class Bus:
 
     @classmethod
     async def open(cls, settings: Settings, name: str, *, url: str | None = None) -> Bus:
-        """Connect and wrap; ``url`` overrides ``settings.nats.url``."""
+        """Connect and wrap; ``url`` (one server) replaces ``settings.nats.servers``."""
         return cls(await connect(settings.nats, name, url=url), settings.bus)
 
     @property

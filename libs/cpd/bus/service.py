@@ -127,7 +127,8 @@ class Service:
                 f"{self.name} {self.node_id}: NATS refused {refused[0]} - this process's "
                 f"identity ({identity_desc(self.settings.nats)}) lacks a right the "
                 f"service needs (another service's credentials?)")
-        self.log.info("service.started", nats=self.nats_url or self.settings.nats.url)
+        where = self.bus.nc.connected_url
+        self.log.info("service.started", nats=where.netloc if where else "")
 
     async def stop(self) -> None:
         """Graceful stop: stop taking work, let in-flight handlers finish, drain, close."""

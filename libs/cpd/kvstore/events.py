@@ -27,18 +27,41 @@ from cpd.ops import telemetry
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode
 
+_log = telemetry.get_logger("cpd.kvstore.events")
+
 MAX_BLOCKS_PER_EVENT = 4096
 """Large batches are split so one event stays far below the bus's message limit."""
 
 
 async def ensure_stream(js: JetStreamContext, *, max_age_s: float = 24 * 3600,
                         max_bytes: int = 8 << 30, replicas: int = 1,
-                        update: bool = True) -> api.StreamInfo:
+                        update: bool = True, wait_s: float = 60.0) -> api.StreamInfo:
     """Create (or update to) the ``CPD_KV`` stream; safe to call from every process.
 
     ``update=False`` (writers): an existing stream is left as its owner, kvindex,
     configured it - a writer neither resets its limits to these defaults nor needs the
-    right to (with least-privilege NATS it only may read the stream's info)."""
+    right to (with least-privilege NATS it only may read the stream's info).
+
+    A NATS cluster answers JetStream requests only once its members have elected a
+    leader (seconds after they start, or after one is lost): unavailable or unanswered
+    requests are retried for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await _ensure_stream(js, max_age_s=max_age_s, max_bytes=max_bytes,
+                                        replicas=replicas, update=update)
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError,
+                nats.errors.NoRespondersError) as e:
+            if time.monotonic() >= deadline:
+                raise CpdError(f"JetStream did not accept the {subjects.KV_STREAM} stream "
+                               f"within {wait_s:.0f} s: {e!r}", code=ErrorCode.UNAVAILABLE,
+                               retryable=True) from e
+            _log.info("kv_stream.waiting_for_jetstream", error=type(e).__name__)
+            await asyncio.sleep(0.5)
+
+
+async def _ensure_stream(js: JetStreamContext, *, max_age_s: float, max_bytes: int,
+                         replicas: int, update: bool) -> api.StreamInfo:
     if not update:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             return await js.stream_info(subjects.KV_STREAM)
@@ -68,7 +91,7 @@ class KvEventPublisher:
 
     def __init__(self, js: JetStreamContext, node: str, *, epoch: int | None = None,
                  tier: wire.Tier = wire.Tier.DRAM, ack_timeout_s: float = 5.0,
-                 retries: int = 3) -> None:
+                 retry_window_s: float = 20.0) -> None:
         self.js = js
         self.node = subjects.check_token(node, "node id")
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
@@ -77,7 +100,9 @@ class KvEventPublisher:
         self.subject = subjects.kv_events(node)
         self._lock = asyncio.Lock()
         self._ack_timeout = ack_timeout_s
-        self._retries = retries
+        # Covers a stream leader's re-election after a NATS cluster member is lost
+        # (JetStream answers "no responders" meanwhile).
+        self._retry_window_s = retry_window_s
 
     async def publish(self, event: wire.KvEvent) -> api.PubAck:
         """Stamp ``event`` with node, epoch, seq and trace, and store it in ``CPD_KV``."""
@@ -89,12 +114,19 @@ class KvEventPublisher:
             payload = wire.encode(event)
             headers = {"Nats-Msg-Id": msg_id(self.node, self.epoch, self.seq)}
             last: Exception | None = None
-            for _ in range(self._retries):
+            deadline = time.monotonic() + self._retry_window_s
+            pause = 0.1
+            while True:
                 try:
                     return await self.js.publish(self.subject, payload, headers=headers,
                                                  timeout=self._ack_timeout)
-                except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as e:
+                except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
+                        nats.js.errors.ServiceUnavailableError) as e:
                     last = e  # same Msg-Id: a retry after a lost ack is stored once
+                if time.monotonic() + pause >= deadline:
+                    break
+                await asyncio.sleep(pause)
+                pause = min(1.0, pause * 2)
             raise CpdError(f"cannot store kv event {self.seq} of {self.node}: {last!r}",
                            code=ErrorCode.UNAVAILABLE, retryable=True)
 

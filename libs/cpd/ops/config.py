@@ -2,7 +2,7 @@
 environment and command-line overrides (later sources win).
 
 * File: ``--config PATH`` or ``CPD_CONFIG=PATH``; TOML with one table per section.
-* Environment: ``CPD_<SECTION>__<FIELD>`` (e.g. ``CPD_NATS__URL``, ``CPD_CACHE__BLOCK_SIZE``).
+* Environment: ``CPD_<SECTION>__<FIELD>`` (e.g. ``CPD_NATS__SERVERS``, ``CPD_CACHE__BLOCK_SIZE``).
 * Overrides: ``section.field=value`` strings (the CLI's ``--set``).
 
 Everything is validated at load; a bad value raises :class:`cpd.protocol.errors.ConfigError`
@@ -18,7 +18,7 @@ import socket
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 import msgspec
 
@@ -43,7 +43,10 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class NatsSettings(_Section):
     """How to reach NATS (and, for the embedded default, how to start it)."""
 
-    url: str = "nats://127.0.0.1:4222"
+    # Seed URLs of the NATS deployment: one server, or several members of a cluster (the
+    # client learns the others from the server and fails over between them). From the
+    # environment or ``--set``: comma-separated.
+    servers: list[str] = msgspec.field(default_factory=lambda: ["nats://127.0.0.1:4222"])
     user: str = ""
     password: str = ""
     creds_file: str = ""
@@ -260,6 +263,10 @@ class KvIndexSettings(_Section):
     # Retention of the CPD_KV stream; older events are covered by snapshots/re-announce.
     stream_max_age_s: Positive = 24 * 3600.0
     stream_max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 8 << 30
+    # Copies JetStream keeps of the CPD_KV stream: 1 on one server; 3 on a NATS cluster
+    # of three or more, so that losing one server loses no block event (JetStream needs
+    # a majority of the replicas up to accept a write). Applied to an existing stream too.
+    stream_replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     # Longest chain one lookup may ask about (~2M tokens at 256 tokens per block).
     max_lookup_blocks: PositiveInt = 8192
     # Idle heartbeat of the CPD_KV consumer. nats-py recreates an ordered consumer (from
@@ -281,6 +288,10 @@ class DataPlaneSettings(_Section):
     # The listener accepts on every interface; peers reach it at advertise_host:listen_port
     # (what goes into the heartbeat). Port 0 lets the OS pick.
     advertise_host: str = "127.0.0.1"
+    # Network interface (e.g. the cluster network's NIC) whose IPv4 address is advertised
+    # instead of advertise_host; UCX's TCP transport then uses that interface alone
+    # unless ucx_net_devices says otherwise.
+    advertise_interface: str = ""
     listen_port: Port = 0
     # Transfers in flight at once: as a client (all peers together) and as a server.
     max_concurrent_transfers: PositiveInt = 8
@@ -317,6 +328,9 @@ class DataPlaneSettings(_Section):
     # UCX transports; tcp is mandatory (connection manager, cross-host). posix shared memory
     # is the fastest same-host path that keeps peer-failure detection (docs/benchmarks/transfer.md).
     ucx_tls: str = "tcp,posix"
+    # UCX_NET_DEVICES: the NICs (e.g. "eth1", "mlx5_0:1" for RDMA) UCX may use; empty:
+    # advertise_interface when set, else every device UCX finds.
+    ucx_net_devices: str = ""
     # posix/sysv only advertise peer-failure handling when asked; without it UCX silently
     # drops them from error-handling endpoints and falls back to TCP loopback.
     ucx_shm_error_handling: bool = True
@@ -451,6 +465,12 @@ class Settings(_Section):
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
 
     def __post_init__(self) -> None:
+        if not self.nats.servers:
+            raise ValueError("nats.servers must name at least one server")
+        for url in self.nats.servers:
+            if not re.match(r"^(nats|tls|ws|wss)://[^\s,]+\Z", url):
+                raise ValueError(f"nats.servers: {url!r} is not a nats://, tls://, ws:// "
+                                 "or wss:// URL")
         if not self.node.node_id:
             # Unique per process and a valid subject token.
             host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:40]
@@ -507,11 +527,24 @@ def load_settings(
         if not sep or not dot:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         raw.setdefault(section, {})[field] = value.strip()
+    _split_lists(raw, sections)
     try:
         # strict=False lets "8" from the environment become the int 8.
         return msgspec.convert(raw, Settings, strict=False)
     except (msgspec.ValidationError, ValueError) as e:
         raise ConfigError(f"invalid settings: {e}") from e
+
+
+def _split_lists(raw: dict[str, dict[str, Any]], sections: Mapping[str, type[_Section]]) -> None:
+    """A list setting given as one string (environment, ``--set``) is comma-separated."""
+    for section, values in raw.items():
+        stype = sections.get(section)
+        if stype is None:
+            continue
+        lists = {f.name for f in msgspec.structs.fields(stype) if get_origin(f.type) is list}
+        for name, value in values.items():
+            if name in lists and isinstance(value, str):
+                values[name] = [x.strip() for x in value.split(",") if x.strip()]
 
 
 def _sections() -> dict[str, type[_Section]]:

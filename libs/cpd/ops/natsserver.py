@@ -18,8 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from cpd.ops.natscluster import Member, write_cluster
 from cpd.protocol.errors import CpdError
 
 
@@ -40,7 +42,7 @@ class NatsServer:
     def __init__(self, *, port: int = 0, host: str = "127.0.0.1", jetstream: bool = True,
                  store_dir: str | os.PathLike[str] | None = None,
                  config_file: str | None = None, log_file: str | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), wrap: Sequence[str] = ()) -> None:
         self.host = host
         self.port = port
         self.jetstream = jetstream
@@ -49,6 +51,8 @@ class NatsServer:
         self.config_file = config_file
         self.log_file = log_file
         self.extra_args = extra_args
+        # A command the server runs under that execs it in place (``ip netns exec NS``).
+        self.wrap = tuple(wrap)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
@@ -74,7 +78,7 @@ class NatsServer:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = Path(tempfile.mkdtemp(prefix="cpd-nats-ports-"))
-        args = [nats_server_binary(), "-a", self.host, "-p", str(self.port or -1),
+        args = [*self.wrap, nats_server_binary(), "-a", self.host, "-p", str(self.port or -1),
                 "--ports_file_dir", str(ports_dir)]
         if self.jetstream:
             args += ["-js", "-sd", str(self.store_dir)]
@@ -138,3 +142,42 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class NatsCluster:
+    """The members of a NATS cluster with JetStream (:mod:`cpd.ops.natscluster`), each a
+    :class:`NatsServer` with its own generated config and store; members may be killed
+    and restarted one at a time (fault tests)."""
+
+    def __init__(self, folder: str | os.PathLike[str], members: Sequence[Member], *,
+                 wraps: dict[str, Sequence[str]] | None = None) -> None:
+        self.folder = Path(folder)
+        self.members = list(members)
+        store = self.folder / "store"
+        files = write_cluster(self.folder, self.members, store_dir=f"{store}/{{name}}")
+        wraps = wraps or {}
+        # JetStream and its store come from each member's config.
+        self.servers = {
+            m.name: NatsServer(host=m.host, port=m.client_port, jetstream=False,
+                               store_dir=store / m.name,
+                               config_file=str(files[m.name]),
+                               log_file=str(self.folder / f"{m.name}.log"),
+                               wrap=wraps.get(m.name, ()))
+            for m in self.members}
+
+    @property
+    def urls(self) -> list[str]:
+        """Every member's client URL (``nats.servers``)."""
+        return [m.client_url for m in self.members]
+
+    def start(self, timeout: float = 15.0) -> NatsCluster:
+        """Start every member (a JetStream leader follows within seconds)."""
+        for server in self.servers.values():
+            server.start(timeout)
+        return self
+
+    def stop(self) -> None:
+        """Stop every member and remove their stores."""
+        for server in self.servers.values():
+            server.stop()
+        shutil.rmtree(self.folder / "store", ignore_errors=True)

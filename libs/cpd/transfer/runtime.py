@@ -23,6 +23,8 @@ NS_PER_S = 1_000_000_000
 def ucx_options(settings: DataPlaneSettings) -> dict[str, str]:
     """The UCX options (``UCX_`` prefix dropped) this process runs with."""
     options = {"TLS": settings.ucx_tls, "RNDV_FRAG_MEM_TYPE": settings.ucx_rndv_frag_mem_type}
+    if devices := settings.ucx_net_devices or settings.advertise_interface:
+        options["NET_DEVICES"] = devices
     if settings.ucx_shm_error_handling:
         options |= {"POSIX_ERROR_HANDLING": "y", "SYSV_ERROR_HANDLING": "y"}
     return options

@@ -14,6 +14,7 @@ import numpy as np
 from cpd.kvstore import BlockStore, KvStore, checksum
 from cpd.ops import telemetry
 from cpd.ops.config import DataPlaneSettings
+from cpd.ops.netif import interface_ipv4
 from cpd.protocol import wire
 from cpd.protocol.capability import Keyring
 from cpd.protocol.errors import (
@@ -91,11 +92,18 @@ class TransferServer:
             raise CpdError("transfer server not started")
         # advertise_port: peers reach this listener through a forwarder (a NAT rule, the
         # fault harness's proxy) on another port.
-        return encode_address(self.settings.advertise_host,
-                              self.settings.advertise_port or self.port)
+        return encode_address(self.advertise_host, self.settings.advertise_port or self.port)
+
+    @functools.cached_property
+    def advertise_host(self) -> str:
+        """The host peers reach this listener at: ``advertise_interface``'s address when
+        set (read once), else ``advertise_host``."""
+        iface = self.settings.advertise_interface
+        return interface_ipv4(iface) if iface else self.settings.advertise_host
 
     async def start(self) -> TransferServer:
         """Initialise UCX and start listening; returns ``self``."""
+        _ = self.advertise_host  # a missing interface fails here, not at a heartbeat
         init_ucx(self.settings)
         import ucxx
 
