@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_kvindex(quick=args.quick, blocks=args.blocks)
     elif args.what == "transfer":
         from tools.bench.transfer import run as run_transfer
-        result = run_transfer(quick=args.quick)
+        result = run_transfer(quick=args.quick, peer_prefix=shlex.split(args.peer_prefix or ""),
+                              nats_host=args.nats_host)
     elif args.what == "model":
         from tools.bench.model import run as run_model
         result = run_model(_settings(args), preset=args.preset, prefill_tokens=args.tokens)
@@ -373,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="faults: requests kept in flight (200; --quick 60)")
     bench.add_argument("--duration-s", type=float,
                        help="faults: load per scenario, wall seconds (24; --quick 14)")
+    bench.add_argument("--peer-prefix",
+                       help="transfer: command that runs the serving peer on another host, "
+                            "e.g. 'ssh gpu2' or 'ip netns exec h2' (default: this host)")
+    bench.add_argument("--nats-host", default="127.0.0.1",
+                       help="transfer: address of the bench's NATS server (one the peer "
+                            "reaches)")
     bench.add_argument("--cases", type=int,
                        help="fuzz: hostile messages per subject (default 10000)")
     bench.add_argument("--seed", type=int, default=0, help="fuzz: corpus seed")

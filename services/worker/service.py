@@ -86,6 +86,7 @@ class WorkerService(Service):
         self.keyring = Keyring(self.node_id, self.epoch)
         self.block_size = settings.cache.block_size
         self.peers: dict[str, bytes] = {}
+        self._peer_waits: dict[str, asyncio.Event] = {}
         # Peers to dial ahead of need: (node, address, when its heartbeat was first seen).
         self._ahead: asyncio.Queue[tuple[str, bytes, float]] = asyncio.Queue()
         self._prefills: dict[int, _HeldPrefill] = {}
@@ -289,6 +290,19 @@ class WorkerService(Service):
                 and self._may_pull_from(hb.role)):
             self._ahead.put_nowait((hb.node, hb.ucx_address, time.monotonic()))
         self.peers[hb.node] = hb.ucx_address
+        if (waiting := self._peer_waits.pop(hb.node, None)) is not None:
+            waiting.set()
+
+    async def _peer_address(self, node: str) -> bytes | None:
+        """The UCX address of ``node``. A plan may name a peer this worker has not heard
+        yet (the router heard its heartbeat first): wait up to two heartbeat intervals
+        for it rather than recompute what the peer holds."""
+        if (address := self.peers.get(node)) is not None:
+            return address
+        seen = self._peer_waits.setdefault(node, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(seen.wait(), 2 * self.settings.node.heartbeat_interval_s)
+        return self.peers.get(node)
 
     def _may_pull_from(self, role: str) -> bool:
         """Prefill roles pull prefixes from any worker; decode pulls only hand-offs."""
@@ -443,7 +457,7 @@ class WorkerService(Service):
             want = hashes[src.first_block:src.first_block + src.num_blocks]
             if src.node == self.node_id or not want:
                 continue
-            address = self.peers.get(src.node)
+            address = await self._peer_address(src.node)
             if address is None:
                 self.log.warning("prefill.peer_unknown", peer=src.node)
                 error = ErrorCode.UNAVAILABLE.value
@@ -613,7 +627,7 @@ class WorkerService(Service):
         t_recv = time.time()
         try:
             pulled_ok = True
-            address = self.peers.get(req.source_node)
+            address = await self._peer_address(req.source_node) if hashes else None
             if hashes:
                 self._m_loads_planned.add(1, {"role": self.role, "stage": "handoff"})
             if hashes and address is None:  # recomputed: a fallback like any other

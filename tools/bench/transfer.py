@@ -11,7 +11,11 @@ arena into this process, measured in the same run four ways:
   into the destination (what the data plane avoids: docs/architecture.md, "Subjects");
 * ``memcpy``: one thread copying the same bytes (the physical ceiling of this host).
 
-The peer is this module run as ``python -m bench.transfer --peer``.
+The peer is this module run as ``python -m tools.bench.transfer --peer``; with a peer
+prefix (``ssh HOST``, ``ip netns exec NS``) it runs on another host, where it advertises
+``dataplane.advertise_interface``'s address, and the bytes cross the network between the
+two (``dataplane.ucx_tls=tcp`` keeps UCX off shared memory where both see one
+``/dev/shm``); ``nats_host`` is then an address the peer reaches.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ async def _peer(block_bytes: int, blocks: int, nats_url: str) -> None:
             return
 
     raw_listener = ucxx.create_listener(raw, port=0)
-    nc = await connect(NatsSettings(url=nats_url), "bench-transfer-peer")
+    nc = await connect(NatsSettings(servers=[nats_url]), "bench-transfer-peer")
     flat = arena.reshape(-1)
 
     async def on_nats(msg: Any) -> None:
@@ -138,9 +142,10 @@ async def _peer(block_bytes: int, blocks: int, nats_url: str) -> None:
 
 
 class _PeerProc:
-    def __init__(self, block_bytes: int, blocks: int, nats_url: str) -> None:
+    def __init__(self, block_bytes: int, blocks: int, nats_url: str,
+                 prefix: Sequence[str] = ()) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.bench.transfer", "--peer", "--block-bytes",
+            [*prefix, sys.executable, "-m", "tools.bench.transfer", "--peer", "--block-bytes",
              str(block_bytes), "--blocks", str(blocks), "--nats", nats_url],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             cwd=Path(__file__).resolve().parent.parent)
@@ -250,7 +255,7 @@ async def _case(peer: _PeerProc, client: TransferClient, nc: Any, size: int, cou
     }
 
 
-async def _run(quick: bool) -> dict[str, Any]:
+async def _run(quick: bool, peer_prefix: Sequence[str], nats_host: str) -> dict[str, Any]:
     import ucxx
 
     from cpd.bus import connect
@@ -266,14 +271,14 @@ async def _run(quick: bool) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cpd-bench-transfer-") as tmp, \
-            NatsServer(store_dir=Path(tmp) / "nats", jetstream=False) as server:
+            NatsServer(host=nats_host, store_dir=Path(tmp) / "nats", jetstream=False) as server:
         nc = await connect(NatsSettings(servers=[server.url]), "bench-transfer",
                            pending_size=256 * MIB)
         client = TransferClient(settings)
         try:
             for size in sizes:
                 counts = sorted({max(1, min(b, cap // size)) for b in BATCHES})
-                peer = _PeerProc(size, max(counts), server.url)
+                peer = _PeerProc(size, max(counts), server.url, peer_prefix)
                 try:
                     host, _ = decode_address(peer.address)
                     raw_ep = await ucxx.create_endpoint(host, peer.raw_port)
@@ -303,14 +308,17 @@ async def _run(quick: bool) -> dict[str, Any]:
                 "version": ".".join(map(str, ucxx.get_ucx_version()))},
         "reps": reps, "min_seconds_per_way": min_seconds, "cap_bytes_per_case": cap,
         "nats_chunk_bytes": NATS_CHUNK,
+        "peer_host": host,
         "seconds": round(time.perf_counter() - t_start, 1),
         "host_cpus": os.cpu_count(),
     }
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Run the benchmark; returns the JSON-able result."""
-    return asyncio.run(_run(quick))
+def run(quick: bool = False, *, peer_prefix: Sequence[str] = (),
+        nats_host: str = "127.0.0.1") -> dict[str, Any]:
+    """Run the benchmark; returns the JSON-able result. ``peer_prefix`` runs the serving
+    peer under a command that execs it elsewhere (``ssh HOST``, ``ip netns exec NS``)."""
+    return asyncio.run(_run(quick, tuple(peer_prefix), nats_host))
 
 
 def main(argv: list[str] | None = None) -> None:

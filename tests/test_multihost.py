@@ -1,0 +1,353 @@
+"""CPD across hosts: five network namespaces with their own addresses stand for five
+machines. A three-member NATS cluster with JetStream R3 runs on hosts 1-3; kvindex,
+router and gateway (``cpd serve``) on host 1; a pre-prefill worker on host 2, a prefill
+worker on host 3, decode on host 4, each a real vLLM-CPU engine; the client on host 5.
+
+UCX runs on TCP only, so KV bytes cross the veth links (namespaces share ``/dev/shm``):
+the warm-remote load is asserted from the route, the peer's advertised address and the
+links' byte counters. Then one NATS member is killed with ``kill -9``: requests keep
+being served and the CPD_KV stream holds every block event, each node's sequence without
+a gap. The transfer benchmark runs across the same link (CPD against raw UCX); its figures
+and the time to recover go to ``$CPD_MULTIHOST_JSON`` when set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import numpy as np
+import pytest
+
+from cpd.bus import Bus
+from cpd.client import Client, Completion
+from cpd.engines.profile import engine_profile
+from cpd.ops.config import NatsSettings, Settings, load_settings
+from cpd.ops.natscluster import Member
+from cpd.ops.natsserver import NatsCluster
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError
+from cpd.protocol.hashing import Namespace, block_hashes
+from cpd.transfer import decode_address
+from tests.helpers.cluster import ROOT, reference_outputs
+from tests.helpers.netns import Fabric, NetnsLoop, available
+from tools.supervisor import stop_tree, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+BS = 256
+_rng = np.random.default_rng(23)
+
+
+def _tokens(n: int) -> list[int]:
+    return _rng.integers(0, 1900, size=n).tolist()
+
+
+_PREFIX = _tokens(5 * BS)
+_AFTER = _tokens(5 * BS)
+PROMPTS = {"cold": _PREFIX + _tokens(40), "remote": _PREFIX + _tokens(70),
+           "local": _PREFIX + _tokens(33), "after0": _AFTER + _tokens(40),
+           "after1": _AFTER + _tokens(70)}
+MAX_TOKENS = 8
+
+# host -> what runs there (NATS members on 1-3; the client alone on 5)
+KVINDEX, ROUTER, GATEWAY = "kvindex-0", "router-0", "gateway-0"
+WORKERS = {"pp0": (2, "preprefill"), "p0": (3, "prefill"), "d0": (4, "decode")}
+CLIENT_HOST = 5
+GATEWAY_PORT = 8000
+
+
+class _System:
+    """Everything the test started, stopped in reverse whatever happens."""
+
+    def __init__(self, tmp: Path, model_cache: Path) -> None:
+        self.tmp = tmp
+        self.model_cache = model_cache
+        self.fabric = Fabric(5)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.nats: NatsCluster | None = None
+        self.client_loop: NetnsLoop | None = None
+        self.seeds: list[str] = []
+
+    def env(self, node: str) -> dict[str, str]:
+        return {**os.environ, "CPD_NATS__SERVERS": ",".join(self.seeds),
+                "CPD_NODE__NODE_ID": node, "CPD_MODEL__CACHE_DIR": str(self.model_cache),
+                "CPD_TELEMETRY__LOG_JSON": "false", "CPD_KVINDEX__STREAM_REPLICAS": "3",
+                "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "snap"),
+                "CPD_DATAPLANE__UCX_TLS": "tcp", "CPD_DATAPLANE__ADVERTISE_INTERFACE": "eth0",
+                "CPD_DATAPLANE__ARENA_BYTES": str(512 << 20),
+                "CPD_GATEWAY__HOST": "0.0.0.0", "CPD_GATEWAY__PORT": str(GATEWAY_PORT),
+                "CPD_NATS__RECONNECT_WAIT_S": "0.2"}
+
+    def serve(self, host: int, service: str, node: str) -> None:
+        with open(self.tmp / f"{node}.log", "ab") as log:
+            self.procs[node] = subprocess.Popen(
+                [*self.fabric.prefix(host), sys.executable, "-m", "tools.cli", "serve",
+                 service], env=self.env(node), cwd=ROOT, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail(self, node: str) -> str:
+        return (self.tmp / f"{node}.log").read_text(errors="replace")[-4000:]
+
+    def start(self) -> None:
+        self.fabric.setup()
+        members = [Member(f"nats-{i}", self.fabric.addr(i + 1)) for i in range(3)]
+        self.nats = NatsCluster(self.tmp / "nats", members, wraps={
+            m.name: self.fabric.prefix(i + 1) for i, m in enumerate(members)}).start()
+        self.seeds = self.nats.urls
+        self.serve(1, "kvindex", KVINDEX)
+        for node, (host, role) in WORKERS.items():
+            self.serve(host, role, node)
+        self.serve(1, "router", ROUTER)
+        self.serve(1, "gateway", GATEWAY)
+        self.client_loop = NetnsLoop(self.fabric.ns(CLIENT_HOST))
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs.values()):
+            stop_tree(proc, 10)
+        if self.client_loop is not None:
+            self.client_loop.close()
+        if self.nats is not None:
+            self.nats.stop()
+        self.fabric.teardown()
+
+    def settings(self) -> Settings:
+        return load_settings(environ={}, overrides=[
+            f"nats.servers={','.join(self.seeds)}", "node.node_id=mh-client",
+            f"model.cache_dir={self.model_cache}", "nats.reconnect_wait_s=0.2"])
+
+    def run(self, fn: Any, timeout: float = 300) -> Any:
+        assert self.client_loop is not None
+        return self.client_loop.run(fn, timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    outs = asyncio.run(reference_outputs(model_cache, tmp_path_factory.mktemp("mhref"),
+                                         list(PROMPTS.values()), MAX_TOKENS))
+    return dict(zip(PROMPTS, outs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def system(model_cache: Path, tmp_path_factory: pytest.TempPathFactory,
+           reference: dict) -> Iterator[_System]:
+    if why := available():
+        pytest.fail(f"the multi-host test cannot run here: {why}")
+    s = _System(tmp_path_factory.mktemp("multihost"), model_cache)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+async def _wait_workers(bus: Bus, s: _System, timeout: float = 420) -> dict[str, wire.Heartbeat]:
+    """Every worker's heartbeat, once each has beaten twice more after all were up (so
+    that each has heard the others': a worker pulls only from peers it knows)."""
+    sub = await bus.nc.subscribe(subjects.HEARTBEAT_ALL)
+    seen: dict[str, wire.Heartbeat] = {}
+    beats_after_all = dict.fromkeys(WORKERS, 0)
+    deadline = time.monotonic() + timeout
+    try:
+        while min(beats_after_all.values()) < 2 and time.monotonic() < deadline:
+            dead = [n for n in WORKERS if s.procs[n].poll() is not None]
+            assert not dead, s.log_tail(dead[0])
+            try:
+                hb = wire.decode((await sub.next_msg(timeout=1)).data, wire.Heartbeat)
+            except nats.errors.TimeoutError:
+                continue
+            if hb.node in WORKERS:
+                if set(seen) == set(WORKERS):
+                    beats_after_all[hb.node] += 1
+                seen[hb.node] = hb
+    finally:
+        await sub.unsubscribe()
+    assert set(seen) == set(WORKERS), {n: s.log_tail(n) for n in set(WORKERS) - set(seen)}
+    return seen
+
+
+async def _visible(bus: Bus, ns: Namespace, prompt: list[int], node: str, blocks: int) -> None:
+    hashes = block_hashes(ns, prompt)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            r = await bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+                namespace=ns.id, block_hashes=hashes), expect=wire.LookupReply)
+            if {(m.node, m.tier): m.num_blocks for m in r.matches}.get(
+                    (node, wire.Tier.DRAM), 0) >= blocks:
+                return
+        except CpdError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{blocks} blocks never became visible on {node}")
+
+
+def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
+        system: _System, reference: dict) -> None:
+    s, fabric = system, system.fabric
+    settings = s.settings()
+    slot_bytes = engine_profile(settings).slot_bytes
+    model = engine_profile(settings).served_model().name
+    result: dict[str, Any] = {"hosts": 5, "nats_members": 3, "stream_replicas": 3}
+
+    async def up() -> dict[str, wire.Heartbeat]:
+        bus = await Bus.open(settings, "mh-probe")
+        try:
+            beats = await _wait_workers(bus, s)
+        finally:
+            await bus.close()
+        nats = NatsSettings(servers=s.seeds)
+        for service, node in (("kvindex", KVINDEX), ("router", ROUTER),
+                              ("gateway", GATEWAY)):
+            await wait_ready(None, service, node, 120, nats)
+        return beats
+
+    beats = s.run(up, 600)
+    # Each worker advertises its own host's address (dataplane.advertise_interface).
+    for node, (host, _) in WORKERS.items():
+        assert decode_address(beats[node].ucx_address)[0] == fabric.addr(host), node
+    ns = Namespace.from_spec(beats["pp0"].namespace_spec)
+
+    async def generate(name: str) -> Completion:
+        bus = await Bus.open(settings, "mh-client")
+        try:
+            return await Client(bus, default_timeout_s=240).generate(
+                PROMPTS[name], max_tokens=MAX_TOKENS, ignore_eos=True)
+        finally:
+            await bus.close()
+
+    cold = s.run(lambda: generate("cold"))
+    assert cold.token_ids == reference["cold"]
+    r = cold.route
+    assert (r.path, r.prefill_node, r.decode_node) == ("cold", "pp0", "d0"), r.describe()
+
+    def visible(name: str) -> None:
+        async def wait() -> None:
+            bus = await Bus.open(settings, "mh-lookup")
+            try:
+                await _visible(bus, ns, PROMPTS[name], "pp0", 5)
+            finally:
+                await bus.close()
+        s.run(wait)
+
+    visible("remote")
+    sent_before = fabric.link_bytes(2)[1]
+    received_before = fabric.link_bytes(3)[0]
+    remote = s.run(lambda: generate("remote"))
+    sent = fabric.link_bytes(2)[1] - sent_before
+    received = fabric.link_bytes(3)[0] - received_before
+    assert remote.token_ids == reference["remote"]
+    r = remote.route
+    assert (r.path, r.prefill_node, r.remote_node, r.tokens_remote) == (
+        "warm", "p0", "pp0", 5 * BS), r.describe()
+    # Five blocks left host 2 and reached host 3 over their links (UCX on TCP).
+    assert sent >= 5 * slot_bytes and received >= 5 * slot_bytes, (sent, received, slot_bytes)
+    result["warm_remote"] = {"kv_bytes": 5 * slot_bytes, "link_bytes_sent_by_peer": sent,
+                             "link_bytes_received_by_prefill": received,
+                             "load_ms": remote.timings.load_ms,
+                             "ttft_ms": remote.timings.ttft_ms}
+
+    local = s.run(lambda: generate("local"))
+    assert local.token_ids == reference["local"]
+    r = local.route
+    assert (r.path, r.prefill_node, r.tokens_remote) == ("warm", "p0", 0), r.describe()
+    assert r.tokens_gpu + r.tokens_dram == 5 * BS
+
+    # The OpenAI API from another host, through the gateway on host 1.
+    async def http_completion() -> dict:
+        def call() -> dict:
+            req = urllib.request.Request(
+                f"http://{fabric.addr(1)}:{GATEWAY_PORT}/v1/completions",
+                data=json.dumps({"model": model, "prompt": PROMPTS["local"],
+                                 "max_tokens": 4, "temperature": 0}).encode(),
+                headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return json.loads(resp.read())
+        # urllib in this loop's thread: its socket is opened inside the namespace.
+        return call()
+
+    body = s.run(http_completion)
+    assert body["usage"]["completion_tokens"] == 4
+    assert body["cpd"]["route"]["prefill_node"] == "p0"
+
+    result["transfer"] = _transfer_bench(s)
+
+    # One NATS member dies; services connected to it fail over to the others.
+    assert s.nats is not None
+    s.nats.servers["nats-0"].kill()
+    t_kill = time.monotonic()
+
+    async def until_served() -> Completion:
+        while True:
+            try:
+                return await generate("after0")
+            except CpdError:
+                if time.monotonic() - t_kill > 120:
+                    raise
+                await asyncio.sleep(0.2)
+
+    after = s.run(until_served, 300)
+    result["recovery_after_nats_kill_s"] = round(time.monotonic() - t_kill, 2)
+    assert after.token_ids == reference["after0"]
+    assert after.route.path == "cold"
+    visible("local")  # the blocks from before the member's loss are still known,
+    visible("after1")  # and those written after it reach kvindex
+    again = s.run(lambda: generate("after1"))
+    assert again.token_ids == reference["after1"]
+    assert again.route.path == "warm" and again.route.tokens_computed < len(PROMPTS["after1"])
+
+    async def stream_events() -> dict[tuple[str, int], list[int]]:
+        bus = await Bus.open(settings, "mh-stream")
+        try:
+            js = bus.nc.jetstream()
+            info = await js.stream_info(subjects.KV_STREAM)
+            assert info.config.num_replicas == 3
+            seqs: dict[tuple[str, int], list[int]] = {}
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                raw = await js.get_msg(subjects.KV_STREAM, seq)
+                ev = wire.decode(raw.data, wire.KvEvent)
+                if not isinstance(ev, wire.LeaseExpired):  # kvindex's own, unnumbered
+                    seqs.setdefault((ev.node, ev.epoch), []).append(ev.seq)
+            return seqs
+        finally:
+            await bus.close()
+
+    seqs = s.run(stream_events)
+    assert {node for node, _ in seqs} >= {"pp0", "p0"}
+    for key, got in seqs.items():  # each node's events, each once, none missing
+        assert got == list(range(1, len(got) + 1)), (key, got)
+    result["block_events"] = sum(len(v) for v in seqs.values())
+    out = os.environ.get("CPD_MULTIHOST_JSON")
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(result, indent=2, sort_keys=True))
+
+
+def _transfer_bench(s: _System) -> dict[str, Any]:
+    """``cpd bench transfer --quick`` with its client on host 3 and its peer on host 2:
+    CPD's pulls against raw UCX over the same link."""
+    fabric = s.fabric
+    out = s.tmp / "transfer.json"
+    env = {**s.env("bench"), "CPD_TELEMETRY__LOG_JSON": "false"}
+    done = subprocess.run(
+        [*fabric.prefix(3), sys.executable, "-m", "tools.cli", "bench", "transfer",
+         "--quick", "--peer-prefix", shlex.join(fabric.prefix(2)),
+         "--nats-host", fabric.addr(3), "--json", str(out)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    bench = json.loads(out.read_text())
+    assert bench["peer_host"] == fabric.addr(2)
+    assert bench["ucx"]["options"]["TLS"] == "tcp"
+    keep = ("gbps", "raw_ucx_gbps", "nats_gbps", "vs_raw_ucx", "vs_nats",
+            "min_vs_raw_ucx_at_1mib_plus", "headline_case")
+    return {k: bench[k] for k in keep} | {"cases": bench["cases"]}
