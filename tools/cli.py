@@ -161,6 +161,10 @@ def cmd_nats_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_CHOICES = ("kvindex", "router", "gateway", "worker", *WORKER_ROLES)
+"""What ``cpd serve`` runs (``worker``: in the role of ``worker.role``)."""
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run one service in the foreground until SIGTERM/SIGINT, joining the NATS
     deployment ``nats.servers`` names (no embedded server)."""
@@ -411,8 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="run one service in the foreground, joining the NATS "
                                       "deployment nats.servers names")
-    sv.add_argument("service", choices=["kvindex", "router", "gateway", "worker",
-                                        *WORKER_ROLES],
+    sv.add_argument("service", choices=SERVE_CHOICES,
                     help="worker: in the role of worker.role")
     sv.set_defaults(func=cmd_serve)
 
