@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 setup:
 	@scripts/bootstrap.sh
 
-# Debian packages only the tests need (kubectl for the Kubernetes manifests).
+# Debian packages only the tests need (kubectl, podman, runc, mmdebstrap).
 system-deps:
 	@scripts/system-deps.sh
 

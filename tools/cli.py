@@ -184,6 +184,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_images_build(args: argparse.Namespace) -> int:
+    """Build the container images with podman (docs/deploy.md, "Containers")."""
+    from tools.images import TARGETS, build
+
+    took = build(args.target or ["control", "worker-cpu"], base=args.base or "")
+    for target, seconds in took.items():
+        print(f"{TARGETS[target]}: built in {seconds:.0f} s")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -412,6 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a `cpd secure init` folder: the configs go into its server/ "
                          "folder and include its users, permissions and TLS")
     nc.set_defaults(func=cmd_nats_cluster)
+
+    im = sub.add_parser("images", help="container images").add_subparsers(
+        dest="action", required=True)
+    ib = im.add_parser("build", help="build the images with podman on a local Debian base")
+    ib.add_argument("--target", action="append",
+                    choices=["control", "worker-cpu", "worker-cuda"],
+                    help="repeatable (default: control and worker-cpu)")
+    ib.add_argument("--base", help="base image (default: one built here with mmdebstrap)")
+    ib.set_defaults(func=cmd_images_build)
 
     sv = sub.add_parser("serve", help="run one service in the foreground, joining the NATS "
                                       "deployment nats.servers names")
