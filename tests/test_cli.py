@@ -111,6 +111,10 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest
     assert "cpd: stopped" in rest
+    # The terminal shows progress and the banner only; log events go to the log files.
+    events = [x for x in [*lines, *rest.splitlines()] if re.match(r"\s*(\{|\d{4}-\d\d-)", x)]
+    assert not events, events
+    assert "service.ready" in (tmp_path / "logs" / "cluster.log").read_text()
 
 
 def test_ci_runs_the_readme_test_command() -> None:

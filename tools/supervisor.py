@@ -41,6 +41,7 @@ SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gatewa
 PROGRESS_EVERY_S = 10.0
 # The line `cpd up` prints once every service answers (tools watch for it).
 UP_BANNER = "CPD is up."
+CLUSTER_LOG = "cluster.log"
 METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
 SCRAPE_TARGETS_FILE = "prometheus-targets.json"
 
@@ -165,11 +166,13 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     generated into (or reused from) ``secrets_dir`` (default ``nats.secrets_dir``), NATS
     started with the generated config (auth, TLS, per-identity permissions), and every
     service given its own identity through its environment."""
-    # The scrape ports are the services' (from telemetry.prometheus_port on): this
-    # process serves none, or it would take the first one from kvindex.
-    telemetry.setup("cluster", msgspec.structs.replace(settings.telemetry, prometheus_port=0))
     logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
     logs.mkdir(parents=True, exist_ok=True)
+    # The scrape ports are the services' (from telemetry.prometheus_port on): this
+    # process serves none, or it would take the first one from kvindex. Its own log goes
+    # to a file: the terminal shows progress lines and the banner only.
+    telemetry.setup("cluster", msgspec.structs.replace(settings.telemetry, prometheus_port=0),
+                    log_file=logs / CLUSTER_LOG)
     wanted = [x for x in available_services() if not only or x in only]
     nodes = plan_nodes(wanted, counts)
     secrets = None
@@ -240,6 +243,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             if server.proc is None or server.proc.poll() is not None:
                 log.warning("nats.restarting")
+                _progress("NATS exited; restarting it")
                 server.start()
             for proc in procs:
                 if not stop.is_set() and not proc.alive():
@@ -354,14 +358,19 @@ def _restart(proc: Proc) -> None:
     if code == EXIT_REFUSED:
         if not proc.restarts or proc.restarts[-1] != -1.0:
             log.error("service.refused_by_nats", node=proc.node_id, log=str(proc.log_path))
+            _progress(f"{proc.node_id} was refused by NATS (its credentials); not restarted: "
+                      f"{proc.log_path}")
             proc.restarts.append(-1.0)  # logged once; its credentials need fixing first
         return
     proc.restarts = [t for t in proc.restarts if now - t < 60] + [now]
     if len(proc.restarts) > 5:
         log.error("service.crash_loop", node=proc.node_id, exit_code=code)
+        _progress(f"{proc.node_id} keeps exiting (code {code}); backing off: "
+                  f"{proc.log_path}")
         if len(proc.restarts) < 8:
             return  # back off: try again once the window slides
     log.warning("service.restart", node=proc.node_id, exit_code=code)
+    _progress(f"{proc.node_id} exited (code {code}); restarting")
     if proc.popen is not None:
         kill_tree(proc.popen)  # what the dead process started (engines) dies with it
     proc.start()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -41,8 +42,10 @@ _exporting = False  # whether any span processor will read spans built here
 
 
 def setup(service: str, settings: TelemetrySettings | None = None, *,
-          prometheus_reader: bool = False) -> None:
-    """Configure logging, tracing and metrics for this process (idempotent).
+          prometheus_reader: bool = False, log_file: str | os.PathLike[str] | None = None
+          ) -> None:
+    """Configure logging, tracing and metrics for this process (idempotent). Logs go to
+    standard error, or appended to ``log_file`` (a terminal that shows something else).
 
     Metrics go to prometheus_client's default registry when ``settings.prometheus_port``
     is set (served on that port) or ``prometheus_reader`` is true (no server started: the
@@ -50,7 +53,7 @@ def setup(service: str, settings: TelemetrySettings | None = None, *,
     """
     global _configured
     settings = settings or TelemetrySettings()
-    _configure_logging(service, settings)
+    _configure_logging(service, settings, log_file)
     if _configured is not None:
         return
     _configured = service
@@ -139,7 +142,8 @@ def server_span(name: str, headers: Mapping[str, str] | None,
     return _ServerSpan(name, headers, attributes)
 
 
-def _configure_logging(service: str, settings: TelemetrySettings) -> None:
+def _configure_logging(service: str, settings: TelemetrySettings,
+                       log_file: str | os.PathLike[str] | None = None) -> None:
     level = logging.getLevelNamesMapping()[settings.log_level.upper()]
     renderer: Any = (structlog.processors.JSONRenderer() if settings.log_json
                      else structlog.dev.ConsoleRenderer(colors=False))
@@ -154,7 +158,8 @@ def _configure_logging(service: str, settings: TelemetrySettings) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(
+            file=sys.stderr if log_file is None else open(log_file, "a", buffering=1)),  # noqa: SIM115
         cache_logger_on_first_use=False,
     )
 
