@@ -10,6 +10,10 @@ The role is configuration: prefill-side roles (``preprefill``, ``prefill``) serv
   :class:`~cpd.transfer.TransferClient` for pulls from peers;
 * heartbeats (the lease) and load reports.
 
+Apart from this module: ``arena`` (the arena's shared-memory files), ``peers`` (peer
+addresses from heartbeats, connect-ahead), ``loader`` (pulls from peers and their
+fallback accounting) and ``load`` (held work, the load report).
+
 Prefill side: pull the planned prefix blocks from peers, pin what will be loaded, give
 every new full block an arena slot (write-through), run the engine for the first token,
 seal the new blocks, send the first token to the client, then hand the request to its
@@ -23,13 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import mmap
 import os
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -37,9 +37,9 @@ from nats.aio.msg import Msg
 from opentelemetry.metrics import Observation
 
 from cpd.bus import BAD_INPUT, ReplyStream, Request, Service
-from cpd.engines import ArenaSpec, Engine, EngineRequest, EngineStep
+from cpd.engines import Engine, EngineRequest, EngineStep
 from cpd.engines.profile import CacheEventBridge, engine_profile
-from cpd.kvstore import BlockEntry, BlockStore, KvStore
+from cpd.kvstore import BlockStore, KvStore
 from cpd.kvstore import events as kvevents
 from cpd.ops import metrics, telemetry
 from cpd.ops.audit import AuditLog
@@ -50,15 +50,10 @@ from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest, Overloaded,
 from cpd.protocol.lifecycle import BlockState
 from cpd.protocol.roles import PREFILL_ROLES, WORKER_ROLES
 from cpd.transfer import TransferClient, TransferServer, decode_address, init_ucx
-
-
-@dataclass
-class _HeldPrefill:
-    """A prefill this worker holds, as its load report lists it."""
-
-    new_tokens: int
-    context_tokens: int
-    engine_start: float = 0.0  # perf_counter when it entered the engine; 0 while loading
+from services.worker.arena import Arena
+from services.worker.load import WorkerLoad
+from services.worker.loader import PrefixLoader
+from services.worker.peers import Peers
 
 
 class DecodeUnavailable(CpdError):
@@ -85,15 +80,12 @@ class WorkerService(Service):
         # a restart draws a new one, which voids every capability of the old epoch.
         self.keyring = Keyring(self.node_id, self.epoch)
         self.block_size = settings.cache.block_size
-        self.peers: dict[str, bytes] = {}
-        self._peer_waits: dict[str, asyncio.Event] = {}
-        # Peers to dial ahead of need: (node, address, when its heartbeat was first seen).
-        self._ahead: asyncio.Queue[tuple[str, bytes, float]] = asyncio.Queue()
-        self._prefills: dict[int, _HeldPrefill] = {}
-        self._prefill_ids = itertools.count()
-        self.in_flight = 0
-        self.ms_per_token = settings.worker.initial_ms_per_token
-        self._arena_path: Path | None = None
+        self.peers = Peers(self.node_id, role,
+                           heartbeat_interval_s=settings.node.heartbeat_interval_s,
+                           connect_ahead_delay_s=settings.dataplane.connect_ahead_delay_s)
+        self.load = WorkerLoad(initial_ms_per_token=settings.worker.initial_ms_per_token,
+                               on_change=self._load_changed)
+        self.arena: Arena | None = None
         self._bridge: CacheEventBridge | None = None
         self._leases: dict[str, asyncio.TimerHandle] = {}
         # Request ids running here: engines refuse a duplicate id with an untyped error.
@@ -107,13 +99,6 @@ class WorkerService(Service):
         role = {"role": self.role}
         self._m_kv_bytes = metrics.counter(m, metrics.WORKER_KV, [
             {**role, "direction": d} for d in ("write", "load")])
-        stages = [st for st in metrics.FALLBACK_STAGES
-                  if st == "handoff" or self.role in PREFILL_ROLES]
-        self._m_loads_planned = metrics.counter(m, metrics.WORKER_KV_LOADS_PLANNED, [
-            {**role, "stage": st} for st in stages])
-        self._m_fallbacks = metrics.counter(m, metrics.WORKER_KV_LOAD_FALLBACKS, [
-            {**role, "stage": st, "reason": r}
-            for st in stages for r in metrics.FALLBACK_REASONS])
         self._m_phase = metrics.histogram(m, metrics.WORKER_PHASE)
         metrics.gauge(m, metrics.WORKER_DRAM_USED,
                       lambda _: [Observation(self.kv.store.used_bytes, attrs)]
@@ -135,26 +120,21 @@ class WorkerService(Service):
         model = await asyncio.to_thread(self.profile.served_model)
         self.namespace = model.namespace
         self.vocab_size = model.vocab_size  # token ids past it are refused, not run
-        nbytes = self.profile.slot_bytes
-        num_slots = max(1, s.dataplane.arena_bytes // nbytes)
-        arena_dir = Path(s.worker.arena_dir)
-        _remove_stale_files(arena_dir, self.node_id)
-        self._arena_path = arena_dir / _shm_name("arena", self.node_id, self.epoch)
-        self._arena = np.memmap(self._arena_path, dtype=np.uint8, mode="w+",
-                                shape=(num_slots, nbytes))
+        self.arena = arena = Arena.create(s.worker.arena_dir, self.node_id, self.epoch,
+                                          arena_bytes=s.dataplane.arena_bytes,
+                                          slot_bytes=self.profile.slot_bytes)
         if s.worker.prefault_arena:
-            await asyncio.to_thread(_prefault, self._arena)
-        # Where vLLM publishes its KV events (the sim engine's go in process).
-        self._kv_events_endpoint = (
-            f"ipc://{arena_dir / _shm_name('kvevents', self.node_id, self.epoch)}")
-        arena_spec = ArenaSpec(str(self._arena_path), num_slots, nbytes)
+            await asyncio.to_thread(arena.prefault)
+        # The engine's KV events go to arena.kv_events_endpoint (vLLM; the sim engine's
+        # stay in process).
         self.engine = self.profile.build_engine(
-            self.role, model, arena_spec, kv_events_endpoint=self._kv_events_endpoint)
+            self.role, model, arena.spec, kv_events_endpoint=arena.kv_events_endpoint)
         await self.engine.start()
 
     async def setup(self) -> None:
         s = self.settings
-        arena = self._arena
+        assert self.arena is not None
+        arena = self.arena.slots
         js = self.bus.nc.jetstream()
         await kvevents.ensure_stream(js, update=False)  # kvindex owns its limits
         self.kv = KvStore(BlockStore(arena.shape[1], arena.shape[0], node=self.node_id,
@@ -167,10 +147,12 @@ class WorkerService(Service):
         if s.worker.audit_dir:  # the fault harness's evidence (cpd.ops.audit)
             self.audit = self.server.audit = AuditLog(s.worker.audit_dir, self.node_id)
         self.client = TransferClient(s.dataplane)
+        self.loader = PrefixLoader(self.role, self.kv, self.client, self.peers,
+                                   audit=self.audit)
         assert self.kv.publisher is not None
         self._bridge = self.profile.cache_event_bridge(
             self.engine, self.kv.publisher, self.namespace,
-            kv_events_endpoint=self._kv_events_endpoint)
+            kv_events_endpoint=self.arena.kv_events_endpoint)
         await self._bridge.start()
         await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         if self.role in PREFILL_ROLES:
@@ -185,7 +167,8 @@ class WorkerService(Service):
         await self._heartbeat()
         self.spawn(self._heartbeats(), "heartbeats")
         if s.dataplane.connect_ahead:
-            self.spawn(self._connect_ahead(), "connect-ahead")
+            self.spawn(self.peers.connect_ahead(self.client, lambda: self.stopping),
+                       "connect-ahead")
         self.spawn(self._load_reports(), "load-reports")
 
     async def on_stop(self) -> None:
@@ -200,10 +183,8 @@ class WorkerService(Service):
             if hasattr(self, part):
                 with contextlib.suppress(Exception):
                     await getattr(self, part).close()
-        if self._arena_path is not None:
-            self._arena_path.unlink(missing_ok=True)
-            (self._arena_path.parent / _shm_name("kvevents", self.node_id, self.epoch)).unlink(
-                missing_ok=True)
+        if self.arena is not None:
+            self.arena.remove()
 
     async def _on_reset(self, req: wire.ResetCache, _: Request) -> wire.Accepted:
         assert self.engine is not None
@@ -233,31 +214,9 @@ class WorkerService(Service):
             await self._heartbeat()
 
     def load_report(self) -> wire.LoadReport:
-        st = self.kv.store
-        return wire.LoadReport(
-            node=self.node_id, role=self.role, queue_depth=self.waiting,
-            queued_new_tokens=self.queued_tokens,
-            est_queue_ms=self.queued_tokens * self.ms_per_token, in_flight=self.in_flight,
-            dram_used_bytes=st.used_bytes, dram_total_bytes=st.total_bytes,
-            kv_bandwidth_gbps=self.client.meter.gbps, prefills=self._prefill_work(),
+        return self.load.report(
+            self.node_id, self.role, self.kv.store, kv_bandwidth_gbps=self.client.meter.gbps,
             prefill_token_cap=self.settings.worker.long_prefill_token_threshold)
-
-    @property
-    def waiting(self) -> int:
-        """Prefills held here (loading their prefix or in the engine)."""
-        return len(self._prefills)
-
-    @property
-    def queued_tokens(self) -> int:
-        """New tokens of the held prefills, as the router planned them."""
-        return sum(p.new_tokens for p in self._prefills.values())
-
-    def _prefill_work(self) -> list[wire.PrefillWork]:
-        now = time.perf_counter()
-        return [wire.PrefillWork(new_tokens=p.new_tokens, context_tokens=p.context_tokens,
-                                 elapsed_ms=(now - p.engine_start) * 1e3
-                                 if p.engine_start else 0.0)
-                for p in list(self._prefills.values())[:wire.MAX_REPORTED_PREFILLS]]
 
     async def _load_reports(self) -> None:
         while not self.stopping:
@@ -286,38 +245,7 @@ class WorkerService(Service):
         except CpdError as e:
             self.reject(msg.subject, e)
             return
-        if (self.peers.get(hb.node) != hb.ucx_address and hb.node != self.node_id
-                and self._may_pull_from(hb.role)):
-            self._ahead.put_nowait((hb.node, hb.ucx_address, time.monotonic()))
-        self.peers[hb.node] = hb.ucx_address
-        if (waiting := self._peer_waits.pop(hb.node, None)) is not None:
-            waiting.set()
-
-    async def _peer_address(self, node: str) -> bytes | None:
-        """The UCX address of ``node``. A plan may name a peer this worker has not heard
-        yet (the router heard its heartbeat first): wait up to two heartbeat intervals
-        for it rather than recompute what the peer holds."""
-        if (address := self.peers.get(node)) is not None:
-            return address
-        seen = self._peer_waits.setdefault(node, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(seen.wait(), 2 * self.settings.node.heartbeat_interval_s)
-        return self.peers.get(node)
-
-    def _may_pull_from(self, role: str) -> bool:
-        """Prefill roles pull prefixes from any worker; decode pulls only hand-offs."""
-        return role in WORKER_ROLES and (self.role in PREFILL_ROLES or role in PREFILL_ROLES)
-
-    async def _connect_ahead(self) -> None:
-        """Dial each new peer once its listener had a moment to settle, one at a time (a
-        burst of concurrent handshakes with a just-restarted peer is what UCX handles
-        worst), so the first warm request does not pay the connection set-up."""
-        delay = self.settings.dataplane.connect_ahead_delay_s
-        while not self.stopping:
-            node, address, seen = await self._ahead.get()
-            await asyncio.sleep(max(0.0, seen + delay - time.monotonic()))
-            if self.peers.get(node) == address and await self.client.connect_ahead(address):
-                self.log.info("worker.peer_connected", peer=node)
+        self.peers.heard(hb)
 
     def _salt(self, namespace: str) -> str:
         """vLLM cache salt of a request: tenants' namespaces never share engine blocks."""
@@ -400,16 +328,10 @@ class WorkerService(Service):
         # New tokens as the router planned them (cached ones cost next to nothing); the
         # EWMA below is per computed token too, so the queue estimate stays consistent.
         pending = req.route.tokens_computed or len(tokens)
-        key = next(self._prefill_ids)
-        held = self._prefills[key] = _HeldPrefill(pending, len(tokens) - pending)
-        self._load_changed()
-        try:
+        with self.load.holding(pending, len(tokens) - pending) as held:
             loaded, remote, load_error = await self._gather_prefix(req, hashes)
             t_load = held.engine_start = time.perf_counter()
             step, saved = await self._run_prefill(req, tokens, hashes, loaded)
-        finally:
-            del self._prefills[key]
-            self._load_changed()
         t_done = time.perf_counter()
         attrs = {"role": self.role}
         self._m_phase.record(t_load - t0, {**attrs, "phase": "load"})
@@ -418,9 +340,7 @@ class WorkerService(Service):
         self._m_kv_bytes.add(len(saved) * slot, {**attrs, "direction": "write"})
         self._m_kv_bytes.add(step.loaded_blocks * slot, {**attrs, "direction": "load"})
         computed = len(tokens) - step.cached_tokens
-        if computed > 0:  # EWMA of this node's prefill speed: the router's queue estimate
-            self.ms_per_token = 0.8 * self.ms_per_token + 0.2 * (
-                (t_done - t_load) * 1e3 / computed)
+        self.load.prefill_took(computed, t_done - t_load)
         first = step.token_ids[0]
         await out.tokens([first])
         bs = self.block_size
@@ -449,59 +369,21 @@ class WorkerService(Service):
         when a planned pull failed, which and why (the rest is recomputed, and the
         final's route says so)."""
         remote = 0
-        t_recv = time.time()
         failure: wire.LoadError | None = None
         if any(src.node != self.node_id and src.num_blocks for src in req.sources):
-            self._m_loads_planned.add(1, {"role": self.role, "stage": "prefix"})
+            self.loader.planned("prefix")
         for src in sorted(req.sources, key=lambda x: x.first_block):
             want = hashes[src.first_block:src.first_block + src.num_blocks]
             if src.node == self.node_id or not want:
                 continue
-            address = await self._peer_address(src.node)
-            if address is None:
-                self.log.warning("prefill.peer_unknown", peer=src.node)
-                error = ErrorCode.UNAVAILABLE.value
-                failure = wire.LoadError(peer=src.node, code=error,
-                                         detail="no heartbeat seen")
+            got, failure = await self.loader.pull("prefix", src.node, want,
+                                                  namespace=req.namespace,
+                                                  capability=src.capability)
+            remote += got
+            if failure is not None:  # recompute from here
                 break
-            error = ""
-            try:
-                remote += len(await self.client.pull(address, want, self.kv,
-                                                     namespace=req.namespace,
-                                                     capability=src.capability))
-            except CpdError as e:  # peer gone, evicted, corrupt: recompute from here
-                error = e.code.value
-                failure = wire.LoadError(peer=src.node, code=error)
-                self.log.warning("prefill.pull_failed", peer=src.node, error=error,
-                                 detail=e.message)
-                break
-            finally:
-                if self.audit is not None:
-                    self.audit.pulled("prefix", src.node, req.namespace, want, t_recv, error)
-        if failure is not None:
-            self._m_fallbacks.add(1, {"role": self.role, "stage": "prefix",
-                                      "reason": failure.code})
-        have = [e.hash for e in self._sealed_prefix(hashes)]
+        have = [e.hash for e in self.loader.sealed_prefix(hashes)]
         return have, min(remote, len(have)), failure
-
-    def _audit_load(self, namespace: str, entries: list[BlockEntry]) -> None:
-        """Record blocks handed to the engine: they must be sealed and intact."""
-        assert self.audit is not None
-        store = self.kv.store
-        sealed = [e for e in entries if e.state is BlockState.SEALED]
-        self.audit.loaded(namespace, [e.hash for e in entries],
-                          unsealed=len(entries) - len(sealed),
-                          corrupt=sum(not store.intact(e.hash) for e in sealed))
-
-    def _sealed_prefix(self, hashes: list[bytes]) -> list[BlockEntry]:
-        """The longest run of ``hashes`` from the first that this store holds sealed."""
-        out: list[BlockEntry] = []
-        for h in hashes:
-            entry = self.kv.store.get(h)
-            if entry is None or entry.state is not BlockState.SEALED:
-                break
-            out.append(entry)
-        return out
 
     async def _run_prefill(self, req: wire.PrefillRequest, tokens: np.ndarray,
                            hashes: list[bytes], loaded: list[bytes]
@@ -520,21 +402,21 @@ class WorkerService(Service):
         slot_of = {e.hash: e.slot for e in fresh}
         save = [slot_of.get(h, -1) for h in hashes]
         entries_loaded = [store.get(h) for h in loaded]
-        if self.audit is not None and loaded:
-            self._audit_load(req.namespace, [e for e in entries_loaded if e is not None])
+        if loaded:
+            self.loader.audit_load(req.namespace, [e for e in entries_loaded if e is not None])
         ereq = EngineRequest(
             request_id=req.request_id, tokens=tokens,
             sampling=_with_max_tokens(req.sampling, 1),
             load_slots=[e.slot for e in entries_loaded if e is not None],
             load_checksums=[e.checksum for e in entries_loaded if e is not None],
             save_slots=save, cache_salt=self._salt(req.namespace))
-        self.in_flight += 1
         try:
-            step = EngineStep()
-            async for part in self.engine.generate(ereq):
-                step = part if part.finished else step
-                if part.token_ids and not step.token_ids:
-                    step.token_ids = part.token_ids
+            with self.load.running():
+                step = EngineStep()
+                async for part in self.engine.generate(ereq):
+                    step = part if part.finished else step
+                    if part.token_ids and not step.token_ids:
+                        step.token_ids = part.token_ids
             if not step.token_ids:
                 raise CpdError("engine produced no token", code=ErrorCode.INTERNAL)
         except BaseException:
@@ -542,7 +424,6 @@ class WorkerService(Service):
                 await self.kv.fail([e.hash for e in fresh], "prefill failed")
             raise
         finally:
-            self.in_flight -= 1
             if loaded:
                 self.kv.unpin(lease)
         if step.failed_blocks:
@@ -556,7 +437,7 @@ class WorkerService(Service):
                        route: wire.Route, timings: wire.Timings, out: ReplyStream,
                        saved: list[bytes]) -> None:
         """Pin the request's blocks and give it to its decode node."""
-        held = [e.hash for e in self._sealed_prefix(hashes)]
+        held = [e.hash for e in self.loader.sealed_prefix(hashes)]
         lease = f"handoff-{req.request_id}-{uuid.uuid4().hex[:6]}"
         ttl = self.settings.dataplane.pin_ttl_s
         if held:
@@ -624,41 +505,22 @@ class WorkerService(Service):
                       remaining: int) -> None:
         out = ReplyStream(self.bus, req.reply_to, req.request_id, seq_start=req.seq_start)
         t0 = time.perf_counter()
-        t_recv = time.time()
         try:
             pulled_ok = True
-            address = await self._peer_address(req.source_node) if hashes else None
-            if hashes:
-                self._m_loads_planned.add(1, {"role": self.role, "stage": "handoff"})
-            if hashes and address is None:  # recomputed: a fallback like any other
-                pulled_ok = False
-                self._m_fallbacks.add(1, {"role": self.role, "stage": "handoff",
-                                          "reason": ErrorCode.UNAVAILABLE.value})
-                self.log.warning("decode.peer_unknown", peer=req.source_node)
-            if hashes and address is not None:
-                error = ""
-                try:
-                    await self.client.pull(address, hashes, self.kv, namespace=req.namespace,
-                                           capability=req.capability)
-                except CpdError as e:  # recompute what could not be pulled
-                    pulled_ok = False
-                    error = e.code.value
-                    self._m_fallbacks.add(1, {"role": self.role, "stage": "handoff",
-                                              "reason": error})
-                    self.log.warning("decode.pull_failed", peer=req.source_node,
-                                     error=e.code.value, detail=e.message)
-                if self.audit is not None:
-                    self.audit.pulled("handoff", req.source_node, req.namespace, hashes,
-                                      t_recv, error)
+            if hashes:  # what cannot be pulled is recomputed: a fallback like any other
+                self.loader.planned("handoff")
+                _, failure = await self.loader.pull("handoff", req.source_node, hashes,
+                                                    namespace=req.namespace,
+                                                    capability=req.capability)
+                pulled_ok = failure is None
             with contextlib.suppress(CpdError):
                 await self.bus.publish(subjects.pull_ack(req.source_node), wire.PullAck(
                     request_id=req.request_id, lease_id=req.lease_id, ok=pulled_ok))
             t_pull = time.perf_counter()
             full = np.append(tokens, np.asarray(req.first_token, dtype=wire.TOKEN_DTYPE))
             usable = (len(full) - 1) // self.block_size
-            have = self._sealed_prefix(hashes[:usable])
-            if self.audit is not None and have:
-                self._audit_load(req.namespace, have)
+            have = self.loader.sealed_prefix(hashes[:usable])
+            self.loader.audit_load(req.namespace, have)
             lease = f"decode-{req.request_id}-{uuid.uuid4().hex[:6]}"
             if have:
                 self.kv.pin(lease, [e.hash for e in have], self.settings.dataplane.pin_ttl_s)
@@ -668,26 +530,24 @@ class WorkerService(Service):
                                  load_slots=[e.slot for e in have],
                                  load_checksums=[e.checksum for e in have],
                                  cache_salt=self._salt(req.namespace))
-            self.in_flight += 1
-            self._load_changed()  # decode is chosen by load: the next router must see it
             generated = 1
             last = EngineStep()
             interval = self.settings.worker.stream_interval
             pending: list[int] = []
             try:
-                async for step in self.engine.generate(ereq):
-                    if step.token_ids:
-                        generated += len(step.token_ids)
-                        pending += step.token_ids
-                        if len(pending) >= interval:
-                            await out.tokens(pending)
-                            pending = []
-                    last = step
-                if pending:
-                    await out.tokens(pending)
+                # Reported at once: decode is chosen by load, the next router must see it.
+                with self.load.running(report=True):
+                    async for step in self.engine.generate(ereq):
+                        if step.token_ids:
+                            generated += len(step.token_ids)
+                            pending += step.token_ids
+                            if len(pending) >= interval:
+                                await out.tokens(pending)
+                                pending = []
+                        last = step
+                    if pending:
+                        await out.tokens(pending)
             finally:
-                self.in_flight -= 1
-                self._load_changed()
                 if have:
                     self.kv.unpin(lease)
             if last.failed_blocks:
@@ -727,41 +587,6 @@ def _check_ids(*, reply_to: str = "", **nodes: str) -> None:
             subjects.check_token(node, what)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
-
-
-def _shm_name(kind: str, node: str, epoch: int) -> str:
-    # The owner's pid in the name tells a crashed predecessor's leftovers from a live
-    # process's files (two clusters on one host may reuse node ids).
-    return f"cpd-{kind}-{node}-{epoch}-{os.getpid()}"
-
-
-def _remove_stale_files(folder: Path, node: str) -> None:
-    """Shared memory is only freed when its file goes: remove what dead incarnations of
-    ``node`` left behind, never a live process's."""
-    for kind in ("arena", "kvevents"):
-        for path in folder.glob(f"cpd-{kind}-{node}-*-*"):
-            pid = path.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _alive(int(pid)):
-                path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _prefault(arena: np.ndarray) -> None:
-    """Back every page of ``arena`` with memory now, one write per page: a first write
-    to a page costs a fault (in a virtual machine also the host's), which on the transfer
-    path made a pull into fresh 1 MiB slots cost ~4 ms a block instead of ~0.5 ms
-    (docs/architecture.md, "KV tiers and the data plane")."""
-    flat = arena.reshape(-1)
-    flat[::mmap.PAGESIZE] = 0
 
 
 def _with_max_tokens(s: wire.SamplingParams, n: int) -> wire.SamplingParams:
