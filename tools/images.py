@@ -23,6 +23,10 @@ from cpd.protocol.errors import CpdError
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"control": "cpd-control:latest", "worker-cpu": "cpd-worker-cpu:latest",
            "worker-cuda": "cpd-worker-cuda:latest"}
+"""Image of each buildable name: ``control``, or the ``worker`` target with ``EXTRA``
+``cpu`` or ``gpu`` (:data:`STAGES`)."""
+STAGES = {"control": ("control", ""), "worker-cpu": ("worker", "cpu"),
+          "worker-cuda": ("worker", "gpu")}
 BASE_RELEASE = "bookworm"  # Debian 12: Python 3.11
 BASE_TAG = f"cpd-base:{BASE_RELEASE}"
 BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "ca-certificates", "libnuma1",
@@ -99,8 +103,10 @@ def build(targets: Sequence[str] = ("control", "worker-cpu"), *, base: str = "")
     took = {}
     for target in targets:
         t0 = time.monotonic()
-        _run([podman(), "build", "--network", "host", "--target", target, "--tag",
-              TARGETS[target], "--build-arg", f"BASE={base}", *args,
+        stage, extra = STAGES[target]
+        _run([podman(), "build", "--network", "host", "--target", stage, "--tag",
+              TARGETS[target], "--build-arg", f"BASE={base}",
+              *(["--build-arg", f"EXTRA={extra}"] if extra else []), *args,
               *(x for v in volumes for x in ("--volume", v)), str(ROOT)])
         took[target] = round(time.monotonic() - t0, 1)
     # Layers that the rebuilt tags no longer use.
