@@ -83,3 +83,36 @@ def test_every_reason_code_has_words(reason: wire.RouteReason) -> None:
     assert route.describe()
     decoded = wire.decode(wire.encode(wire.Final(request_id="r", seq=1, route=route)))
     assert isinstance(decoded, wire.Final) and decoded.route.reason is reason
+
+
+def named_reads(source: str) -> list[int]:
+    """Lines that read a field by a name built at run time (``getattr(r, f"tokens_{t}")``):
+    a typed accessor (``wire.tokens_by_source``) says what exists."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr" and len(node.args) >= 2
+            and isinstance(node.args[1], ast.JoinedStr)]
+
+
+@pytest.mark.parametrize("source, flagged", [
+    ('getattr(r, f"tokens_{tier}")', True),
+    ("getattr(r, 'tokens_gpu')", False),
+    ("wire.tokens_by_source(r)[wire.TokenSource.GPU]", False),
+])
+def test_the_rule_catches_fields_read_by_built_names(source: str, flagged: bool) -> None:
+    assert bool(named_reads(source)) is flagged
+
+
+def test_no_module_reads_fields_by_built_names() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}"
+             for folder in FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))
+             if path != Path(__file__).resolve()
+             for line in named_reads(path.read_text())]
+    assert not found, found
+
+
+def test_tokens_by_source_names_every_source() -> None:
+    r = wire.Route(tokens_gpu=1, tokens_dram=2, tokens_remote=3, tokens_computed=4)
+    assert wire.tokens_by_source(r) == {wire.TokenSource.GPU: 1, wire.TokenSource.DRAM: 2,
+                                        wire.TokenSource.REMOTE: 3,
+                                        wire.TokenSource.COMPUTED: 4}

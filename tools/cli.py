@@ -267,8 +267,8 @@ def format_status(status: wire.StatusReply) -> str:
                      f"{n.in_flight:>7} {dram:>16} {n.kv_bandwidth_gbps:>6.2f}")
     total = max(1, r.prompt_tokens)
     lines.append("prompt tokens by source: " + ", ".join(
-        f"{tier} {getattr(r, f'tokens_{tier}') / total:.1%}"
-        for tier in ("gpu", "dram", "remote", "computed"))
+        f"{source.value} {count / total:.1%}"
+        for source, count in wire.tokens_by_source(r).items())
         + f" of {r.prompt_tokens}; paths " + (", ".join(
             f"{k} {v}" for k, v in sorted(r.paths.items())) or "none yet"))
     return "\n".join(lines)

@@ -90,11 +90,9 @@ class GatewayMetrics:
         self._latency.record(now - progress.started, attrs)
         route = final.route
         path = route.path or "unknown"
-        for tier, count in zip(metrics.PROMPT_TIERS, (route.tokens_gpu, route.tokens_dram,
-                                       route.tokens_remote, route.tokens_computed),
-                               strict=True):
+        for source, count in wire.tokens_by_source(route).items():
             # Zeros too: every tier's series exists, so ratios never lack a term.
-            self._prompt_tokens.add(count, {"tier": tier, "path": path})
+            self._prompt_tokens.add(count, {"tier": source.value, "path": path})
         self._completion_tokens.add(final.usage.completion_tokens, attrs)
 
     def failed(self, endpoint: str, status: int, code: str) -> None:

@@ -483,8 +483,8 @@ class RouterService(Service):
         s.paths[path] = s.paths.get(path, 0) + 1
         attrs = {"policy": self.cfg.policy, "path": path}
         self._m_requests.add(1, {**attrs, "outcome": "ok"})
-        for tier in metrics.PROMPT_TIERS:
-            self._m_tokens.add(getattr(r, f"tokens_{tier}"), {"tier": tier})
+        for source, count in wire.tokens_by_source(r).items():
+            self._m_tokens.add(count, {"tier": source.value})
         if relay.first_at:
             self._m_ttft.record(ttft_ms / 1000, attrs)
         if relay.sent > 1 and relay.first_at:

@@ -258,8 +258,8 @@ def report(results: Sequence[Result], *, target_qps: float, gpus: int, ttft_slo_
             and start <= r.finish_s < end]
     first = [r for r in results if r.error is None and r.first_token_s is not None
              and start <= r.first_token_s < end]
-    tiers = {t: sum(getattr(r, f"tokens_{t}") for r in arrived if r.error is None)
-             for t in ("gpu", "dram", "remote", "computed")}
+    tiers = {s.value: sum(wire.tokens_by_source(r)[s] for r in arrived if r.error is None)
+             for s in wire.TokenSource}
     queued = [q for r in arrived if (q := r.client_queue_s) is not None]
     out = {k: _finite(v) for k, v in asdict(summary).items()}
     out.update({

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from cpd.protocol import wire
+
 Kind = Literal["counter", "histogram", "updown", "gauge", "observed_counter"]
 
 # Bucket bounds, seconds. Request latencies run from a warm hit on a short prompt to a
@@ -39,7 +41,7 @@ STEP_BUCKETS_S: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.0
 
 _UNIT_SUFFIX = {"s": "_seconds", "By": "_bytes"}
 
-PROMPT_TIERS = ("gpu", "dram", "remote", "computed")
+PROMPT_TIERS = tuple(s.value for s in wire.TokenSource)
 """Where a prompt token's KV came from (the ``tier`` label of the prompt-token counters):
 hit ratio per tier = rate(tokens{tier=X}) ÷ rate(tokens)."""
 

@@ -17,7 +17,7 @@ Rules, so that old and new processes keep talking:
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import numpy as np
@@ -48,6 +48,32 @@ class Tier(enum.StrEnum):
 
     GPU = "gpu"
     DRAM = "dram"
+
+
+class TokenSource(enum.StrEnum):
+    """Where the KV of a prompt's tokens came from: the per-source counts of a route, of
+    the router's totals and of a benchmark's results (:func:`tokens_by_source`)."""
+
+    GPU = "gpu"            # the engine's own prefix cache
+    DRAM = "dram"          # this worker's arena
+    REMOTE = "remote"      # a peer's arena, over UCX
+    COMPUTED = "computed"  # computed by the prefill
+
+
+class PerSourceTokens(Protocol):
+    """Anything that counts prompt tokens per :class:`TokenSource`."""
+
+    tokens_gpu: int
+    tokens_dram: int
+    tokens_remote: int
+    tokens_computed: int
+
+
+def tokens_by_source(counts: PerSourceTokens) -> dict[TokenSource, int]:
+    """``counts``' prompt tokens by source, every source present."""
+    return {TokenSource.GPU: counts.tokens_gpu, TokenSource.DRAM: counts.tokens_dram,
+            TokenSource.REMOTE: counts.tokens_remote,
+            TokenSource.COMPUTED: counts.tokens_computed}
 
 
 class Message(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=False):
