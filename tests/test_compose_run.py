@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.cluster import free_ports
 from tools.images import build, podman
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -27,12 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "cpdtest"
 BS = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compose_cmd() -> list[str]:
@@ -44,8 +38,9 @@ def _compose_cmd() -> list[str]:
 class _Stack:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.env = {**os.environ, "CPD_NATS_PUBLISH": str(_free_port()),
-                    "CPD_GATEWAY_PUBLISH": str(_free_port())}
+        nats_port, gateway_port = free_ports(2)
+        self.env = {**os.environ, "CPD_NATS_PUBLISH": str(nats_port),
+                    "CPD_GATEWAY_PUBLISH": str(gateway_port)}
 
     def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*_compose_cmd(), *args], cwd=self.folder, env=self.env,

@@ -37,9 +37,9 @@ from cpd.ops.natscluster import Member
 from cpd.ops.natsserver import NatsCluster
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
-from cpd.protocol.hashing import Namespace, block_hashes
+from cpd.protocol.hashing import Namespace
 from cpd.transfer import decode_address
-from tests.helpers.cluster import ROOT, reference_outputs
+from tests.helpers.cluster import ROOT, reference_outputs, wait_visible
 from tests.helpers.netns import Fabric, NetnsLoop, available
 from tools.supervisor import stop_tree, wait_ready
 
@@ -176,22 +176,6 @@ async def _wait_workers(bus: Bus, s: _System, timeout: float = 420) -> dict[str,
     return seen
 
 
-async def _visible(bus: Bus, ns: Namespace, prompt: list[int], node: str, blocks: int) -> None:
-    hashes = block_hashes(ns, prompt)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            r = await bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
-                namespace=ns.id, block_hashes=hashes), expect=wire.LookupReply)
-            if {(m.node, m.tier): m.num_blocks for m in r.matches}.get(
-                    (node, wire.Tier.DRAM), 0) >= blocks:
-                return
-        except CpdError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{blocks} blocks never became visible on {node}")
-
-
 def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
         system: _System, reference: dict) -> None:
     s, fabric = system, system.fabric
@@ -235,7 +219,7 @@ def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
         async def wait() -> None:
             bus = await Bus.open(settings, "mh-lookup")
             try:
-                await _visible(bus, ns, PROMPTS[name], "pp0", 5)
+                await wait_visible(bus, ns, PROMPTS[name], "pp0", 5, timeout=60)
             finally:
                 await bus.close()
         s.run(wait)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,22 +26,12 @@ from cpd.protocol.errors import ConfigError, CpdError
 from cpd.protocol.hashing import Namespace, block_hashes
 from cpd.transfer.runtime import ucx_options
 from services.kvindex import KvIndexService
+from tests.helpers.cluster import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
 NS = Namespace(model_id="cpd-tiny", model_revision="r1", tokenizer_hash="t",
                kv_dtype="float32", block_size=4)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def test_cli_writes_a_valid_config_per_member(tmp_path: Path) -> None:
@@ -79,7 +68,7 @@ def test_cli_cluster_includes_the_least_privilege_config(tmp_path: Path) -> None
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
-    ports = _free_ports(9)
+    ports = free_ports(9)
     members = [natscluster.Member(f"nats-{i}", "127.0.0.1", *ports[3 * i:3 * i + 3])
                for i in range(3)]
     c = NatsCluster(tmp_path / "nats", members).start()

@@ -23,7 +23,7 @@ from cpd.protocol.errors import CpdError, Overloaded
 from cpd.protocol.hashing import block_hashes
 from services.gateway import GatewayService
 from services.router import RouterService
-from tests.helpers.cluster import VllmCluster, reference_outputs
+from tests.helpers.cluster import VllmCluster, reference_outputs, wait_visible
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -99,21 +99,8 @@ async def _generate(client: Client, prompt: list[int], max_tokens: int = 10,
     return await client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-async def _wait_visible(c: VllmCluster, prompt: list[int], node: str, blocks: int,
-                        timeout: float = 30) -> None:
-    hashes = block_hashes(c.ns, prompt)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            r = await c.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
-                namespace=c.ns.id, block_hashes=hashes), expect=wire.LookupReply)
-            hit = {(m.node, m.tier): m.num_blocks for m in r.matches}
-            if hit.get((node, wire.Tier.DRAM), 0) >= blocks:
-                return
-        except CpdError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{blocks} blocks never became visible on {node}")
+async def _wait_visible(c: VllmCluster, prompt: list[int], node: str, blocks: int) -> None:
+    await wait_visible(c.bus, c.ns, prompt, node, blocks)
 
 
 async def test_three_request_story_cold_then_warm_remote_then_warm_local(

@@ -9,16 +9,5 @@ from services.router.policy import Decision, Hits, NodeLoad, PolicyConfig, Route
 from services.router.service import RouterService, serve
 from services.router.waiters import PrefixWaiters
 
-__all__ = [
-           "Admission",
-           "Decision",
-           "Hits",
-           "NodeLoad",
-           "NodeTable",
-           "PolicyConfig",
-           "PrefixWaiters",
-           "Router",
-           "RouterService",
-           "Wait",
-           "serve",
-]
+__all__ = ["Admission", "Decision", "Hits", "NodeLoad", "NodeTable", "PolicyConfig",
+           "PrefixWaiters", "Router", "RouterService", "Wait", "serve"]

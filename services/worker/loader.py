@@ -6,7 +6,7 @@ pulled is recomputed, and the route says so (``wire.LoadError``)."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from cpd.kvstore import BlockEntry, KvStore
 from cpd.ops import metrics, telemetry
@@ -29,7 +29,7 @@ class PrefixLoader:
     """The pulls of one worker (``role``)."""
 
     def __init__(self, role: str, kv: KvStore, client: TransferClient, peers: Peers, *,
-                 audit: AuditLog | None) -> None:
+                 audit: AuditLog | None, log: Any = None) -> None:
         self.role = role
         self.kv = kv
         self.client = client
@@ -43,7 +43,7 @@ class PrefixLoader:
         self._m_fallbacks = metrics.counter(m, metrics.WORKER_KV_LOAD_FALLBACKS, [
             {"role": role, "stage": st, "reason": r}
             for st in stages for r in metrics.FALLBACK_REASONS])
-        self._log = telemetry.get_logger("cpd.worker", role=role)
+        self._log = log or telemetry.get_logger("cpd.worker", role=role)
 
     def planned(self, stage: Stage) -> None:
         """Count a request that plans to load from peers (the fallbacks' denominator)."""

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 from cpd.ops import telemetry
 from cpd.protocol import wire
@@ -19,7 +20,7 @@ class Peers:
     """Peer addresses of one worker (``node`` in ``role``)."""
 
     def __init__(self, node: str, role: str, *, heartbeat_interval_s: float,
-                 connect_ahead_delay_s: float) -> None:
+                 connect_ahead_delay_s: float, log: Any = None) -> None:
         self.node = node
         self.role = role
         self.addresses: dict[str, bytes] = {}
@@ -28,7 +29,7 @@ class Peers:
         self._waits: dict[str, asyncio.Event] = {}
         # Peers to dial ahead of need: (node, address, when its heartbeat was first seen).
         self._ahead: asyncio.Queue[tuple[str, bytes, float]] = asyncio.Queue()
-        self._log = telemetry.get_logger("cpd.worker", node=node)
+        self._log = log or telemetry.get_logger("cpd.worker", node=node)
 
     def may_pull_from(self, role: str) -> bool:
         """Prefill roles pull prefixes from any worker; decode pulls only hand-offs."""

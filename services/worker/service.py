@@ -82,7 +82,8 @@ class WorkerService(Service):
         self.block_size = settings.cache.block_size
         self.peers = Peers(self.node_id, role,
                            heartbeat_interval_s=settings.node.heartbeat_interval_s,
-                           connect_ahead_delay_s=settings.dataplane.connect_ahead_delay_s)
+                           connect_ahead_delay_s=settings.dataplane.connect_ahead_delay_s,
+                           log=self.log)
         self.load = WorkerLoad(initial_ms_per_token=settings.worker.initial_ms_per_token,
                                on_change=self._load_changed)
         self.arena: Arena | None = None
@@ -148,7 +149,7 @@ class WorkerService(Service):
             self.audit = self.server.audit = AuditLog(s.worker.audit_dir, self.node_id)
         self.client = TransferClient(s.dataplane)
         self.loader = PrefixLoader(self.role, self.kv, self.client, self.peers,
-                                   audit=self.audit)
+                                   audit=self.audit, log=self.log)
         assert self.kv.publisher is not None
         self._bridge = self.profile.cache_event_bridge(
             self.engine, self.kv.publisher, self.namespace,

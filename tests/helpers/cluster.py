@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,10 +17,42 @@ from cpd.bus import Bus
 from cpd.ops.config import load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError
+from cpd.protocol.hashing import Namespace, block_hashes
 from tools.supervisor import kill_tree, stop_tree
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PYTHON = sys.executable
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct ports free on the loopback right now."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+async def wait_visible(bus: Bus, ns: Namespace, prompt: list[int], node: str, blocks: int,
+                       timeout: float = 30) -> None:
+    """Until kvindex says ``blocks`` of ``prompt``'s blocks are visible in ``node``'s DRAM."""
+    hashes = block_hashes(ns, prompt)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = await bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+                namespace=ns.id, block_hashes=hashes), expect=wire.LookupReply)
+            if {(m.node, m.tier): m.num_blocks for m in r.matches}.get(
+                    (node, wire.Tier.DRAM), 0) >= blocks:
+                return
+        except CpdError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{blocks} blocks never became visible on {node}")
 
 
 def run_engine_helper(script: str, model_cache: Path, name: str, *args: str) -> dict:

@@ -37,9 +37,9 @@ class Member:
     cluster_port: int = CLUSTER_PORT
     http_port: int = HTTP_PORT
 
-    @property
-    def client_url(self) -> str:
-        return f"nats://{_host(self.host)}:{self.client_port}"
+    def client_url(self, scheme: str = "nats") -> str:
+        """Where clients reach this member (``tls`` with least-privilege NATS)."""
+        return f"{scheme}://{_host(self.host)}:{self.client_port}"
 
     def route_url(self, password: str) -> str:
         return f"nats-route://{ROUTE_USER}:{password}@{_host(self.host)}:{self.cluster_port}"
@@ -90,7 +90,7 @@ def member_config(me: Member, cluster: Sequence[Member], *, route_password: str,
 
 def servers_setting(cluster: Sequence[Member], *, scheme: str = "nats") -> str:
     """``nats.servers`` for the services: every member, comma-separated."""
-    return ",".join(f"{scheme}://{_host(m.host)}:{m.client_port}" for m in cluster)
+    return ",".join(m.client_url(scheme) for m in cluster)
 
 
 def write_cluster(folder: str | Path, cluster: Sequence[Member], *, store_dir: str,

@@ -168,7 +168,7 @@ class NatsCluster:
     @property
     def urls(self) -> list[str]:
         """Every member's client URL (``nats.servers``)."""
-        return [m.client_url for m in self.members]
+        return [m.client_url() for m in self.members]
 
     def start(self, timeout: float = 15.0) -> NatsCluster:
         """Start every member (a JetStream leader follows within seconds)."""
