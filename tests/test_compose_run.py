@@ -99,9 +99,12 @@ with urllib.request.urlopen(req, timeout=240) as r:
 
 
 def _wait_ready(s: _Stack, timeout: float = 900) -> None:
-    probe = ("import urllib.request, sys\n"
+    # Ready (a prefill side and a decode node) and all three workers alive: the first
+    # cold request must find the pre-prefill node, not overflow to prefill.
+    probe = ("import json, urllib.request, sys\n"
              "try:\n"
-             "    urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=5)\n"
+             "    r = urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=5)\n"
+             "    sys.exit(0 if json.loads(r.read())['workers'] >= 3 else 1)\n"
              "except Exception:\n"
              "    sys.exit(1)\n")
     deadline = time.monotonic() + timeout

@@ -190,7 +190,7 @@ class _Gateway:
     async def ready(self) -> Response:
         """Readiness: 200 when NATS is connected, a router answers, kvindex is up and
         the router knows a live worker of each kind a request needs (a prefill side and
-        a decode node); else 503 with the reason."""
+        a decode node); else 503 with the reason. The body counts the live workers."""
         if not self.client.bus.nc.is_connected:
             return _unhealthy("not connected to NATS")
         try:
@@ -203,7 +203,7 @@ class _Gateway:
             return _unhealthy(f"kvindex is {status.kvindex}")
         if missing:
             return _unhealthy(f"no live {' or '.join(missing)} worker")
-        return _json({"status": "ready", "workers": len(status.nodes)})
+        return _json({"status": "ready", "workers": sum(n.alive for n in status.nodes)})
 
     async def prometheus(self) -> Response:
         """This process's metrics in Prometheus text format."""
