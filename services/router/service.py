@@ -41,8 +41,7 @@ from cpd.protocol.errors import (
     Unavailable,
     UnknownNamespace,
 )
-from cpd.protocol.hashing import Namespace
-from cpd.protocol.hashmemo import PrefixHashMemo
+from cpd.protocol.hashing import BlockHasher, Namespace
 from services.router.admission import Admission
 from services.router.cost import LoadCost, PrefillCost
 from services.router.nodes import NodeTable
@@ -90,7 +89,7 @@ class RouterService(Service):
         self._open_streams: set[ReplyStream] = set()
         # Multi-turn prompts resend their previous turn: its block hashes are reused,
         # not recomputed (exact; per process, so replicas each keep their own).
-        self.hash_memo = PrefixHashMemo(self.cfg.hash_memo_bytes)
+        self.hash_memo = BlockHasher(self.cfg.hash_memo_bytes)
         self._instruments()
 
     # ------------------------------------------------------------------ lifecycle

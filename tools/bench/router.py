@@ -76,8 +76,7 @@ from cpd.ops.config import RouterSettings, Settings, load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
-from cpd.protocol.hashing import Namespace, block_hashes
-from cpd.protocol.hashmemo import PrefixHashMemo
+from cpd.protocol.hashing import BlockHasher, Namespace, block_hashes
 from cpd.protocol.roles import Role
 from services.router import Decision, Hits, RouterService, Wait
 from tools.bench.kvindex import CHAIN, _run_loop
@@ -805,7 +804,7 @@ class _Agents:
             self._open(AGENT_TURNS)
 
 
-def _memo_counts(memo: PrefixHashMemo) -> dict[str, int]:
+def _memo_counts(memo: BlockHasher) -> dict[str, int]:
     return {"hits": memo.hits, "misses": memo.misses, "blocks_reused": memo.blocks_reused,
             "blocks_computed": memo.blocks_computed}
 
@@ -860,7 +859,7 @@ async def _agent_passes(router: RouterService, sessions: list[AgentSession],
     pass from an empty memo (as after a router restart)."""
     passes = []
     for concurrency in (1, AGENT_CONCURRENCY):
-        router.hash_memo = PrefixHashMemo(memo_bytes)
+        router.hash_memo = BlockHasher(memo_bytes)
         passes.append(await _agent_turns(router, sessions, concurrency, pids))
     one, many = passes
     router_cpu = many["cpu_ms_per_decision"].get("router")

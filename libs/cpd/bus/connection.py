@@ -46,6 +46,37 @@ async def connect(settings: NatsSettings, name: str, *, url: str | None = None,
     servers = [url] if url else list(settings.servers)
     target = ", ".join(servers)
     denials = _Denials()
+    holder: dict[str, NatsClient] = {}
+    options: dict[str, Any] = {
+        "servers": servers,
+        "name": name,
+        "connect_timeout": settings.connect_timeout_s,
+        "reconnect_time_wait": settings.reconnect_wait_s,
+        "max_reconnect_attempts": settings.max_reconnect_attempts,
+        **_state_callbacks(settings, name, target, denials, holder),
+        "drain_timeout": settings.drain_timeout_s,
+        **identity_options(settings),
+        **extra,
+    }
+    try:
+        nc = await nats.connect(**options)
+    except NatsRefused:
+        raise
+    except (OSError, nats.errors.Error) as e:
+        raise CpdError(f"cannot connect to NATS at {target}: {e!r}",
+                       code=ErrorCode.UNAVAILABLE, retryable=True) from e
+    holder["nc"] = nc
+    _DENIALS[nc] = denials
+    for op in ("publish", "subscribe"):  # at 0 from the start: alerts see the series
+        _denied_counter().add(0, {"client": name, "operation": op})
+    return nc
+
+
+def _state_callbacks(settings: NatsSettings, name: str, target: str, denials: _Denials,
+                     holder: dict[str, NatsClient]) -> dict[str, Any]:
+    """nats-py's error, disconnect and reconnect callbacks for the connection ``connect``
+    makes (``holder["nc"]`` once it is made): permission denials go to ``denials``, an
+    identity refused while still connecting raises, state changes are logged."""
 
     async def on_error(e: Exception) -> None:
         text = str(e)
@@ -66,32 +97,8 @@ async def connect(settings: NatsSettings, name: str, *, url: str | None = None,
     async def on_reconnect() -> None:
         log.info("nats.reconnected", client=name)
 
-    options: dict[str, Any] = {
-        "servers": servers,
-        "name": name,
-        "connect_timeout": settings.connect_timeout_s,
-        "reconnect_time_wait": settings.reconnect_wait_s,
-        "max_reconnect_attempts": settings.max_reconnect_attempts,
-        "error_cb": on_error,
-        "disconnected_cb": on_disconnect,
-        "reconnected_cb": on_reconnect,
-        "drain_timeout": settings.drain_timeout_s,
-        **identity_options(settings),
-        **extra,
-    }
-    holder: dict[str, NatsClient] = {}
-    try:
-        nc = await nats.connect(**options)
-    except NatsRefused:
-        raise
-    except (OSError, nats.errors.Error) as e:
-        raise CpdError(f"cannot connect to NATS at {target}: {e!r}",
-                       code=ErrorCode.UNAVAILABLE, retryable=True) from e
-    holder["nc"] = nc
-    _DENIALS[nc] = denials
-    for op in ("publish", "subscribe"):  # at 0 from the start: alerts see the series
-        _denied_counter().add(0, {"client": name, "operation": op})
-    return nc
+    return {"error_cb": on_error, "disconnected_cb": on_disconnect,
+            "reconnected_cb": on_reconnect}
 
 
 _PERMISSION_VIOLATION = "permissions violation"

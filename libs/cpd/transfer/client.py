@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cpd.kvstore import BlockStore, KvStore, checksum
+from cpd.kvstore import BlockStore, KvStore
 from cpd.ops import telemetry
 from cpd.ops.config import DataPlaneSettings
 from cpd.protocol import wire
@@ -27,52 +25,24 @@ from cpd.protocol.errors import (
     TransferTimeout,
 )
 
+from .connections import Connection, ConnectionPool
 from .framing import (
     CTRL_TAG,
     CleanFailure,
     check_reply,
     coalesce_runs,
-    decode_address,
     frame,
-    header_capacity,
     reply_failure,
     runs_field,
     unframe,
-    unpack_run,
     xfer_tag,
 )
+from .get_exchange import GetExchange, vet_get_reply
 from .meter import BandwidthMeter, TransferMetrics
-from .runtime import (
-    NS_PER_S,
-    Batch,
-    abort_endpoint,
-    init_ucx,
-    progress_while_busy,
-    truncated_error,
-    ucx_error,
-)
+from .permits import PermitBuffers, Permits
+from .runtime import Batch, progress_while_busy, truncated_error, ucx_error
 
 log = telemetry.get_logger("cpd.transfer")
-
-# Coalesced runs a client receives at once per transfer (each into a staging buffer of
-# its own): while one run is copied out into its landing views, the next one lands.
-_CLIENT_STAGING_LANES = 2
-
-
-@dataclass(eq=False)
-class _Conn:
-    address: bytes
-    ep: Any
-    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
-
-
-@dataclass(frozen=True, slots=True)
-class _PermitBuffers:
-    """What one of a client's transfer permits lends for the length of an exchange: the
-    header buffer, and the staging buffers coalesced runs land in (none when off)."""
-
-    header: bytearray
-    staging: tuple[np.ndarray, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,32 +67,23 @@ class TransferClient:
         self.settings = settings
         self.meter = meter or BandwidthMeter(settings.bandwidth_ewma_alpha,
                                              settings.bandwidth_min_bytes)
-        self._conns: dict[bytes, _Conn] = {}
-        self._connecting: dict[bytes, asyncio.Lock] = {}
-        cap = header_capacity(settings.max_blocks_per_transfer)
-        coalescing = bool(settings.coalesce_below_bytes and settings.coalesce_message_bytes)
-        lanes = _CLIENT_STAGING_LANES if coalescing else 0
-        # Last in, first out: the buffers used last are the ones whose pages are mapped
-        # and cached (a FIFO would walk every permit's staging pages, first-touch faults
-        # included, before reusing any).
-        self._buffers: asyncio.LifoQueue[_PermitBuffers] = asyncio.LifoQueue()
-        for _ in range(settings.max_concurrent_transfers):
-            # numpy maps the staging pages lazily: buffers never used cost no memory.
-            self._buffers.put_nowait(_PermitBuffers(bytearray(cap), tuple(
-                np.empty(settings.coalesce_message_bytes, np.uint8) for _ in range(lanes))))
+        self._pool = ConnectionPool(settings)
+        self._permits = Permits(settings)
         self._metrics = TransferMetrics()
-        self._inflight = 0
+
+    @property
+    def _conns(self) -> dict[bytes, Connection]:
+        """The open connections by peer address (for tests and diagnostics)."""
+        return self._pool.conns
 
     @property
     def in_flight(self) -> int:
-        return self._inflight
+        """How many exchanges hold a permit now."""
+        return self._permits.in_flight
 
     async def close(self) -> None:
         """Close every connection."""
-        conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            with contextlib.suppress(Exception):
-                await conn.ep.close(period=int(self.settings.abort_wait_s * NS_PER_S))
+        await self._pool.close()
 
     # ---------------------------------------------------------------------- public API
 
@@ -214,22 +175,9 @@ class TransferClient:
         finally:
             store.unpin(lease)
 
-    # ------------------------------------------------------------------------ internals
-
-    @contextlib.asynccontextmanager
-    async def _permit(self) -> AsyncIterator[_PermitBuffers]:
-        buf = await self._buffers.get()
-        self._inflight += 1
-        try:
-            yield buf
-        finally:
-            self._inflight -= 1
-            self._buffers.put_nowait(buf)
-
     def is_connected(self, address: bytes) -> bool:
         """Whether a connection to the peer at ``address`` is open."""
-        conn = self._conns.get(address)
-        return conn is not None and not conn.ep.closed
+        return self._pool.is_open(address)
 
     async def connect_ahead(self, address: bytes) -> bool:
         """Open the connection to the peer at ``address`` before any transfer needs it, so
@@ -240,7 +188,7 @@ class TransferClient:
         logged, not raised (the transfer that needs the peer dials again)."""
         try:
             async with progress_while_busy():
-                await self._connection(address, attempts=1)
+                await self._pool.get(address, attempts=1)
         except Exception as e:  # a best-effort dial must not end its caller
             log.info("UCX connection ahead of need failed", peer=address.decode(),
                      error=e.code.value if isinstance(e, CpdError) else type(e).__name__,
@@ -248,118 +196,59 @@ class TransferClient:
             return False
         return True
 
-    async def _connection(self, address: bytes, attempts: int | None = None) -> _Conn:
-        """The open connection to ``address``, dialled if there is none. Handshakes repeat
-        on a timeout, ``attempts`` times at most (``None``: until the caller's deadline)."""
-        if self.is_connected(address):
-            return self._conns[address]
-        lock = self._connecting.setdefault(address, asyncio.Lock())
-        async with lock:
-            if self.is_connected(address):
-                return self._conns[address]
-            host, port = decode_address(address)
-            init_ucx(self.settings)
-            import ucxx
+    # ------------------------------------------------------------------------ internals
 
-            attempt = 0
-            while True:
-                # A connection attempt sometimes never completes its handshake (seen after
-                # a peer died mid-transfer); a fresh attempt does. The transfer's deadline
-                # bounds the retries.
-                attempt += 1
-                try:
-                    ep = await ucxx.create_endpoint(
-                        host, port, connect_timeout=self.settings.connect_timeout_s)
-                    break
-                except TimeoutError:
-                    log.info("UCX connect attempt timed out; retrying", peer=address.decode(),
-                             attempt=attempt)
-                    if attempts is not None and attempt >= attempts:
-                        raise TransferTimeout(f"no handshake with {address.decode()} in "
-                                              f"{attempt} attempts") from None
-                except ucx_error() as e:
-                    raise PeerGone(f"cannot connect to {address.decode()}: {e}") from e
-            conn = _Conn(address, ep)
-            self._conns[address] = conn
-            return conn
-
-    def _drop(self, conn: _Conn | None) -> None:
-        if conn is None:
-            return
-        if self._conns.get(conn.address) is conn:
-            del self._conns[conn.address]
-        abort_endpoint(conn.ep, self.settings)
-
-    async def _exchange_header(self, conn: _Conn, buf: bytearray, msg: wire.Message,
+    async def _exchange_header(self, conn: Connection, buf: bytearray, msg: wire.Message,
                                xfer_id: int) -> wire.BlockReply:
-        batch = Batch(conn.ep, lambda: self._drop(conn))
+        batch = Batch(conn.ep, lambda: self._pool.drop(conn))
         batch.recv(buf, xfer_tag(xfer_id, 0))
         batch.send(frame(msg), CTRL_TAG)
         await batch.wait()
         return check_reply(unframe(buf, wire.BlockReply), xfer_id)
 
-    @staticmethod
-    def _vet_get_reply(address: bytes, buf: bytearray, xfer_id: int, hashes: Sequence[bytes],
-                       landing: Sequence[np.ndarray], counts: list[int]) -> wire.BlockReply:
-        """The get reply in ``buf``, if it answers the request; else a typed error."""
-        reply = check_reply(unframe(buf, wire.BlockReply), xfer_id)
-        if not reply.ok:
-            raise reply_failure(reply)
-        if counts and not reply.coalesced:
-            # Its per-block messages are not what our receives wait for.
-            raise MalformedMessage(
-                f"{address.decode()} ignored the coalesced layout of a get (a build "
-                "before coalescing?); dataplane.coalesce_below_bytes = 0 turns it off")
-        if reply.coalesced and not counts:
-            raise MalformedMessage("get reply coalesced, which was not asked for")
-        if ([r.hash for r in reply.blocks] != list(hashes) or len(reply.seals) != len(hashes)
-                or any(s.nbytes > v.nbytes for s, v in zip(reply.seals, landing, strict=True))):
-            raise MalformedMessage("get reply does not match the request")
-        return reply
-
     async def _guarded(self, op: str, address: bytes, timeout: float,
-                       body: Callable[[_PermitBuffers, Callable[[], _Conn]], Awaitable[Any]]
+                       body: Callable[[PermitBuffers, Callable[[], Connection]], Awaitable[Any]]
                        ) -> Any:
         """Run one exchange under its deadline; map failures to typed errors, aborting
         the connection whenever UCX may still hold requests on our buffers (the permit's
         buffers go back to the pool only after that)."""
         t0 = time.perf_counter()
-        conn: _Conn | None = None
+        conn: Connection | None = None
         outcome = "ok"
 
-        async def connect() -> _Conn:
+        async def connect() -> Connection:
             nonlocal conn
-            conn = await self._connection(address)
+            conn = await self._pool.get(address)
             return conn
 
         try:
-            async with self._permit() as buf:
+            async with self._permits.take() as buf:
                 try:
                     async with asyncio.timeout(timeout), progress_while_busy():
                         return await body(buf, connect)  # type: ignore[arg-type]
                 except TimeoutError:
                     outcome = "timeout"
-                    self._drop(conn)
+                    self._pool.drop(conn)
                     raise TransferTimeout(f"{op} from {address.decode()} missed its "
                                           f"{timeout:.3g} s deadline") from None
                 except truncated_error() as e:
                     outcome = "malformed"
-                    self._drop(conn)
+                    self._pool.drop(conn)
                     raise MalformedMessage(f"{op}: oversized message from {address!r}") from e
                 except ucx_error() as e:
                     outcome = "peer_gone"
-                    self._drop(conn)
+                    self._pool.drop(conn)
                     raise PeerGone(f"{op} from {address.decode()}: {e!r}") from e
                 except CleanFailure as e:
                     outcome = e.error.code.value
                     raise e.error from None
                 except CpdError as e:
                     outcome = e.code.value
-                    self._drop(conn)
+                    self._pool.drop(conn)
                     raise
                 except BaseException:
                     outcome = "cancelled"
-                    self._drop(conn)
+                    self._pool.drop(conn)
                     raise
         finally:
             self._metrics.done(op, outcome, 0, time.perf_counter() - t0)
@@ -383,24 +272,24 @@ class TransferClient:
         runs = coalesce_runs([v.nbytes for v in landing], self.settings)
         counts = runs_field(runs)
 
-        async def body(bufs: _PermitBuffers, connect: Callable[[], Awaitable[_Conn]]) -> Any:
+        async def body(bufs: PermitBuffers, connect: Callable[[], Awaitable[Connection]]) -> Any:
             nonlocal t0
             conn = await connect()
             # The bandwidth estimate times the bytes, not the connection set-up before.
             t0 = time.perf_counter()
-            exchange = _GetExchange(conn, Batch(conn.ep, lambda: self._drop(conn)), landing)
+            exchange = GetExchange(conn, Batch(conn.ep, lambda: self._pool.drop(conn)), landing)
             request = wire.BlockGet(
                 xfer_id=exchange.xfer_id, hashes=wire.join_hashes(list(hashes)),
                 namespace=namespace, timeout_ms=int(timeout * 1000), capability=capability,
                 runs=counts)
             try:
                 return await exchange.run(bufs, request, runs, functools.partial(
-                    self._vet_get_reply, address, bufs.header, exchange.xfer_id, hashes,
+                    vet_get_reply, address, bufs.header, exchange.xfer_id, hashes,
                     landing, counts), accept)
             except BaseException:
                 # Even after a clean refusal the posted receives still point at our
                 # buffers: aborting the endpoint is what cancels them in UCX.
-                self._drop(conn)
+                self._pool.drop(conn)
                 raise
 
         reply, digests = await self._guarded("get", address, timeout, body)
@@ -415,7 +304,7 @@ class TransferClient:
         t0 = time.perf_counter()
         sent = 0
 
-        async def body(bufs: _PermitBuffers, connect: Callable[[], Awaitable[_Conn]]) -> int:
+        async def body(bufs: PermitBuffers, connect: Callable[[], Awaitable[Connection]]) -> int:
             nonlocal sent, t0
             buf = bufs.header
             conn = await connect()
@@ -430,7 +319,7 @@ class TransferClient:
                 raise reply_failure(ready)
             if len(ready.accepted) != len(entries):
                 raise MalformedMessage("put go-ahead does not match the request")
-            batch = Batch(conn.ep, lambda: self._drop(conn))
+            batch = Batch(conn.ep, lambda: self._pool.drop(conn))
             batch.recv(buf, xfer_tag(x, 1))  # the final status
             send = [i for i, flag in enumerate(ready.accepted) if flag]
             for i in send:
@@ -446,84 +335,6 @@ class TransferClient:
         self.meter.record(sent, time.perf_counter() - t0)
         self._metrics.bytes.add(sent, {"op": "put"})
         return count
-
-
-class _GetExchange:
-    """The receiving side of one get exchange, awaited by one :class:`Batch`.
-
-    A receive is posted per block into its landing view, or per coalesced run into a
-    staging lane (a lane's runs in turn: run k+1's receive is posted once run k was copied
-    out, as the peer sends a lane's runs in order). A block is checksummed as it lands,
-    while still in cache, once the reply's seals have been vetted; what landed before
-    waits for them.
-    """
-
-    def __init__(self, conn: _Conn, batch: Batch, landing: Sequence[np.ndarray]) -> None:
-        self.xfer_id = next(conn.ids)
-        self.batch = batch
-        self.landing = landing
-        self.digests = [0] * len(landing)
-        self.seals: list[wire.BlockSeal] = []  # the reply's, once it was vetted
-        self._waiting: list[Callable[[], None]] = []  # landed before the reply was vetted
-
-    async def run(self, bufs: _PermitBuffers, request: wire.BlockGet,
-                  runs: Sequence[tuple[int, int]],
-                  vet: Callable[[], wire.BlockReply],
-                  accept: Callable[[wire.BlockReply], Awaitable[None]]
-                  ) -> tuple[wire.BlockReply, list[int]]:
-        """Send ``request``, post every receive, vet and ``accept`` the reply, and await
-        every block; returns the reply and each block's xxh3-64 as it landed."""
-        header = self.batch.recv(bufs.header, xfer_tag(self.xfer_id, 0))
-        # The request leaves first, so the peer looks its blocks up while the receives
-        # are posted here; UCX matches a message that comes before its receive once that
-        # is posted (a large one waits at the sender).
-        self.batch.send(frame(request), CTRL_TAG)
-        for start, count in runs:
-            if count == 1:
-                self._post_block(start)
-        packed = [r for r in runs if r[1] > 1]
-        for j, staging in enumerate(bufs.staging):
-            if lane := packed[j::len(bufs.staging)]:
-                self._post_run(lane, 0, staging)
-        await self.batch.wait(until=header)
-        reply = vet()
-        await accept(reply)
-        self._vetted(reply.seals)
-        await self.batch.wait()
-        return reply, self.digests
-
-    def _once_vetted(self, fn: Callable[[], None]) -> None:
-        if self.seals:
-            fn()
-        else:
-            self._waiting.append(fn)
-
-    def _vetted(self, seals: Sequence[wire.BlockSeal]) -> None:
-        self.seals[:] = seals
-        waiting, self._waiting = self._waiting, []
-        for fn in waiting:
-            fn()
-
-    def _post_block(self, i: int) -> None:
-        self.batch.recv(self.landing[i], xfer_tag(self.xfer_id, 2 + i),
-                        functools.partial(self._once_vetted, functools.partial(self._check, i)))
-
-    def _check(self, i: int) -> None:  # a block of its own landed
-        self.digests[i] = checksum(self.landing[i][:self.seals[i].nbytes])
-
-    def _post_run(self, lane: Sequence[tuple[int, int]], k: int, staging: np.ndarray) -> None:
-        start, count = lane[k]
-        size = sum(v.nbytes for v in self.landing[start:start + count])
-        self.batch.recv(staging[:size], xfer_tag(self.xfer_id, 2 + start), functools.partial(
-            self._once_vetted, functools.partial(self._run_landed, lane, k, staging)))
-
-    def _run_landed(self, lane: Sequence[tuple[int, int]], k: int, staging: np.ndarray) -> None:
-        start, count = lane[k]
-        end = start + count
-        self.digests[start:end] = unpack_run(staging, self.seals[start:end],
-                                             self.landing[start:end])
-        if k + 1 < len(lane):
-            self._post_run(lane, k + 1, staging)
 
 
 def _byte_view(buf: Any) -> np.ndarray:

@@ -217,18 +217,7 @@ class TransferServer:
     async def _handle_get(self, ep: Any, conn_id: int, req: wire.BlockGet) -> int:
         x = req.xfer_id
         await self._authorize(ep, conn_id, "get", x, req.namespace, req.capability)
-        try:
-            hashes = wire.split_hashes(req.hashes)
-            if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
-                raise InvalidRequest(
-                    f"{len(hashes)} blocks; 1..{self.settings.max_blocks_per_transfer}")
-            runs = runs_from_field(req.runs, len(hashes)) if req.runs else []
-            if runs and not self.settings.coalesce_message_bytes:
-                raise InvalidRequest("coalesced gets are off at this server "
-                                     "(dataplane.coalesce_message_bytes = 0)")
-        except CpdError as e:
-            await self._reply_error(ep, x, 0, e)
-            raise
+        hashes, runs = await self._parse_get(ep, req)
         timeout = self._timeout(req.timeout_ms)
         async with asyncio.timeout(timeout), self._slots:
             missing = [h for h in hashes if not self._servable(h, req.namespace)]
@@ -241,45 +230,75 @@ class TransferServer:
             self.store.pin(lease, hashes, timeout)
             try:
                 entries = [self.store.get(h) for h in hashes]
-                namespaces = {e.namespace for e in entries}
-                if len(namespaces) != 1:
-                    err = InvalidRequest("one get carries blocks of one namespace")
-                    await self._reply_error(ep, x, 0, err)
-                    raise err
-                largest = max((sum(e.nbytes for e in entries[start:start + count])
-                               for start, count in runs if count > 1), default=0)
-                if largest > self.settings.coalesce_message_bytes:
-                    err = InvalidRequest(
-                        f"a coalesced run of {largest} bytes exceeds this server's "
-                        f"dataplane.coalesce_message_bytes {self.settings.coalesce_message_bytes}")
-                    await self._reply_error(ep, x, 0, err)
-                    raise err
+                namespace = await self._vet_get_entries(ep, x, entries, runs)
                 if self.audit is not None:
-                    self._audit_get(next(iter(namespaces)), entries)
-                # The reply and every block are posted at once (the reply first: the
-                # client needs its seals to check the blocks).
-                # A failure aborts the endpoint before the slots are unpinned and the
-                # staging buffer reused: sends may still be reading them.
-                batch = Batch(ep, lambda: abort_endpoint(ep, self.settings))
-                batch.send(frame(wire.BlockReply(
-                    xfer_id=x, namespace=namespaces.pop(), blocks=[e.ref for e in entries],
-                    seals=[e.seal for e in entries], coalesced=bool(runs))), xfer_tag(x, 0))
-                # One staging buffer per slot of _slots, which this transfer holds.
-                staging = self._staging.pop() if runs else None
-                try:
-                    if staging is not None:
-                        self._post_runs(batch, x, entries, runs, staging)
-                    else:
-                        for i, e in enumerate(entries):
-                            self._post_block(batch, xfer_tag(x, 2 + i),
-                                             self.store.arena[e.slot, :e.nbytes])
-                    await batch.wait()
-                finally:
-                    if staging is not None:
-                        self._staging.append(staging)
+                    self._audit_get(namespace, entries)
+                await self._send_get(ep, x, namespace, entries, runs)
             finally:
                 self.store.unpin(lease)
         return sum(e.nbytes for e in entries)
+
+    async def _parse_get(self, ep: Any, req: wire.BlockGet
+                         ) -> tuple[list[bytes], list[tuple[int, int]]]:
+        """The hashes and coalesced runs a get asks for; a request this server cannot
+        serve is answered with its typed error, which is raised."""
+        try:
+            hashes = wire.split_hashes(req.hashes)
+            if not 0 < len(hashes) <= self.settings.max_blocks_per_transfer:
+                raise InvalidRequest(
+                    f"{len(hashes)} blocks; 1..{self.settings.max_blocks_per_transfer}")
+            runs = runs_from_field(req.runs, len(hashes)) if req.runs else []
+            if runs and not self.settings.coalesce_message_bytes:
+                raise InvalidRequest("coalesced gets are off at this server "
+                                     "(dataplane.coalesce_message_bytes = 0)")
+        except CpdError as e:
+            await self._reply_error(ep, req.xfer_id, 0, e)
+            raise
+        return hashes, runs
+
+    async def _vet_get_entries(self, ep: Any, xfer_id: int, entries: list[Any],
+                               runs: list[tuple[int, int]]) -> str:
+        """The one namespace of a get's (pinned) blocks; blocks of several namespaces or
+        a coalesced run larger than a staging buffer are refused, typed."""
+        namespaces = {e.namespace for e in entries}
+        if len(namespaces) != 1:
+            err = InvalidRequest("one get carries blocks of one namespace")
+            await self._reply_error(ep, xfer_id, 0, err)
+            raise err
+        largest = max((sum(e.nbytes for e in entries[start:start + count])
+                       for start, count in runs if count > 1), default=0)
+        if largest > self.settings.coalesce_message_bytes:
+            err = InvalidRequest(
+                f"a coalesced run of {largest} bytes exceeds this server's "
+                f"dataplane.coalesce_message_bytes {self.settings.coalesce_message_bytes}")
+            await self._reply_error(ep, xfer_id, 0, err)
+            raise err
+        return namespaces.pop()
+
+    async def _send_get(self, ep: Any, xfer_id: int, namespace: str, entries: list[Any],
+                        runs: list[tuple[int, int]]) -> None:
+        """Send a get's reply and every block (pinned by the caller), and await them all."""
+        x = xfer_id
+        # The reply and every block are posted at once (the reply first: the client needs
+        # its seals to check the blocks). A failure aborts the endpoint before the slots
+        # are unpinned and the staging buffer reused: sends may still be reading them.
+        batch = Batch(ep, lambda: abort_endpoint(ep, self.settings))
+        batch.send(frame(wire.BlockReply(
+            xfer_id=x, namespace=namespace, blocks=[e.ref for e in entries],
+            seals=[e.seal for e in entries], coalesced=bool(runs))), xfer_tag(x, 0))
+        # One staging buffer per slot of _slots, which this transfer holds.
+        staging = self._staging.pop() if runs else None
+        try:
+            if staging is not None:
+                self._post_runs(batch, x, entries, runs, staging)
+            else:
+                for i, e in enumerate(entries):
+                    self._post_block(batch, xfer_tag(x, 2 + i),
+                                     self.store.arena[e.slot, :e.nbytes])
+            await batch.wait()
+        finally:
+            if staging is not None:
+                self._staging.append(staging)
 
     def _audit_get(self, namespace: str, entries: list[Any]) -> None:
         """Record what is about to leave: unsealed or corrupt blocks must never do."""

@@ -1,0 +1,219 @@
+"""The prefill handler of pre-prefill and prefill workers.
+
+Pull the planned prefix blocks from peers, pin what will be loaded, give every new full
+block an arena slot (write-through), run the engine for the first token, seal the new
+blocks, send the first token to the client, then hand the request to its decode node
+with the blocks pinned under a lease until decode acks the pull (or the lease runs out).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+from nats.aio.msg import Msg
+
+from cpd.bus import ReplyStream, Request, Service
+from cpd.engines import EngineRequest, EngineStep
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
+from services.worker.core import WorkerCore
+from services.worker.requests import check_ids, with_max_tokens
+
+
+class DecodeUnavailable(CpdError):
+    """No decode node accepted the hand-off."""
+
+    code = ErrorCode.UNAVAILABLE
+    retryable = True
+
+
+class PrefillHandler:
+    """Serves ``PrefillRequest``s on ``subjects.run(role, node)`` for a prefill-side
+    ``role`` and releases hand-off leases on the node's pull-ack subject."""
+
+    def __init__(self, core: WorkerCore, role: str) -> None:
+        self.core = core
+        self.role = role
+        self._service: Service | None = None
+
+    async def attach(self, service: Service) -> None:
+        """Register the endpoint and the pull-ack subscription on ``service``."""
+        self._service = service
+        core = self.core
+        await service.bus.nc.subscribe(subjects.pull_ack(core.node_id), cb=self._on_pull_ack)
+        await service.add_endpoint("prefill", subjects.run(self.role, core.node_id),
+                                   self.on_request, expect=wire.PrefillRequest)
+
+    async def on_request(self, req: wire.PrefillRequest, r: Request) -> wire.Accepted | None:
+        """A dispatcher that names a stream inbox (the router) gets ``Accepted`` at once,
+        or a typed refusal it can route around; the stream follows on that inbox. A
+        direct caller without one gets the stream on its own request's inbox."""
+        core = self.core
+        check_ids(reply_to=req.reply_to or r.reply_to, decode_node=req.decode_node)
+        if not (req.reply_to or r.reply_to):
+            raise InvalidRequest("prefill request without a reply inbox")
+        core.admit(len(req.tokens) // wire.TOKEN_DTYPE.itemsize, req.sampling.max_tokens,
+                   req.deadline_unix_ms)
+        core.claim("prefill", req.request_id)
+        if not req.reply_to:
+            req.reply_to = r.reply_to
+            await self._stream(req)
+            return None
+        core.spawn(self._stream(req), f"prefill-{req.request_id}", background=False)
+        return wire.Accepted(request_id=req.request_id, node=core.node_id)
+
+    async def _stream(self, req: wire.PrefillRequest) -> None:
+        out = ReplyStream(self.core.bus, req.reply_to, req.request_id)
+        try:
+            await self._prefill(req, out)
+        except BaseException as e:
+            self.core.count_stream_rejection(subjects.run(self.role, self.core.node_id), e)
+            await out.error(e)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self.core.running.discard(("prefill", req.request_id))
+
+    async def _prefill(self, req: wire.PrefillRequest, out: ReplyStream) -> None:
+        core = self.core
+        t0 = time.perf_counter()
+        tokens = wire.unpack_tokens(req.tokens)  # a numpy view: no per-token objects
+        core.check_vocab(tokens)
+        hashes = wire.split_hashes(req.block_hashes)
+        if len(hashes) != len(tokens) // core.block_size:
+            raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
+        # New tokens as the router planned them (cached ones cost next to nothing); the
+        # EWMA below is per computed token too, so the queue estimate stays consistent.
+        pending = req.route.tokens_computed or len(tokens)
+        with core.load.holding(pending, len(tokens) - pending) as held:
+            loaded, remote, load_error = await self._gather_prefix(req, hashes)
+            t_load = held.engine_start = time.perf_counter()
+            step, saved = await self._run(req, tokens, hashes, loaded)
+        t_done = time.perf_counter()
+        core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
+                    written=len(saved), loaded=step.loaded_blocks)
+        computed = len(tokens) - step.cached_tokens
+        core.load.prefill_took(computed, t_done - t_load)
+        first = step.token_ids[0]
+        await out.tokens([first])
+        bs = core.block_size
+        # Pulled blocks the engine already held in its own cache were not loaded: the
+        # remote share is at most what was loaded (never a negative DRAM count).
+        remote = min(remote, step.loaded_blocks)
+        route = msgspec.structs.replace(
+            req.route, prefill_node=core.node_id, tokens_gpu=step.gpu_blocks * bs,
+            tokens_dram=(step.loaded_blocks - remote) * bs, tokens_remote=remote * bs,
+            tokens_computed=computed, load_error=load_error)
+        timings = wire.Timings(load_ms=(t_load - t0) * 1e3, prefill_ms=(t_done - t_load) * 1e3,
+                               ttft_ms=(t_done - t0) * 1e3)
+        if step.finished and (req.sampling.max_tokens <= 1 or step.finish_reason == "stop"):
+            await out.final(finish_reason=step.finish_reason or "length",
+                            usage=wire.Usage(prompt_tokens=len(tokens), completion_tokens=1,
+                                             cached_tokens=step.cached_tokens),
+                            timings=timings, route=route)
+            return
+        await self._handoff(req, hashes, first, route, timings, out)
+
+    async def _gather_prefix(self, req: wire.PrefillRequest, hashes: list[bytes]
+                             ) -> tuple[list[bytes], int, wire.LoadError | None]:
+        """The sealed local blocks the engine will load, in chain order from block 0,
+        after pulling the planned remote runs; how many of them came from peers; and,
+        when a planned pull failed, which and why (the rest is recomputed, and the
+        final's route says so)."""
+        loader = self.core.loader
+        node = self.core.node_id
+        remote = 0
+        failure: wire.LoadError | None = None
+        if any(src.node != node and src.num_blocks for src in req.sources):
+            loader.planned("prefix")
+        for src in sorted(req.sources, key=lambda x: x.first_block):
+            want = hashes[src.first_block:src.first_block + src.num_blocks]
+            if src.node == node or not want:
+                continue
+            got, failure = await loader.pull("prefix", src.node, want,
+                                             namespace=req.namespace,
+                                             capability=src.capability)
+            remote += got
+            if failure is not None:  # recompute from here
+                break
+        have = [e.hash for e in loader.sealed_prefix(hashes)]
+        return have, min(remote, len(have)), failure
+
+    async def _run(self, req: wire.PrefillRequest, tokens: np.ndarray, hashes: list[bytes],
+                   loaded: list[bytes]) -> tuple[EngineStep, list[bytes]]:
+        """One engine run for the first token: the loaded prefix pinned, the new full
+        blocks written through to fresh slots and sealed after (failed on error)."""
+        core = self.core
+        kv, store = core.kv, core.kv.store
+        have = [e for e in (store.get(h) for h in loaded) if e is not None]
+        # Pinned before new slots are allocated: allocation may evict, never these.
+        async with core.pinned("load", req.request_id, have):
+            new_refs = [wire.BlockRef(h, hashes[i - 1] if i else b"", core.block_size)
+                        for i, h in enumerate(hashes) if h not in store]
+            entries = await kv.allocate(req.namespace, new_refs) if new_refs else []
+            slot_of = {e.hash: e.slot for e in entries if e is not None}
+            fresh = list(slot_of)
+            if fresh:
+                await kv.begin_write(fresh)
+            core.loader.audit_load(req.namespace, have)
+            try:
+                step = await self._first_token(EngineRequest(
+                    request_id=req.request_id, tokens=tokens,
+                    sampling=with_max_tokens(req.sampling, 1),
+                    load_slots=[e.slot for e in have],
+                    load_checksums=[e.checksum for e in have],
+                    save_slots=[slot_of.get(h, -1) for h in hashes],
+                    cache_salt=core.salt(req.namespace)))
+            except BaseException:
+                if fresh:
+                    await kv.fail(fresh, "prefill failed")
+                raise
+        if step.failed_blocks:
+            await core.drop_corrupt(loaded)
+        if fresh:
+            await kv.seal([(h, store.slot_bytes) for h in fresh])
+        return step, fresh
+
+    async def _first_token(self, ereq: EngineRequest) -> EngineStep:
+        """The engine's last step for ``ereq``, with the first token it produced."""
+        step = EngineStep()
+        with self.core.load.running():
+            async for part in self.core.engine.generate(ereq):
+                step = part if part.finished else step
+                if part.token_ids and not step.token_ids:
+                    step.token_ids = part.token_ids
+        if not step.token_ids:
+            raise CpdError("engine produced no token", code=ErrorCode.INTERNAL)
+        return step
+
+    async def _handoff(self, req: wire.PrefillRequest, hashes: list[bytes], first: int,
+                       route: wire.Route, timings: wire.Timings, out: ReplyStream) -> None:
+        """Pin the request's blocks and give it to its decode node, which owns the rest
+        of the stream once it accepts."""
+        core = self.core
+        held = [e.hash for e in core.loader.sealed_prefix(hashes)]
+        lease = core.pin_for_handoff(req.request_id, held)
+        dreq = wire.DecodeRequest(
+            request_id=req.request_id, reply_to=req.reply_to, tokens=req.tokens,
+            first_token=first, sampling=req.sampling, namespace=req.namespace,
+            block_hashes=b"".join(held), source_node=core.node_id, lease_id=lease,
+            deadline_unix_ms=req.deadline_unix_ms, seq_start=out.seq,
+            route=route, timings=timings, trace=req.trace,
+            capability=core.keyring.issue(req.namespace))
+        try:
+            await core.bus.request(subjects.run("decode", req.decode_node), dreq,
+                                   expect=wire.Accepted,
+                                   timeout=core.settings.worker.handoff_timeout_s)
+        except CpdError as e:
+            core.kv.unpin(lease)
+            raise DecodeUnavailable(f"decode node {req.decode_node} did not take the "
+                                    f"request: {e.message}") from e
+        out.closed = True  # decode owns the rest of the stream
+
+    async def _on_pull_ack(self, msg: Msg) -> None:
+        assert self._service is not None
+        ack = self._service.decode_or_reject(msg, wire.PullAck)
+        if ack is not None:
+            self.core.kv.unpin(ack.lease_id)

@@ -1,0 +1,99 @@
+"""The worker's request handlers composed in one process: a prefill-side node that also
+hosts the decode handler serves a request end to end, its hand-off to itself needing no
+pull; its decode endpoint refuses a bad hand-off with a typed error and keeps serving.
+Real NATS (JetStream) and UCX, the sim engine in the worker's own process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cpd.bus import Bus
+from cpd.engines.profile import engine_profile
+from cpd.ops.config import load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol import subjects, wire
+from cpd.protocol.errors import InvalidRequest
+from cpd.protocol.hashing import block_hashes
+from cpd.protocol.roles import Role
+from services.worker import WorkerService
+
+pytestmark = pytest.mark.timeout(120)
+NODE = "both0"
+
+
+@pytest.fixture
+async def both(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[WorkerService]:
+    s = load_settings(environ={}, overrides=[
+        f"nats.servers={nats_server.url}", "nats.drain_timeout_s=2", "worker.engine=sim",
+        f"node.node_id={NODE}", f"worker.arena_dir={tmp_path}",
+        "dataplane.arena_bytes=67108864"])
+    worker = WorkerService(s, Role.PREFILL, handlers=(Role.PREFILL, Role.DECODE))
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
+
+
+def test_a_worker_hosts_its_roles_handler_and_decodes_only() -> None:
+    s = load_settings(environ={}, overrides=["worker.engine=sim"])
+    with pytest.raises(ValueError):
+        WorkerService(s, Role.DECODE, handlers=(Role.PREFILL,))
+    with pytest.raises(ValueError):
+        WorkerService(s, Role.PREFILL, handlers=(Role.PREPREFILL,))
+
+
+async def test_one_process_prefills_and_decodes_its_own_hand_off(
+        both: WorkerService, settings: object) -> None:
+    ns = engine_profile(both.settings).namespace()
+    bs = both.settings.cache.block_size
+    prompt = list(range(1, 3 * bs + 11))
+    req = wire.PrefillRequest(
+        request_id="r-both", reply_to="", tokens=wire.pack_tokens(prompt),
+        sampling=wire.SamplingParams(max_tokens=6, ignore_eos=True), namespace=ns.id,
+        block_hashes=block_hashes(ns, prompt), decode_node=NODE,
+        deadline_unix_ms=int(time.time() * 1000) + 60_000)
+    bus = await Bus.open(both.settings, "test-both")
+    acks = await bus.nc.subscribe(subjects.pull_ack(NODE))
+    try:
+        msgs = [m async for m in bus.stream(subjects.run(Role.PREFILL, NODE), req, timeout=60)]
+        tokens = [t for m in msgs if isinstance(m, wire.TokenChunk) for t in m.token_ids]
+        final = msgs[-1]
+        assert isinstance(final, wire.Final) and len(tokens) == 6
+        assert [m.seq for m in msgs] == list(range(len(msgs)))
+        r = final.route
+        assert (r.prefill_node, r.decode_node) == (NODE, NODE)
+        assert r.tokens_computed == len(prompt)
+        # The hand-off's blocks were this process's own: acked, never pulled from a peer.
+        ack = wire.decode((await acks.next_msg(timeout=5)).data, wire.PullAck)
+        assert ack.ok and ack.request_id == "r-both"
+        assert both.core is not None and not both.core.kv.store.leases()
+        assert not both.core.running
+
+        # The decode endpoint keeps its own checks: a hand-off with nothing left to
+        # generate is refused, typed, and the process serves on.
+        bad = wire.DecodeRequest(
+            request_id="r-bad", reply_to=bus.nc.new_inbox(), tokens=wire.pack_tokens(prompt),
+            first_token=1, sampling=wire.SamplingParams(max_tokens=1), namespace=ns.id,
+            block_hashes=b"", source_node=NODE, lease_id="none",
+            deadline_unix_ms=int(time.time() * 1000) + 60_000, seq_start=1)
+        with pytest.raises(InvalidRequest):
+            await bus.request(subjects.run(Role.DECODE, NODE), bad, expect=wire.Accepted,
+                              timeout=10)
+        again = [m async for m in bus.stream(subjects.run(Role.PREFILL, NODE),
+                                             wire.PrefillRequest(**{
+                                                 **{f: getattr(req, f)
+                                                    for f in req.__struct_fields__},
+                                                 "request_id": "r-again"}), timeout=60)]
+        assert isinstance(again[-1], wire.Final)
+        assert [t for m in again if isinstance(m, wire.TokenChunk) for t in m.token_ids] \
+            == tokens
+    finally:
+        await acks.unsubscribe()
+        await bus.close()
+        await asyncio.sleep(0)
