@@ -272,6 +272,28 @@ async def test_chat_reply_renders_messages_with_the_template(
     assert sent.sampling.max_tokens == 3
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_a_request_is_tokenized_once(oai: openai.AsyncOpenAI, router: FakeRouter,
+                                           model: ServedModel,
+                                           monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The gateway tokenizes (once) and sends ids: the router and the workers take them
+    as they are (the router tokenizes only a request that carries text)."""
+    calls: list[str] = []
+    encode = ServedModel.encode
+    monkeypatch.setattr(ServedModel, "encode",
+                        lambda self, text: calls.append(text) or encode(self, text))
+    if kind == "chat":
+        await oai.chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": "Count the foxes."}],
+            max_completion_tokens=2)
+    else:
+        await oai.completions.create(model=SERVED_NAME, prompt="Count the foxes.",
+                                     max_tokens=2)
+    sent = router.received[-1]
+    assert len(calls) == 1 and sent.prompt is None
+    assert wire.unpack_tokens(sent.tokens or b"").tolist() == encode(model, calls[0])
+
+
 async def test_chat_without_max_tokens_may_fill_the_context(
         oai: openai.AsyncOpenAI, router: FakeRouter, model: ServedModel) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"},

@@ -143,7 +143,7 @@ async def gateway(tenant_settings: Settings, model: ServedModel,
     assert service._server is not None
     gw = next(r.endpoint.__self__ for r in service._server.config.app.routes
               if getattr(r, "path", "") == "/v1/completions")
-    gw.metrics = GatewayMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    gw.outcomes.metrics = GatewayMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
     yield service
     await service.stop()
 

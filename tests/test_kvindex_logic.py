@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from cpd.protocol import wire
 from cpd.protocol.hashing import Namespace, block_hashes
 from cpd.protocol.lifecycle import BlockState, can_transition
-from services.kvindex.index import Index
+from services.kvindex.index import SNAPSHOT_VERSION, Index, LocKey
 
 NS = "0" * 31 + "1"
 NS2 = "0" * 31 + "2"
@@ -276,6 +277,62 @@ def test_snapshot_restore_round_trip() -> None:
     # And the restored index keeps applying events exactly like the original.
     e = w.seal("B2")
     assert back.apply(e).visible == idx.apply(e).visible
+
+
+def _snapshot_of_a0(v: int, key: object) -> bytes:
+    """A snapshot (version ``v``) of n0 holding A0 VISIBLE in DRAM, its copy keyed by
+    ``key``: ``"n0/dram"`` as version 1 wrote it, ``["n0", "dram"]`` as the current one."""
+    return msgspec.msgpack.encode({
+        "v": v, "stream_seq": 7,
+        "blocks": {NS: {H("A0"): [b"", 16, {key: [int(BlockState.VISIBLE), 1, 64, 7]}, None]}},
+        "by_node": {"n0": [[NS, H("A0"), "dram"]]},
+        "nodes": [["n0", 1, 2, -1, False, [], {}]], "namespaces": []})
+
+
+# A snapshot of another version is refused (the service then rebuilds from the stream);
+# only the current version, with its copies keyed by [node, tier], is restored.
+SNAPSHOTS = [
+    ("v1 as written, 'node/tier' keys", _snapshot_of_a0(1, "n0/dram"), ValueError),
+    ("v1 header, current body", _snapshot_of_a0(1, ("n0", "dram")), ValueError),
+    ("unknown older version", _snapshot_of_a0(0, ("n0", "dram")), ValueError),
+    ("unknown newer version", _snapshot_of_a0(SNAPSHOT_VERSION + 1, ("n0", "dram")),
+     ValueError),
+    ("current version, 'node/tier' keys", _snapshot_of_a0(SNAPSHOT_VERSION, "n0/dram"),
+     msgspec.ValidationError),
+    ("current version", _snapshot_of_a0(SNAPSHOT_VERSION, ("n0", "dram")), None),
+]
+
+
+@pytest.mark.parametrize(("data", "refused"), [row[1:] for row in SNAPSHOTS],
+                         ids=[row[0] for row in SNAPSHOTS])
+def test_snapshot_versions(data: bytes, refused: type[Exception] | None) -> None:
+    if refused is not None:
+        with pytest.raises(refused):
+            Index.restore(data)
+        return
+    idx, seq = Index.restore(data)
+    assert seq == 7 and list(idx.blocks[NS][H("A0")].locs) == [LocKey("n0", DRAM)]
+    assert idx.location(NS, H("A0"), "n0", DRAM).state is BlockState.VISIBLE
+    assert idx.num_locations == 1
+    idx.heartbeat(hb("n0"), 0)
+    assert idx.lookup(NS, chain_hashes("A0"), 1).matches == [wire.TierMatch("n0", DRAM, 1)]
+
+
+def test_locations_are_keyed_by_node_and_tier() -> None:
+    """Copies of one block on one node are told apart by tier; the key is never parsed,
+    so even a node id with a slash in it keeps its locations apart."""
+    idx, w = Index(), Writer("rack/n0")
+    idx.apply(w.alloc("A0"))
+    idx.apply(w.alloc("A0", tier=GPU))
+    ch = idx.apply(w.seal("A0"))
+    assert ch.visible == [(NS, "rack/n0", DRAM, H("A0"))]
+    assert set(idx.blocks[NS][H("A0")].locs) == {LocKey("rack/n0", DRAM),
+                                                   LocKey("rack/n0", GPU)}
+    ch = idx.apply(w.alloc("A0"))
+    assert ch.illegal == [f"rack/n0/dram: allocate {H('A0').hex()} while VISIBLE"]
+    back, _ = Index.restore(idx.snapshot(0))
+    assert back.fingerprint() == idx.fingerprint()
+    assert back.location(NS, H("A0"), "rack/n0", GPU).state is BlockState.ALLOCATED
 
 
 # ---------------------------------------------------------------- property tests

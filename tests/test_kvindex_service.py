@@ -255,6 +255,40 @@ async def test_recovering_until_the_stream_is_replayed(fresh_nats: NatsServer,
         await svc.stop()
 
 
+async def test_a_snapshot_of_another_version_is_rebuilt_from_the_stream(
+        fresh_nats: NatsServer, tmp_path: Path) -> None:
+    """A version-1 snapshot ("node/tier" keys) claiming the whole stream is refused: the
+    replica replays the stream from its start instead."""
+    s = _settings(fresh_nats, tmp_path, "kvi-v")
+    bus = await Bus.open(s, "snapshot-version-test")
+    js = bus.nc.jetstream()
+    await kvevents.ensure_stream(js)
+    pub = kvevents.KvEventPublisher(js, "w6", epoch=1)
+    hs, refs = _chain(8, seed=6)
+    await _write(pub, refs)
+    hb = Heartbeats(bus, "w6", epoch=1)
+    svc = KvIndexService(s)
+    svc.snapshot_path.parent.mkdir(parents=True)
+    svc.snapshot_path.write_bytes(msgspec.msgpack.encode({
+        "v": 1, "stream_seq": pub.seq,
+        "blocks": {NS.id: {refs[0].hash: [b"", NS.block_size, {"w6/dram": [4, 1, 64, 7]},
+                                          None]}},
+        "by_node": {"w6": [[NS.id, refs[0].hash, "dram"]]},
+        "nodes": [["w6", 1, pub.seq, -1, False, [], {}]], "namespaces": []}))
+    await svc.start()
+    try:
+        await asyncio.wait_for(svc.ready.wait(), 30)
+        assert svc.applied_seq == pub.seq
+
+        async def whole_chain() -> bool:
+            return (await _lookup(bus, hs)).num_blocks == 8
+        await _until(whole_chain)
+    finally:
+        await hb.stop()
+        await bus.close()
+        await svc.stop()
+
+
 def _spawn(s: Settings, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "CPD_NATS__SERVERS": ",".join(s.nats.servers),
            "CPD_NODE__NODE_ID": s.node.node_id,

@@ -64,6 +64,7 @@ SAMPLES: list[wire.Message] = [
                        first_token=7, sampling=wire.SamplingParams(), namespace="ns",
                        block_hashes=H, source_node="p0", lease_id="l1", deadline_unix_ms=9),
     wire.Accepted(request_id="r1", node="d0"),
+    wire.HandoffAccepted(request_id="r1", seq=2, node="d0"),
     wire.ResetCache(reason="test"),
     wire.PullAck(request_id="r1", lease_id="l1"),
     wire.StatusRequest(),

@@ -1,6 +1,7 @@
 """The worker's request handlers composed in one process: a prefill-side node that also
 hosts the decode handler serves a request end to end, its hand-off to itself needing no
-pull; its decode endpoint refuses a bad hand-off with a typed error and keeps serving.
+pull and announced on the stream (``HandoffAccepted``) before decode's tokens; its
+decode endpoint refuses a bad hand-off with a typed error and keeps serving.
 Real NATS (JetStream) and UCX, the sim engine in the worker's own process."""
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ async def test_one_process_prefills_and_decodes_its_own_hand_off(
         final = msgs[-1]
         assert isinstance(final, wire.Final) and len(tokens) == 6
         assert [m.seq for m in msgs] == list(range(len(msgs)))
+        # The first token from prefill, then decode's word that it owns the stream.
+        assert [type(m) for m in msgs[:2]] == [wire.TokenChunk, wire.HandoffAccepted]
+        assert msgs[1].node == NODE
         r = final.route
         assert (r.prefill_node, r.decode_node) == (NODE, NODE)
         assert r.tokens_computed == len(prompt)

@@ -2,7 +2,10 @@
 Completions, streaming or not), a thin layer over :class:`cpd.client.Client`.
 
 ``protocol`` holds the request and reply shapes, ``errors`` the HTTP error mapping,
-``metrics`` the instruments, ``app`` the endpoints and ``service`` the process.
+``metrics`` the instruments, ``tenants`` and ``ratelimit`` who may ask what, ``app`` the
+application (its endpoints in ``completions`` and ``ops``, a request's checks in
+``admission``, its course in ``calls``, streams in ``streaming``, reply bytes in
+``replies``) and ``service`` the process.
 """
 
 from services.gateway.app import create_app

@@ -12,6 +12,11 @@ client relies on: every request ends in a final message or a typed error before 
 deadline; a node that stops heart-beating mid-request is routed around (the request
 is re-run elsewhere while nothing, or only reproducible greedy output, reached the
 client); admission slots are held exactly as long as requests run.
+
+Apart from this module: ``relay`` (a request's stream across tries, and which node owns
+it), ``accounting`` (counts and metrics), ``keepalive`` (the client streams' ticker),
+``policy`` (the pure routing decision), ``nodes`` (the node table), ``admission``,
+``waiters`` (single-flight wake-ups), ``cost`` and ``queueing`` (the cost model).
 """
 
 from __future__ import annotations
@@ -27,25 +32,24 @@ from nats.aio.msg import Msg
 
 from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader, run_service
 from cpd.engines.profile import EngineProfile, engine_profile
-from cpd.engines.servedmodel import Detokenizer, ServedModel
-from cpd.ops import metrics, telemetry
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops import telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import (
     CpdError,
     DeadlineExceeded,
-    ErrorCode,
     InvalidRequest,
-    PromptTooLong,
-    RequestTimeout,
-    Unavailable,
     UnknownNamespace,
 )
 from cpd.protocol.hashing import BlockHasher, Namespace
+from services.router.accounting import RouterAccounts
 from services.router.admission import Admission
 from services.router.cost import LoadCost, PrefillCost
+from services.router.keepalive import KeepAlives
 from services.router.nodes import NodeTable
 from services.router.policy import Decision, Hits, NoCapacity, PolicyConfig, Router, Wait
+from services.router.relay import AttemptFailed, Relay
 from services.router.waiters import PrefixWaiters
 
 # A single-flight waiter is woken by kvindex's visibility events; it also looks itself
@@ -55,18 +59,7 @@ _SINGLE_FLIGHT_LOOK_S = 1.0
 _FORGET_AFTER_LEASES = 60
 
 
-class _AttemptFailed(Exception):
-    """One try of a request failed; ``nodes`` are the ones to route around."""
 
-    def __init__(self, error: CpdError, nodes: set[str]) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.nodes = nodes
-
-
-# Errors that refuse a request (counted as rejected, not as failed).
-_REFUSALS = (ErrorCode.OVERLOADED, ErrorCode.INVALID_REQUEST, ErrorCode.PROMPT_TOO_LONG,
-             ErrorCode.UNKNOWN_NAMESPACE)
 
 class RouterService(Service):
     """One router replica; replicas share the ``router`` queue group."""
@@ -81,16 +74,20 @@ class RouterService(Service):
                                    settings.admission.max_queue)
         self.nodes = NodeTable()
         self.waiters = PrefixWaiters()
-        self.stats = wire.RouterStats(node=self.node_id, policy=self.cfg.policy,
-                                      max_inflight=settings.admission.max_inflight)
+        self.accounts = RouterAccounts(self.node_id, self.cfg.policy,
+                                       settings.admission.max_inflight)
         self.kvindex_state: str = "ok"
         self._model = model
-        # Client streams still open: the keep-alive ticker's work list.
-        self._open_streams: set[ReplyStream] = set()
+        self.keepalives = KeepAlives(self.cfg.keepalive_interval_s,
+                                     sent=self.accounts.keepalive, log=self.log)
         # Multi-turn prompts resend their previous turn: its block hashes are reused,
         # not recomputed (exact; per process, so replicas each keep their own).
         self.hash_memo = BlockHasher(self.cfg.hash_memo_bytes)
-        self._instruments()
+
+    @property
+    def stats(self) -> wire.RouterStats:
+        """This replica's counts (``cpd status``)."""
+        return self.accounts.stats
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -111,27 +108,9 @@ class RouterService(Service):
         await self.add_endpoint("status", subjects.ROUTER_STATUS, self._on_status,
                                 expect=wire.StatusRequest, queue=subjects.QUEUE_ROUTER)
         self.spawn(self._forget_dead_nodes(), "node-gc")
-        self.spawn(self._keepalives(), "keepalives")
+        self.spawn(self.keepalives.run(lambda: self.stopping), "keepalives")
         self.log.info("router.ready", policy=c.policy, model=self.model.name,
                       namespace=self.model.namespace.id)
-
-    def _instruments(self) -> None:
-        m = telemetry.meter()
-        self._m_requests = metrics.counter(m, metrics.ROUTER_REQUESTS)
-        self._m_rejected = metrics.counter(m, metrics.ROUTER_REJECTED,
-                                           [{"reason": c.value} for c in _REFUSALS])
-        self._m_failovers = metrics.counter(m, metrics.ROUTER_FAILOVERS)
-        self._m_tokens = metrics.counter(m, metrics.ROUTER_PROMPT_TOKENS,
-                                         [{"tier": t} for t in metrics.PROMPT_TIERS])
-        self._m_ttft = metrics.histogram(m, metrics.ROUTER_TTFT)
-        self._m_tpot = metrics.histogram(m, metrics.ROUTER_TPOT)
-        self._m_admission = metrics.histogram(m, metrics.ROUTER_ADMISSION_WAIT)
-        self._m_decision = metrics.histogram(m, metrics.ROUTER_DECISION)
-        self._m_queue = metrics.histogram(m, metrics.ROUTER_ESTIMATED_QUEUE)
-        self._m_in_flight = metrics.up_down_counter(m, metrics.ROUTER_IN_FLIGHT)
-        self._m_keepalives = metrics.counter(m, metrics.ROUTER_KEEPALIVES)
-        self._m_hash_memo = metrics.counter(m, metrics.ROUTER_HASH_MEMO,
-                                            [{"result": r} for r in ("reused", "computed")])
 
     # --------------------------------------------------------------- node table
 
@@ -155,30 +134,6 @@ class RouterService(Service):
         if ev is not None and len(self.waiters):
             self.waiters.invalidated(ev)
 
-    async def _keepalives(self) -> None:
-        """Keep every client stream from being silent longer than a keep-alive interval,
-        so a client whose router died fails fast and typed (cpd.client) instead of at
-        its deadline. One ticker for all streams: a task per stream would double the
-        tasks of a busy router."""
-        interval = self.cfg.keepalive_interval_s
-        ms = int(interval * 1000)
-        while not self.stopping:
-            # Every half interval, to streams silent for half an interval or more: the
-            # gap a client sees stays within one interval, so its limit of
-            # keepalive_misses intervals leaves slack for a briefly stalled event loop.
-            await asyncio.sleep(interval / 2)
-            now = time.monotonic()
-            for out in list(self._open_streams):
-                if not out.closed and now - out.last_sent >= interval / 2:
-                    try:
-                        await out.keepalive(ms)
-                    except Exception as e:
-                        # E.g. NATS reconnecting with a full buffer: skip this one; the
-                        # ticker must outlive it, or every client would give up on us.
-                        self.log.debug("router.keepalive_failed", error=repr(e))
-                        continue
-                    self._m_keepalives.add(1)
-
     async def _forget_dead_nodes(self) -> None:
         ttl = self.settings.node.lease_ttl_s
         while not self.stopping:
@@ -199,26 +154,18 @@ class RouterService(Service):
     async def _on_generate(self, req: wire.GenerateRequest, r: Request) -> None:
         if not r.reply_to:
             raise InvalidRequest("a generate request needs a reply inbox")
-        out = r.stream(req.request_id)
-        self._open_streams.add(out)
-        try:
-            await self._generate(req, out)
-        except BaseException as e:
-            if isinstance(e, CpdError) and e.code in _REFUSALS:
-                self.stats.rejected += 1
-                self._m_rejected.add(1, {"reason": e.code.value})
-            else:
-                self.stats.failed += 1
-                self._m_requests.add(1, {"policy": self.cfg.policy, "outcome": "error"})
-            if isinstance(e, CpdError) and e.code in BAD_INPUT:  # e.g. a torn token array
-                self.reject(r.subject, e)
-            self.log.info("router.request_failed", error=getattr(e, "code", repr(e)),
-                          detail=str(e))
-            await out.error(e)
-            if not isinstance(e, Exception):
-                raise
-        finally:
-            self._open_streams.discard(out)
+        with self.keepalives.watching(r.stream(req.request_id)) as out:
+            try:
+                await self._generate(req, out)
+            except BaseException as e:
+                self.accounts.ended_badly(e.code if isinstance(e, CpdError) else None)
+                if isinstance(e, CpdError) and e.code in BAD_INPUT:  # e.g. a torn array
+                    self.reject(r.subject, e)
+                self.log.info("router.request_failed", error=getattr(e, "code", repr(e)),
+                              detail=str(e))
+                await out.error(e)
+                if not isinstance(e, Exception):
+                    raise
 
     async def _generate(self, req: wire.GenerateRequest, out: ReplyStream) -> None:
         t0 = time.monotonic()
@@ -233,9 +180,7 @@ class RouterService(Service):
         # that dies at any point after this is noticed within keepalive_misses.
         await out.keepalive(int(self.cfg.keepalive_interval_s * 1000))
         async with self.admission.slot(deadline, req.priority) as waited:
-            self.stats.admitted += 1
-            self._m_in_flight.add(1)
-            self._m_admission.record(waited)
+            self.accounts.admitted(waited)
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     await self._serve(req, tokens, ns, out, t0, waited, deadline_unix_ms)
@@ -243,7 +188,7 @@ class RouterService(Service):
                 raise DeadlineExceeded(
                     f"request did not finish within its {timeout_s:.1f}s deadline") from None
             finally:
-                self._m_in_flight.add(-1)
+                self.accounts.released()
 
     async def _prompt_tokens(self, req: wire.GenerateRequest) -> np.ndarray:
         """The prompt as token ids, checked against the model before any work is done."""
@@ -258,15 +203,7 @@ class RouterService(Service):
         else:
             # Kept packed: a 100K-token prompt is hashed and forwarded without a list.
             tokens = wire.unpack_tokens(req.tokens or b"")
-            if tokens.size and int(tokens.max()) >= self.model.vocab_size:
-                raise InvalidRequest(f"token id {int(tokens.max())} is outside the "
-                                     f"vocabulary of {self.model.vocab_size}")
-        if not tokens.size:
-            raise InvalidRequest("empty prompt")
-        limit = self.model.max_model_len
-        if limit and tokens.size + req.sampling.max_tokens > limit:
-            raise PromptTooLong(f"{tokens.size} prompt + {req.sampling.max_tokens} new tokens "
-                                f"exceed the model's {limit}")
+        self.model.check_prompt(tokens, req.sampling.max_tokens)
         return tokens
 
     async def decide(self, req: wire.GenerateRequest) -> Decision:
@@ -286,10 +223,7 @@ class RouterService(Service):
         memo = self.hash_memo
         reused, computed = memo.blocks_reused, memo.blocks_computed
         hashes = memo.hashes(ns, tokens)
-        if memo.blocks_reused > reused:
-            self._m_hash_memo.add(memo.blocks_reused - reused, {"result": "reused"})
-        if memo.blocks_computed > computed:
-            self._m_hash_memo.add(memo.blocks_computed - computed, {"result": "computed"})
+        self.accounts.hashed(memo.blocks_reused - reused, memo.blocks_computed - computed)
         return hashes
 
     async def _lookup(self, ns: Namespace, hashes: bytes, request_id: str) -> Hits:
@@ -359,7 +293,7 @@ class RouterService(Service):
         hashes = self._hashes(ns, tokens)
         hash_ms = (time.perf_counter() - t) * 1000
         packed = wire.pack_tokens(tokens)
-        relay = _Relay(out, self.model.detokenizer())
+        relay = Relay(out, self.model.detokenizer())
         deterministic = req.sampling.temperature == 0 or req.sampling.seed is not None
         exclude: set[str] = set()
         failovers = 0
@@ -373,13 +307,12 @@ class RouterService(Service):
                 # Every node that could take it has failed this request already: say why
                 # the last one did (e.g. overloaded), not that none is up.
                 raise failed from None
-            self._m_decision.record((hash_ms + lookup_ms) / 1000, {"policy": self.cfg.policy})
-            if attempt == 1:
-                self._m_queue.record(decision.plan.queue_ms / 1000, {"role": decision.plan.role})
+            self.accounts.decided((hash_ms + lookup_ms) / 1000, decision.plan.role,
+                                  decision.plan.queue_ms, first_try=attempt == 1)
             try:
                 final = await self._attempt(req, attempt, decision, packed, ns, hashes,
                                             deadline_unix_ms, relay)
-            except _AttemptFailed as f:
+            except AttemptFailed as f:
                 retry = (attempt < self.cfg.max_attempts and f.error.retryable
                          and (relay.sent == 0 or deterministic))
                 self.log.warning("router.attempt_failed", attempt=attempt,
@@ -390,8 +323,7 @@ class RouterService(Service):
                 exclude |= f.nodes
                 failed = f.error
                 failovers += 1
-                self.stats.failovers += 1
-                self._m_failovers.add(1)
+                self.accounts.failover()
                 continue
             self._finish(req, final, relay, decision, t0, waited, lookup_ms + hash_ms,
                          failovers)
@@ -400,7 +332,7 @@ class RouterService(Service):
 
     async def _attempt(self, req: wire.GenerateRequest, attempt: int, decision: Decision,
                        packed: bytes, ns: Namespace, hashes: bytes, deadline_unix_ms: int,
-                       relay: _Relay) -> wire.Final:
+                       relay: Relay) -> wire.Final:
         """Dispatch once and relay the stream until its final message."""
         plan = decision.plan
         reader = StreamReader(self.bus, idle_timeout=self.settings.bus.stream_idle_timeout_s)
@@ -418,45 +350,16 @@ class RouterService(Service):
                                        expect=wire.Accepted,
                                        timeout=self.cfg.dispatch_timeout_s)
             except CpdError as e:
-                raise _AttemptFailed(e, {plan.node}) from None
+                raise AttemptFailed(e, {plan.node}) from None
             self.nodes.dispatched(plan.node, plan.load_ms + plan.compute_ms)
-            relay.restart()
-            idle_s = self.settings.bus.stream_idle_timeout_s
-            last = time.monotonic()
-            # The incarnation of each node this try depends on: a node that crashed and
-            # came back under its name within one lease lost the request all the same.
-            epochs = {plan.node: self.nodes.epoch(plan.node)}
-            while True:
-                # The node that owns the stream now: prefill until the first token,
-                # then decode.
-                owner = plan.node if relay.seen == 0 else decision.decode_node
-                epochs.setdefault(owner, self.nodes.epoch(owner))
-                try:
-                    msg = await reader.next(self.cfg.liveness_check_interval_s)
-                except CpdError as e:
-                    raise _AttemptFailed(e, {owner}) from None
-                now = time.monotonic()
-                if msg is None:
-                    if not self.nodes.alive(owner, now, epochs[owner]):
-                        raise _AttemptFailed(Unavailable(
-                            f"{owner} stopped heart-beating while serving the request"),
-                            {owner})
-                    # A long prefill may be silent for long; once tokens flow, a silence
-                    # this long means the stream was lost between nodes (a hand-off that
-                    # never landed), even with every node alive.
-                    if relay.seen and now - last > idle_s:
-                        raise _AttemptFailed(RequestTimeout(
-                            f"no token from {owner} for {idle_s:.0f}s"), {owner})
-                    continue
-                last = now
-                if isinstance(msg, wire.TokenChunk):
-                    await relay.tokens(msg.token_ids)
-                elif isinstance(msg, wire.Final):
-                    return msg
+            relay.restart(plan.node)
+            return await relay.follow(reader, self.nodes,
+                                      check_s=self.cfg.liveness_check_interval_s,
+                                      idle_s=self.settings.bus.stream_idle_timeout_s)
         finally:
             await reader.close()
 
-    def _finish(self, req: wire.GenerateRequest, final: wire.Final, relay: _Relay,
+    def _finish(self, req: wire.GenerateRequest, final: wire.Final, relay: Relay,
                 decision: Decision, t0: float, waited: float, decision_ms: float,
                 failovers: int) -> None:
         """Complete the final message with the router's view and count it."""
@@ -467,27 +370,16 @@ class RouterService(Service):
             ttft_ms=ttft_ms, total_ms=(now - t0) * 1000)
         r = final.route
         r.failovers = failovers
-        s = self.stats
-        s.completed += 1
+        if relay.decode_node:  # the node that said it took the hand-off
+            r.decode_node = relay.decode_node
         if r.load_error is not None:
-            s.load_failures += 1
             self.log.warning("router.load_failed", node=r.prefill_node,
                              peer=r.load_error.peer, error=r.load_error.code)
-        s.prompt_tokens += final.usage.prompt_tokens
-        s.tokens_gpu += r.tokens_gpu
-        s.tokens_dram += r.tokens_dram
-        s.tokens_remote += r.tokens_remote
-        s.tokens_computed += r.tokens_computed
         path = r.path or decision.path
-        s.paths[path] = s.paths.get(path, 0) + 1
-        attrs = {"policy": self.cfg.policy, "path": path}
-        self._m_requests.add(1, {**attrs, "outcome": "ok"})
-        for source, count in wire.tokens_by_source(r).items():
-            self._m_tokens.add(count, {"tier": source.value})
-        if relay.first_at:
-            self._m_ttft.record(ttft_ms / 1000, attrs)
-        if relay.sent > 1 and relay.first_at:
-            self._m_tpot.record((now - relay.first_at) / (relay.sent - 1), attrs)
+        self.accounts.completed(
+            final, path, ttft_s=ttft_ms / 1000 if relay.first_at else None,
+            tpot_s=(now - relay.first_at) / (relay.sent - 1)
+            if relay.sent > 1 and relay.first_at else None)
         self.log.info("router.request_done", path=path, reason=r.reason,
                       why=r.describe(), prefill=r.prefill_node,
                       decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
@@ -509,50 +401,6 @@ def prefill_cost(profile: EngineProfile) -> PrefillCost:
     preset's coefficients in wall ms for the sim engine)."""
     fixed, per_token, per_ctx = profile.prefill_cost_ms()
     return PrefillCost(fixed_ms=fixed, per_token_ms=per_token, per_token_ctx_ms=per_ctx)
-
-
-class _Relay:
-    """The client's side of a request across tries: forwards tokens with their text and
-    makes a retried stream continue exactly where the last one stopped."""
-
-    def __init__(self, out: ReplyStream, detok: Detokenizer) -> None:
-        self.out = out
-        self.detok = detok
-        self.forwarded: list[int] = []
-        self.seen = 0  # tokens received in the current try
-        self.first_at = 0.0
-
-    @property
-    def sent(self) -> int:
-        return len(self.forwarded)
-
-    def restart(self) -> None:
-        self.seen = 0
-
-    async def tokens(self, ids: list[int]) -> None:
-        start = self.seen
-        self.seen += len(ids)
-        # A retry regenerates what the client already has: it must be the same tokens.
-        overlap = ids[:max(0, self.sent - start)]
-        if overlap != self.forwarded[start:start + len(overlap)]:
-            raise _AttemptFailed(CpdError(
-                "a retried request diverged from the tokens already sent",
-                code=ErrorCode.INTERNAL), set())
-        new = ids[len(overlap):]
-        if not new:
-            return
-        if not self.first_at:
-            self.first_at = time.monotonic()
-        self.forwarded.extend(new)
-        await self.out.tokens(new, self.detok.push(new))
-
-    async def final(self, final: wire.Final) -> None:
-        rest = self.detok.flush()
-        if rest:
-            await self.out.tokens([], rest)
-        fields = {f: getattr(final, f) for f in ("finish_reason", "usage", "timings", "route")}
-        fields["usage"] = msgspec.structs.replace(final.usage, completion_tokens=self.sent)
-        await self.out.final(**fields)
 
 
 def serve(settings: Settings) -> None:

@@ -60,6 +60,7 @@ class DecodeHandler:
         out = ReplyStream(core.bus, req.reply_to, req.request_id, seq_start=req.seq_start)
         t0 = time.perf_counter()
         try:
+            await out.handoff_accepted(core.node_id)
             await self._pull(req, hashes)
             t_pull = time.perf_counter()
             full = np.append(tokens, np.asarray(req.first_token, dtype=wire.TOKEN_DTYPE))

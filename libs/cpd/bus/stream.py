@@ -186,6 +186,11 @@ class ReplyStream:
         await self._send(wire.TokenChunk(request_id=self.request_id, seq=self.seq,
                                          token_ids=token_ids, text=text))
 
+    async def handoff_accepted(self, node: str) -> None:
+        """Say on the stream that ``node`` took the hand-off and owns the rest of it."""
+        await self._send(wire.HandoffAccepted(request_id=self.request_id, seq=self.seq,
+                                              node=node))
+
     async def final(self, **fields: Any) -> None:
         """End the stream successfully (usage, timings, route...)."""
         await self._send(wire.Final(request_id=self.request_id, seq=self.seq, **fields))

@@ -14,11 +14,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from cpd.modelbuild import RECIPE_VERSION, build, tokenizer_hash
 from cpd.ops.config import Settings
-from cpd.protocol.errors import InvalidRequest
+from cpd.protocol.errors import InvalidRequest, PromptTooLong
 from cpd.protocol.hashing import Namespace
 
 # The chat template of a model that ships none (the locally built ones do not): plain
@@ -104,6 +105,18 @@ class ServedModel:
         megabytes of one word takes seconds; this refuses it in nanoseconds."""
         return bool(self.max_model_len) and len(text) > self.max_model_len * max(
             self.max_token_chars, 1)
+
+    def check_prompt(self, tokens: np.ndarray, max_tokens: int) -> None:
+        """Refuse, typed, a prompt no engine of this model can run: empty, a token id
+        outside the vocabulary, or ``max_tokens`` more that do not fit the context."""
+        if not tokens.size:
+            raise InvalidRequest("empty prompt")
+        if self.vocab_size and int(tokens.max()) >= self.vocab_size:
+            raise InvalidRequest(f"token id {int(tokens.max())} is outside the "
+                                 f"vocabulary of {self.vocab_size}")
+        if self.max_model_len and tokens.size + max_tokens > self.max_model_len:
+            raise PromptTooLong(f"{tokens.size} prompt + {max_tokens} new tokens exceed "
+                                f"the model's {self.max_model_len}")
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added: the locally built models add

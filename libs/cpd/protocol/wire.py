@@ -534,6 +534,16 @@ class Accepted(Message, tag="accepted", kw_only=True):
     node: str = ""
 
 
+class HandoffAccepted(Message, tag="handoff_accepted", kw_only=True):
+    """On a request's stream, from the decode node that accepted its hand-off, before
+    anything else it sends: from this message on, ``node`` owns the stream (the router
+    watches that node's liveness, not the prefill node's)."""
+
+    request_id: str
+    seq: NonNegInt
+    node: str
+
+
 class ResetCache(Message, tag="reset_cache", kw_only=True):
     """Operator request to a worker: drop its engine's own prefix cache (the GPU tier).
     DRAM blocks stay; kvindex hears of the drop through the engine's KV events."""
@@ -666,7 +676,7 @@ AnyMessage = (
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
-    | PrefillRequest | DecodeRequest | Accepted | ResetCache | PullAck
+    | PrefillRequest | DecodeRequest | Accepted | HandoffAccepted | ResetCache | PullAck
     | StatusRequest | StatusReply
     | BlockGet | BlockPut | BlockReply
 )

@@ -1,0 +1,104 @@
+"""The router's account of its requests in one place: the counts ``cpd status`` shows
+(``wire.RouterStats``) and the Prometheus instruments, updated together at each step of
+a request (admitted, decided, failed over, completed, refused or failed)."""
+
+from __future__ import annotations
+
+from cpd.ops import metrics, telemetry
+from cpd.protocol import wire
+from cpd.protocol.errors import ErrorCode
+
+REFUSALS = (ErrorCode.OVERLOADED, ErrorCode.INVALID_REQUEST, ErrorCode.PROMPT_TOO_LONG,
+            ErrorCode.UNKNOWN_NAMESPACE)
+"""Errors that refuse a request (counted as rejected, not as failed)."""
+
+
+class RouterAccounts:
+    """The counts and instruments of one router replica running ``policy``."""
+
+    def __init__(self, node: str, policy: str, max_inflight: int) -> None:
+        self.policy = policy
+        self.stats = wire.RouterStats(node=node, policy=policy, max_inflight=max_inflight)
+        m = telemetry.meter()
+        self._requests = metrics.counter(m, metrics.ROUTER_REQUESTS)
+        self._rejected = metrics.counter(m, metrics.ROUTER_REJECTED,
+                                         [{"reason": c.value} for c in REFUSALS])
+        self._failovers = metrics.counter(m, metrics.ROUTER_FAILOVERS)
+        self._tokens = metrics.counter(m, metrics.ROUTER_PROMPT_TOKENS,
+                                       [{"tier": t} for t in metrics.PROMPT_TIERS])
+        self._ttft = metrics.histogram(m, metrics.ROUTER_TTFT)
+        self._tpot = metrics.histogram(m, metrics.ROUTER_TPOT)
+        self._admission = metrics.histogram(m, metrics.ROUTER_ADMISSION_WAIT)
+        self._decision = metrics.histogram(m, metrics.ROUTER_DECISION)
+        self._queue = metrics.histogram(m, metrics.ROUTER_ESTIMATED_QUEUE)
+        self._in_flight = metrics.up_down_counter(m, metrics.ROUTER_IN_FLIGHT)
+        self._keepalives = metrics.counter(m, metrics.ROUTER_KEEPALIVES)
+        self._hash_memo = metrics.counter(m, metrics.ROUTER_HASH_MEMO,
+                                          [{"result": r} for r in ("reused", "computed")])
+
+    def admitted(self, waited_s: float) -> None:
+        """A request got its admission slot after ``waited_s``."""
+        self.stats.admitted += 1
+        self._in_flight.add(1)
+        self._admission.record(waited_s)
+
+    def released(self) -> None:
+        """An admitted request let go of its slot."""
+        self._in_flight.add(-1)
+
+    def decided(self, seconds: float, plan_role: str, queue_ms: float, *,
+                first_try: bool) -> None:
+        """A routing decision took ``seconds`` (hashing and lookup included); the first
+        try's plan estimated ``queue_ms`` of queueing on a ``plan_role`` node."""
+        self._decision.record(seconds, {"policy": self.policy})
+        if first_try:
+            self._queue.record(queue_ms / 1000, {"role": plan_role})
+
+    def hashed(self, reused: int, computed: int) -> None:
+        """Blocks whose hashes the memo reused, and blocks chained anew."""
+        if reused:
+            self._hash_memo.add(reused, {"result": "reused"})
+        if computed:
+            self._hash_memo.add(computed, {"result": "computed"})
+
+    def failover(self) -> None:
+        """A try failed and the request runs again elsewhere."""
+        self.stats.failovers += 1
+        self._failovers.add(1)
+
+    def keepalive(self) -> None:
+        """A keep-alive went to a silent client stream."""
+        self._keepalives.add(1)
+
+    def ended_badly(self, code: ErrorCode | None) -> None:
+        """A request ended with an error: a refusal (``REFUSALS``) or a failure."""
+        if code in REFUSALS:
+            self.stats.rejected += 1
+            self._rejected.add(1, {"reason": code.value})  # type: ignore[union-attr]
+        else:
+            self.stats.failed += 1
+            self._requests.add(1, {"policy": self.policy, "outcome": "error"})
+
+    def completed(self, final: wire.Final, path: str, *, ttft_s: float | None,
+                  tpot_s: float | None) -> None:
+        """A request finished; its route says where its prompt tokens came from."""
+        r = final.route
+        s = self.stats
+        s.completed += 1
+        if r.load_error is not None:
+            s.load_failures += 1
+        s.prompt_tokens += final.usage.prompt_tokens
+        by_source = wire.tokens_by_source(r)
+        s.tokens_gpu += r.tokens_gpu
+        s.tokens_dram += r.tokens_dram
+        s.tokens_remote += r.tokens_remote
+        s.tokens_computed += r.tokens_computed
+        s.paths[path] = s.paths.get(path, 0) + 1
+        attrs = {"policy": self.policy, "path": path}
+        self._requests.add(1, {**attrs, "outcome": "ok"})
+        for source, count in by_source.items():
+            self._tokens.add(count, {"tier": source.value})
+        if ttft_s is not None:
+            self._ttft.record(ttft_s, attrs)
+        if tpot_s is not None:
+            self._tpot.record(tpot_s, attrs)

@@ -1,0 +1,119 @@
+"""The router's side of one request's stream across tries: who owns the stream now, and
+the tokens forwarded to the client.
+
+The prefill node owns a try's stream until its decode node accepts the hand-off; the
+decode node says so on the stream itself (``wire.HandoffAccepted``), so the router
+watches the liveness of the node that really streams, never a guess from the tokens
+seen. A retried try continues the client's stream exactly where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from cpd.bus import ReplyStream, StreamReader
+from cpd.engines.servedmodel import Detokenizer
+from cpd.protocol import wire
+from cpd.protocol.errors import CpdError, ErrorCode, RequestTimeout, Unavailable
+from services.router.nodes import NodeTable
+
+
+class AttemptFailed(Exception):
+    """One try of a request failed; ``nodes`` are the ones to route around."""
+
+    def __init__(self, error: CpdError, nodes: set[str]) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.nodes = nodes
+
+
+class Relay:
+    """The client's side of a request across tries: forwards tokens with their text and
+    makes a retried stream continue exactly where the last one stopped."""
+
+    def __init__(self, out: ReplyStream, detok: Detokenizer) -> None:
+        self.out = out
+        self.detok = detok
+        self.forwarded: list[int] = []
+        self.seen = 0  # tokens received in the current try
+        self.first_at = 0.0
+        self.owner = ""  # the node streaming the current try
+        self.decode_node = ""  # the node that accepted the current try's hand-off
+
+    @property
+    def sent(self) -> int:
+        """Tokens the client has."""
+        return len(self.forwarded)
+
+    def restart(self, prefill_node: str) -> None:
+        """A new try, dispatched to ``prefill_node``, which owns its stream."""
+        self.seen = 0
+        self.owner = prefill_node
+        self.decode_node = ""
+
+    def accepted(self, msg: wire.HandoffAccepted) -> None:
+        """The decode node took the hand-off: it owns the rest of the stream."""
+        self.owner = self.decode_node = msg.node
+
+    async def follow(self, reader: StreamReader, nodes: NodeTable, *, check_s: float,
+                     idle_s: float) -> wire.Final:
+        """Relay the current try's stream until its final message, failing the try when
+        the node that owns the stream stops heart-beating (or comes back as a new
+        incarnation, which lost the request all the same), or when tokens stop for
+        ``idle_s`` once they flowed (a hand-off that never landed)."""
+        last = time.monotonic()
+        epochs: dict[str, int] = {}
+        while True:
+            owner = self.owner
+            epochs.setdefault(owner, nodes.epoch(owner))
+            try:
+                msg = await reader.next(check_s)
+            except CpdError as e:
+                raise AttemptFailed(e, {owner}) from None
+            now = time.monotonic()
+            if msg is None:
+                if not nodes.alive(owner, now, epochs[owner]):
+                    raise AttemptFailed(Unavailable(
+                        f"{owner} stopped heart-beating while serving the request"), {owner})
+                # A long prefill may be silent for long; once tokens flow, a silence this
+                # long means the stream was lost between nodes, even with every node alive.
+                if self.seen and now - last > idle_s:
+                    raise AttemptFailed(RequestTimeout(
+                        f"no token from {owner} for {idle_s:.0f}s"), {owner})
+                continue
+            last = now
+            if isinstance(msg, wire.TokenChunk):
+                await self.tokens(msg.token_ids)
+            elif isinstance(msg, wire.HandoffAccepted):
+                self.accepted(msg)
+            elif isinstance(msg, wire.Final):
+                return msg
+
+    async def tokens(self, ids: list[int]) -> None:
+        """Forward what the client does not have yet of the current try's ``ids``."""
+        start = self.seen
+        self.seen += len(ids)
+        # A retry regenerates what the client already has: it must be the same tokens.
+        overlap = ids[:max(0, self.sent - start)]
+        if overlap != self.forwarded[start:start + len(overlap)]:
+            raise AttemptFailed(CpdError(
+                "a retried request diverged from the tokens already sent",
+                code=ErrorCode.INTERNAL), set())
+        new = ids[len(overlap):]
+        if not new:
+            return
+        if not self.first_at:
+            self.first_at = time.monotonic()
+        self.forwarded.extend(new)
+        await self.out.tokens(new, self.detok.push(new))
+
+    async def final(self, final: wire.Final) -> None:
+        """End the client's stream with the text still held back and ``final``."""
+        rest = self.detok.flush()
+        if rest:
+            await self.out.tokens([], rest)
+        fields = {f: getattr(final, f) for f in ("finish_reason", "usage", "timings", "route")}
+        fields["usage"] = msgspec.structs.replace(final.usage, completion_tokens=self.sent)
+        await self.out.final(**fields)
