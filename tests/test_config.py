@@ -98,3 +98,54 @@ def test_subjects_validate_tokens() -> None:
             subjects.kv_events(bad)
     with pytest.raises(ValueError):
         subjects.run("router", "n1")
+
+
+@pytest.mark.parametrize("environ, overrides, role, expected", [
+    # [engine] for every role.
+    ({}, ["engine.max_num_seqs=8"], "decode", {"max_num_seqs": 8}),
+    # A role's section overrides one field, the others stay [engine]'s.
+    ({"CPD_ENGINE_PREFILL__MAX_NUM_SEQS": "2"}, ["engine.max_num_seqs=8"], "prefill",
+     {"max_num_seqs": 2}),
+    ({"CPD_ENGINE_PREFILL__MAX_NUM_SEQS": "2"}, ["engine.max_num_seqs=8"], "preprefill",
+     {"max_num_seqs": 8}),
+    ({}, ["engine_decode.enforce_eager=true", "engine.gpu_memory_utilization=0.9"], "decode",
+     {"enforce_eager": True, "gpu_memory_utilization": 0.9}),
+    # Any other vLLM argument: a JSON object from the environment or --set.
+    ({"CPD_ENGINE__EXTRA_ARGS": '{"swap_space": 2}'}, [], "prefill",
+     {"extra_args": {"swap_space": 2}}),
+    ({}, ['engine_decode.extra_args={"max_logprobs": 5}'], "decode",
+     {"extra_args": {"max_logprobs": 5}}),
+    ({}, [], "decode", {"gpu_memory_utilization": 0.15, "max_model_len": 0,
+                         "quantization": "", "extra_args": {}}),
+])
+def test_engine_settings_per_role(environ: dict[str, str], overrides: list[str], role: str,
+                                  expected: dict[str, object]) -> None:
+    engine = load_settings(environ=environ, overrides=overrides).engine_for(role)
+    assert {k: getattr(engine, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("overrides", [
+    ['engine.extra_args={"block_size": 16}'],          # CPD sets the KV layout itself
+    ['engine_prefill.extra_args={"kv_transfer_config": {}}'],
+    ["engine.extra_args=[1, 2]"],                      # not an object
+    ["engine.extra_args={bad json"],
+    ["engine.gpu_memory_utilization=1.5"],
+    ["engine_decode.no_such_field=1"],
+])
+def test_bad_engine_settings_are_config_errors(overrides: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        s = load_settings(environ={}, overrides=overrides)
+        s.engine_for("prefill")
+
+
+@pytest.mark.parametrize("overrides, model_context, served", [
+    ([], 8192, 8192),
+    (["engine.max_model_len=4096"], 8192, 4096),
+    (["engine_decode.max_model_len=2048"], 8192, 2048),   # the smallest of any role
+    (["engine.max_model_len=4096"], 0, 4096),
+    ([], 0, 0),
+])
+def test_the_served_context_is_the_engines(overrides: list[str], model_context: int,
+                                           served: int) -> None:
+    assert load_settings(environ={}, overrides=overrides).served_context(
+        model_context) == served

@@ -4,6 +4,7 @@ and no other module branches on ``worker.engine``."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from cpd.engines.profile import SimProfile, VllmProfile, engine_profile
 from cpd.modelbuild import PRESETS
 from cpd.ops.config import load_settings
+from cpd.protocol.errors import ConfigError
 from cpd.sim.costmodel import preset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +36,29 @@ def test_the_profile_and_its_slot_bytes_follow_the_settings(
     assert type(profile) is kind and profile.kind == load_settings(
         environ={}, overrides=overrides).worker.engine
     assert profile.slot_bytes == slot_bytes
+
+
+@pytest.mark.parametrize(("config", "slot_bytes"), [
+    # Llama-3.1-8B: 32 layers, 8 KV heads of 128, K and V, float32 here (4 bytes).
+    ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "hidden_size": 4096}, 32 * 8 * 128 * 2 * 4 * 256),
+    # No grouped-query attention: as many KV heads as attention heads.
+    ({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256},
+     2 * 4 * 64 * 2 * 4 * 256),
+    # An explicit head dim wins over hidden_size / heads.
+    ({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "hidden_size": 256, "head_dim": 128}, 2 * 2 * 128 * 2 * 4 * 256),
+    ({"num_hidden_layers": 2}, None),  # not a model's config: refused, typed
+])
+def test_a_model_folders_slot_bytes_come_from_its_config(
+        tmp_path: Path, config: dict[str, int], slot_bytes: int | None) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    profile = engine_profile(load_settings(environ={}, overrides=[f"model.path={tmp_path}"]))
+    if slot_bytes is None:
+        with pytest.raises(ConfigError):
+            _ = profile.slot_bytes
+    else:
+        assert profile.slot_bytes == slot_bytes
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

@@ -104,6 +104,10 @@ async def test_a_cancelled_waiter_leaves_no_slot_behind() -> None:
     assert (adm.in_flight, adm.queued) == (0, 0)
 
 
+# 10 ms per 1,000 new tokens, nothing else: round figures for the priced queues.
+COST_10_MS_PER_KTOK = PrefillCost(fixed_ms=0.0, per_token_ms=0.01, per_token_ctx_ms=0.0)
+
+
 def _hb(node: str, role: str, ns: str = "ns", started: int = 1, ttl_ms: int = 1000
         ) -> wire.Heartbeat:
     return wire.Heartbeat(node=node, role=role, started_unix_ms=started, lease_ttl_ms=ttl_ms,
@@ -118,36 +122,41 @@ def test_node_table_liveness_load_and_foreign_models() -> None:
     t.heartbeat(_hb("kvi", "kvindex"), now=0.0)
     assert {n.node for n in t.live(0.5)} == {"p0", "d0"}
     assert t.foreign == {"other"}
-    t.load_report(wire.LoadReport(node="p0", role="prefill", est_queue_ms=40.0,
+    held = [wire.PrefillWork(4_000, 0)]
+    t.load_report(wire.LoadReport(node="p0", role="prefill", prefills=held,
                                   in_flight=2, kv_bandwidth_gbps=3.0), now=0.9)
     t.dispatched("p0", 25.0)  # sent since the report: counted until the next one
     p0 = next(n for n in t.live(1.5) if n.node == "p0")
-    assert (p0.queue_ms, p0.in_flight, p0.bandwidth_gbps) == (65.0, 2, 3.0)
+    assert (p0.prefills, p0.dispatched_ms, p0.in_flight, p0.bandwidth_gbps) == (
+        tuple(held), (25.0,), 2, 3.0)
     # d0's lease (1 s) lapsed at 1.5; p0's load report renewed its own.
     assert not t.alive("d0", 1.5) and t.alive("p0", 1.5)
     assert {n.node for n in t.live(1.5, exclude=frozenset({"p0"}))} == set()
-    status = {s.node: s for s in t.status(1.5)}
-    assert status["d0"].alive is False and status["p0"].est_queue_ms == 40.0
-    t.load_report(wire.LoadReport(node="p0", role="prefill", est_queue_ms=10.0), now=1.6)
-    assert next(n for n in t.live(1.6) if n.node == "p0").queue_ms == 10.0
+    status = {s.node: s for s in t.status(1.5, COST_10_MS_PER_KTOK)}
+    assert status["d0"].alive is False and status["p0"].est_queue_ms == 40.0 + 25.0
+    t.load_report(wire.LoadReport(node="p0", role="prefill", prefills=[]), now=1.6)
+    p0 = next(n for n in t.live(1.6) if n.node == "p0")
+    assert (p0.prefills, p0.dispatched_ms) == ((), ())
     t.forget_dead(now=100.0, after_s=10.0)
-    assert t.status(100.0) == []
+    assert t.status(100.0, COST_10_MS_PER_KTOK) == []
 
 
 def test_a_restarted_node_starts_with_a_fresh_load() -> None:
     t = NodeTable(namespace="ns")
     t.heartbeat(_hb("p0", "prefill", started=1), now=0.0)
-    t.load_report(wire.LoadReport(node="p0", role="prefill", est_queue_ms=500.0), now=0.1)
+    t.load_report(wire.LoadReport(node="p0", role="prefill",
+                                  prefills=[wire.PrefillWork(50_000, 0)]), now=0.1)
+    t.dispatched("p0", 30.0)
     t.heartbeat(_hb("p0", "prefill", started=2), now=0.2)
-    assert t.live(0.3)[0].queue_ms == 0.0
+    p0 = t.live(0.3)[0]
+    assert (p0.prefills, p0.dispatched_ms) == ((), ())
 
 
 def test_node_table_passes_held_prefills_and_dispatches_to_the_policy() -> None:
     t = NodeTable(namespace="ns")
     t.heartbeat(_hb("p0", "prefill"), now=0.0)
     t.heartbeat(_hb("p1", "prefill"), now=0.0)
-    # A worker that predates the prefill list: the policy falls back to est_queue_ms.
-    t.load_report(wire.LoadReport(node="p1", role="prefill", est_queue_ms=40.0), now=0.1)
+    t.load_report(wire.LoadReport(node="p1", role="prefill"), now=0.1)
     work = [wire.PrefillWork(100_000, 0, 250.0), wire.PrefillWork(2_000, 120_000)]
     t.load_report(wire.LoadReport(node="p0", role="prefill", prefills=work,
                                   prefill_token_cap=2048), now=0.1)
@@ -156,13 +165,12 @@ def test_node_table_passes_held_prefills_and_dispatches_to_the_policy() -> None:
     live = {n.node: n for n in t.live(0.2)}
     assert live["p0"].prefills == tuple(work) and live["p0"].shares_steps
     assert live["p0"].dispatched_ms == (30.0, 20.0)
-    assert live["p1"].prefills is None and not live["p1"].shares_steps
+    assert live["p1"].prefills == () and not live["p1"].shares_steps
     # cpd status prices held prefills as the router does: the 100K-token prefill has
     # 250 ms of its 1,000 done, the 2K-token one has not started, 50 ms were dispatched.
-    cost = PrefillCost(fixed_ms=0.0, per_token_ms=0.01, per_token_ctx_ms=0.0)
-    shown = {s.node: s.est_queue_ms for s in t.status(0.2, cost)}
+    shown = {s.node: s.est_queue_ms for s in t.status(0.2, COST_10_MS_PER_KTOK)}
     assert shown["p0"] == pytest.approx((1000 - 250) + 20 + 50)
-    assert shown["p1"] == 40.0  # no list: the worker's own estimate
+    assert shown["p1"] == 0.0  # it holds nothing
     t.load_report(wire.LoadReport(node="p0", role="prefill", prefills=[]), now=0.3)
     p0 = next(n for n in t.live(0.3) if n.node == "p0")
     assert p0.prefills == () and p0.dispatched_ms == () and not p0.shares_steps

@@ -22,20 +22,24 @@ LOAD = LoadCost(kv_bytes_per_token=4096, per_transfer_ms=0.5)
 
 
 def nodes(**over: dict) -> list[NodeLoad]:
-    base = {"pp0": ("preprefill", 0.0), "pp1": ("preprefill", 0.0),
-            "p0": ("prefill", 0.0), "p1": ("prefill", 0.0),
-            "d0": ("decode", 0.0), "d1": ("decode", 0.0)}
+    """Two nodes of each role, idle unless ``over`` says otherwise: ``ahead_ms`` is work
+    the router sent the node since its last report (a queue of that many ms, first come
+    first served), ``gone`` leaves the node out, any other key is a NodeLoad field."""
+    base = {"pp0": "preprefill", "pp1": "preprefill", "p0": "prefill", "p1": "prefill",
+            "d0": "decode", "d1": "decode"}
     out = []
-    for name, (role, q) in base.items():
-        kw = {"queue_ms": q, "bandwidth_gbps": 2.0} | over.get(name, {})
+    for name, role in base.items():
+        kw = {"bandwidth_gbps": 2.0} | over.get(name, {})
         if kw.pop("gone", False):
             continue
-        out.append(NodeLoad(node=name, role=role, **kw))
+        ahead = kw.pop("ahead_ms", 0.0)
+        out.append(NodeLoad(node=name, role=role, dispatched_ms=(ahead,) if ahead else (),
+                            **kw))
     return out
 
 
-BUSY = {n: {"queue_ms": 3000} for n in ("pp0", "pp1", "p0", "p1")}
-COLD_BUSY = {n: {"queue_ms": 3000} for n in ("pp0", "pp1")}
+BUSY = {n: {"ahead_ms": 3000} for n in ("pp0", "pp1", "p0", "p1")}
+COLD_BUSY = {n: {"ahead_ms": 3000} for n in ("pp0", "pp1")}
 
 
 @dataclass
@@ -57,11 +61,11 @@ class Case:
 
 CASES = [
     Case("no prefix: cold to the idler pre-prefill node", Hits(),
-         loads={"pp0": {"queue_ms": 500}}, path="cold", node="pp1"),
+         loads={"pp0": {"ahead_ms": 500}}, path="cold", node="pp1"),
     Case("local DRAM hit: warm on that prefill node", Hits(dram={"p1": 36}),
          path="warm", node="p1", dram=36 * BS),
     Case("remote hit on a pre-prefill node's DRAM: warm, loaded over UCX",
-         Hits(dram={"pp0": 38}), loads={"p0": {"queue_ms": 50}},
+         Hits(dram={"pp0": 38}), loads={"p0": {"ahead_ms": 50}},
          path="warm", node="p1", remote=38 * BS, remote_node="pp0"),
     Case("local beats remote at equal queues", Hits(dram={"p0": 30, "pp0": 30}),
          path="warm", node="p0", dram=30 * BS),
@@ -76,10 +80,10 @@ CASES = [
     Case("kvindex unavailable is a miss (§10)", Hits(ok=False), path="cold",
          reason=RouteReason.KVINDEX_UNAVAILABLE),
     Case("pre-prefill queue too long: cold overflows to prefill (§10)", Hits(),
-         loads={"pp0": {"queue_ms": 9000}, "pp1": {"queue_ms": 8000}},
+         loads={"pp0": {"ahead_ms": 9000}, "pp1": {"ahead_ms": 8000}},
          path="overflow", node="p0", reason=RouteReason.PREPREFILL_BUSY),
     Case("prefill tier saturated: warm overflows to pre-prefill", Hits(dram={"pp1": 38}),
-         loads={"p0": {"queue_ms": 9000}, "p1": {"queue_ms": 9000}},
+         loads={"p0": {"ahead_ms": 9000}, "p1": {"ahead_ms": 9000}},
          path="overflow", node="pp1", dram=38 * BS, reason=RouteReason.PREFILL_BUSY),
     Case("no pre-prefill node: cold goes to prefill", Hits(),
          loads={"pp0": {"gone": True}, "pp1": {"gone": True}}, path="overflow", node="p0",
@@ -90,7 +94,7 @@ CASES = [
     Case("same prefix being computed, everything queued: wait, same latency, half the work",
          Hits(pending={"pp0": 40}), loads=BUSY, path="cold", wait=True),
     Case("same prefix being computed, warm tier far busier: compute now",
-         Hits(pending={"pp0": 40}), loads={"p0": {"queue_ms": 5000}, "p1": {"queue_ms": 5000}},
+         Hits(pending={"pp0": 40}), loads={"p0": {"ahead_ms": 5000}, "p1": {"ahead_ms": 5000}},
          path="cold"),
     Case("single-flight off", Hits(pending={"pp0": 40}), loads=COLD_BUSY, path="overflow",
          config={"single_flight": False}, reason=RouteReason.PREPREFILL_BUSY),
@@ -146,7 +150,8 @@ def test_the_last_token_is_always_computed() -> None:
 
 
 def test_decode_choice_and_missing_roles() -> None:
-    assert choose_decode(nodes(d0={"queue_ms": 30})) == "d1"
+    assert choose_decode(nodes()) == "d0"
+    assert choose_decode(nodes(d0={"in_flight": 1})) == "d1"
     assert choose_decode(nodes(d0={"in_flight": 5}, d1={"in_flight": 2})) == "d1"
     with pytest.raises(NoCapacity):
         choose_decode(nodes(d0={"gone": True}, d1={"gone": True}))
@@ -169,9 +174,9 @@ def test_pd_kv_weighs_local_cache_against_queue_but_never_loads_remotely() -> No
     router = Router(PolicyConfig(name="pd-kv"), COST, LOAD)
     d = router.decide(N, BS, Hits(gpu={"p1": 36}), nodes())
     assert d.plan.node == "p1" and d.plan.gpu_tokens == 36 * BS
-    d = router.decide(N, BS, Hits(gpu={"p1": 36}), nodes(p1={"queue_ms": 60_000}))
+    d = router.decide(N, BS, Hits(gpu={"p1": 36}), nodes(p1={"ahead_ms": 60_000}))
     assert d.plan.node != "p1"
-    d = router.decide(N, BS, Hits(dram={"pp0": 38}), nodes(pp0={"queue_ms": 60_000}))
+    d = router.decide(N, BS, Hits(dram={"pp0": 38}), nodes(pp0={"ahead_ms": 60_000}))
     assert d.plan.remote_tokens == 0
 
 
@@ -254,8 +259,6 @@ def test_requests_dispatched_since_the_last_report_count_as_held_work() -> None:
     assert router.queue_ms(NodeLoad(node="p0", role="prefill", prefills=(),
                                     dispatched_ms=(300.0, 5.0), shares_steps=True),
                            50.0) == 55.0
-    # No prefill list (an older worker): its own estimate, as before.
-    assert router.queue_ms(NodeLoad(node="p0", role="prefill", queue_ms=70.0), 50.0) == 70.0
 
 
 

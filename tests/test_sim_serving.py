@@ -113,7 +113,7 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
         held = []
         while reports.pending_msgs or not held or held[-1]:
             report = wire.decode((await reports.next_msg(timeout=5)).data, wire.LoadReport)
-            assert report.prefills is not None and report.prefill_token_cap == 0
+            assert report.prefill_token_cap == 0
             held.append([(w.new_tokens, w.context_tokens) for w in report.prefills])
         await reports.unsubscribe()
         assert [(len(prompt), 0)] in held and held[-1] == []

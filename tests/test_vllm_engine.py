@@ -20,7 +20,14 @@ def test_streams_deltas_to_the_end(results: dict) -> None:
     plain = results["plain"]
     assert len(plain["tokens"]) == 10 and plain["finished"] and plain["reason"] == "length"
     assert plain["steps"] >= 2  # streamed, not one final blob
-    assert results["max_model_len"] == 8192
+
+
+
+def test_engine_settings_reach_vllm(results: dict) -> None:
+    """[engine] settings are vLLM's: the engine runs with the context and batch limits
+    they set (the model's own context is 8,192)."""
+    assert results["max_model_len"] == 4096
+    assert (results["max_num_seqs"], results["max_num_batched_tokens"]) == (4, 4096)
 
 
 def test_save_then_load_is_token_identical(results: dict) -> None:
@@ -33,6 +40,32 @@ def test_save_then_load_is_token_identical(results: dict) -> None:
 def test_abort_ends_the_stream_and_the_engine_keeps_serving(results: dict) -> None:
     assert 3 <= results["aborted_tokens"] < 2000
     assert results["after_abort"]["tokens"] == results["plain"]["tokens"]
+
+
+def test_engine_section_becomes_vllm_arguments(model_cache: Path) -> None:
+    """Per role, [engine] with its [engine_<role>] overrides becomes vLLM's engine
+    arguments of the same names; vLLM accepts them; CPD's own stay CPD's."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from cpd.engines.vllm.engine import VllmEngine
+    from cpd.modelbuild import build
+    from cpd.ops.config import load_settings
+
+    folder = build("tiny", model_cache)
+    s = load_settings(environ={"CPD_ENGINE__EXTRA_ARGS": '{"max_logprobs": 7}'}, overrides=[
+        "engine.gpu_memory_utilization=0.5", "engine_decode.max_num_seqs=3",
+        "engine_prefill.max_num_batched_tokens=1024", "engine_prefill.enforce_eager=true"])
+    prefill = VllmEngine(folder, block_size=256, arena=None,
+                         engine=s.engine_for("prefill")).engine_args()
+    decode = VllmEngine(folder, block_size=256, arena=None,
+                        engine=s.engine_for("decode")).engine_args()
+    assert (prefill["max_num_batched_tokens"], prefill["enforce_eager"]) == (1024, True)
+    assert "max_num_seqs" not in prefill and decode["max_num_seqs"] == 3
+    for args in (prefill, decode):
+        assert args["gpu_memory_utilization"] == 0.5 and args["max_logprobs"] == 7
+        assert args["block_size"] == 256 and args["max_model_len"] == 8192
+        parsed = AsyncEngineArgs(**args)
+        assert parsed.max_logprobs == 7 and parsed.gpu_memory_utilization == 0.5
 
 
 def test_long_prefill_cap_reaches_vllm(model_cache: Path) -> None:

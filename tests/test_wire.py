@@ -54,7 +54,9 @@ SAMPLES: list[wire.Message] = [
     wire.BlocksInvalidated(node="n1", reason="lease expired"),
     wire.Heartbeat(node="n1", role="prefill", started_unix_ms=1, lease_ttl_ms=5000,
                    ucx_address=b"\x01\x02", capacity_blocks=100),
-    wire.LoadReport(node="n1", role="decode", queue_depth=2, est_queue_ms=3.5),
+    wire.LoadReport(node="n1", role="prefill", queue_depth=2, queued_new_tokens=300,
+                    prefills=[wire.PrefillWork(100, 0, 3.5), wire.PrefillWork(200, 4096)],
+                    prefill_token_cap=2048),
     wire.PrefillRequest(request_id="r1", reply_to="_INBOX.x", tokens=wire.pack_tokens([1]),
                         sampling=wire.SamplingParams(), namespace="ns", block_hashes=H,
                         decode_node="d0", deadline_unix_ms=123,
@@ -131,6 +133,15 @@ def test_older_messages_get_defaults_in_newer_readers() -> None:
     older = wire.encode(wire.TokenChunk(request_id="r", seq=1, token_ids=[1]))
     newer = msgspec.msgpack.decode(older, type=_TokenChunkV1_1)
     assert newer.logprobs == [] and newer.token_ids == [1]
+
+
+def test_a_load_report_without_a_prefill_list_holds_nothing() -> None:
+    """No ``prefills``: an empty list (the router prices an idle node); a field this
+    reader lacks (a worker-side queue estimate) is ignored."""
+    data = msgspec.msgpack.encode({"kind": "load", "v": 1, "node": "n1", "role": "prefill",
+                                   "est_queue_ms": 40.0})
+    report = wire.decode(data, wire.LoadReport)
+    assert report == wire.LoadReport(node="n1", role="prefill") and report.prefills == []
 
 
 @pytest.mark.parametrize("bad", [

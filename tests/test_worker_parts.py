@@ -52,7 +52,7 @@ async def test_a_planned_peer_heard_late_is_waited_for_briefly() -> None:
 
 def test_load_counts_held_prefills_and_running_requests() -> None:
     changes: list[int] = []
-    load = WorkerLoad(initial_ms_per_token=0.25, on_change=lambda: changes.append(1))
+    load = WorkerLoad(on_change=lambda: changes.append(1))
     store = BlockStore(1024, 4, node="n0")
     with load.holding(1000, 3000) as held:
         with load.holding(200, 0):
@@ -67,10 +67,6 @@ def test_load_counts_held_prefills_and_running_requests() -> None:
             pass
     assert (load.waiting, load.queued_tokens, load.in_flight) == (0, 0, 0)
     assert len(changes) == 4 + 2  # held and released twice each; one reported run
-    load.prefill_took(1000, 0.5)  # 0.5 ms a token against 0.25
-    assert load.ms_per_token == pytest.approx(0.8 * 0.25 + 0.2 * 0.5)
-    load.prefill_took(0, 1.0)  # nothing computed: no estimate
-    assert load.ms_per_token == pytest.approx(0.8 * 0.25 + 0.2 * 0.5)
 
 
 def test_arena_files_are_removed_and_a_dead_predecessors_are_swept(tmp_path: Path) -> None:

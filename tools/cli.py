@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -47,62 +46,11 @@ def cmd_model_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "hashing":
-        from tools.bench.hashing import run
-        result = run(tokens=args.tokens, block_size=args.block_size, repeat=args.repeat)
-    elif args.what == "kvindex":
-        from tools.bench.kvindex import run as run_kvindex
-        result = run_kvindex(quick=args.quick, blocks=args.blocks)
-    elif args.what == "transfer":
-        from tools.bench.transfer import run as run_transfer
-        result = run_transfer(quick=args.quick, peer_prefix=shlex.split(args.peer_prefix or ""),
-                              nats_host=args.nats_host)
-    elif args.what == "model":
-        from tools.bench.model import run as run_model
-        result = run_model(_settings(args), preset=args.preset, prefill_tokens=args.tokens)
-    elif args.what == "ttft":
-        from tools.bench.ttft import run as run_ttft
-        result = run_ttft(_settings(args), quick=args.quick)
-    elif args.what == "client":
-        from tools.bench.client import run as run_client
-        result = run_client(_settings(args), quick=args.quick)
-    elif args.what == "router":
-        from tools.bench.router import run as run_router
-        result = run_router(_settings(args), quick=args.quick, blocks=args.blocks)
-    elif args.what == "sweep":
-        from tools.bench.sweep import config_for
-        from tools.bench.sweep import run as run_sweep
+    """Run the benchmark ``cpd bench NAME`` names (tools/bench/registry.py), print and
+    write its JSON; exit 1 when a request failed or took another path than intended."""
+    from tools.bench.registry import BENCHMARKS
 
-        s = _settings(args)
-        cfg = config_for(s, quick=args.quick, workload=args.workload, trace=args.trace,
-                         preset_name=args.preset, time_scale=args.time_scale, qps=args.qps,
-                         steady_s=args.steady_s, ramp_s=args.ramp_s,
-                         settle_s=args.settle_s,
-                         topologies=args.topologies, stop_after=args.stop_after)
-        out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
-        partial = Path(f"{args.json}.partial") if args.json else None
-        if partial is not None:  # before an hour of load, not after it
-            partial.parent.mkdir(parents=True, exist_ok=True)
-        result = run_sweep(s, cfg, out, on_topology=(
-            None if partial is None else
-            lambda r: partial.write_text(json.dumps(r, indent=2, default=str))))
-        if partial is not None:
-            partial.unlink(missing_ok=True)
-    elif args.what == "faults":
-        from tools.bench.faults import config_for as faults_config
-        from tools.bench.faults import markdown as faults_markdown
-        from tools.bench.faults import run as run_faults
-
-        result = run_faults(faults_config(args.quick, scenarios=args.scenarios,
-                                          concurrency=args.concurrency,
-                                          duration_s=args.duration_s))
-        print(faults_markdown(result), file=sys.stderr)
-    elif args.what == "fuzz":
-        from tools.bench.fuzz import run as run_fuzz
-
-        result = run_fuzz(args.cases if args.cases is not None else 10_000, args.seed)
-    else:  # argparse restricts choices
-        raise AssertionError(args.what)
+    result = BENCHMARKS[args.what].run(args, lambda: _settings(args))
     _write_json(result, args.json)
     if result.get("requests_failed"):
         print(f"cpd bench {args.what}: FAILED: {result['requests_failed']} requests failed",
@@ -334,6 +282,26 @@ def cmd_secure_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``cpd bench NAME``: one subcommand per benchmark of the registry, each
+    with the common ``--json`` and the flags its module declares (added when that
+    subcommand is used, so only its module is imported)."""
+    from tools.bench.registry import BENCHMARKS, BenchParser
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks/)",
+                           description="Benchmarks; each writes its result as JSON "
+                                       "(docs/benchmarks/). `cpd bench NAME --help` lists "
+                                       "NAME's flags.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", metavar="PATH", help="also write the result here")
+    names = bench.add_subparsers(dest="what", required=True, metavar="NAME",
+                                 title="benchmarks", parser_class=BenchParser)
+    for b in BENCHMARKS.values():
+        names.add_parser(b.name, help=b.help, description=b.help, parents=[common],
+                         benchmark=b)
+    bench.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpd", description=__doc__)
     p.add_argument("--config", help="TOML settings file (also CPD_CONFIG)")
@@ -354,51 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="PATH")
     c.set_defaults(func=cmd_model_check)
 
-    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks/)")
-    bench.add_argument("what", choices=["client", "hashing", "kvindex", "model", "router",
-                                          "sweep", "transfer", "ttft", "faults", "fuzz"])
-    bench.add_argument("--json", metavar="PATH", help="also write the result here")
-    bench.add_argument("--tokens", type=int, default=None,
-                       help="prompt tokens (hashing: 100000; model: 8192)")
-    bench.add_argument("--block-size", type=int, default=256)
-    bench.add_argument("--repeat", type=int, default=200)
-    bench.add_argument("--preset", help="model: model preset; sweep: sim cost preset")
-    bench.add_argument("--quick", action="store_true", help="a short run (tests, CI)")
-    bench.add_argument("--blocks", type=int, help="kvindex, router: index size (default 1M)")
-    bench.add_argument("--workload", choices=["coding-agent", "mooncake"],
-                       default="coding-agent", help="sweep: the request mix")
-    bench.add_argument("--trace", help="sweep: Mooncake JSONL trace (--workload mooncake)")
-    bench.add_argument("--time-scale", type=float,
-                       help="sweep: simulated seconds per wall second (default: sim.time_scale)")
-    bench.add_argument("--qps", help="sweep: offered QPS/GPU, comma-separated "
-                                     "(default 0.4,0.6,...,1.6)")
-    bench.add_argument("--ramp-s", type=float, help="sweep: ramp phase, simulated s (30)")
-    bench.add_argument("--steady-s", type=float, help="sweep: steady phase, simulated s (600)")
-    bench.add_argument("--settle-s", type=float,
-                       help="sweep: unmeasured phase at the target rate between ramp and "
-                            "steady, simulated s (60)")
-    bench.add_argument("--topologies", help="sweep: comma-separated, e.g. '2P1D pd-rr,CPD-1D'")
-    bench.add_argument("--stop-after", type=int,
-                       help="sweep: skip a topology's higher loads after N unsustainable "
-                            "ones in a row (default: run every load)")
-    bench.add_argument("--out", help="sweep: folder for the table and plots "
-                                     "(default: the --json file's folder)")
-    bench.add_argument("--scenarios", help="faults: comma-separated scenario names "
-                                           "(default: all; --quick: five)")
-    bench.add_argument("--concurrency", type=int,
-                       help="faults: requests kept in flight (200; --quick 60)")
-    bench.add_argument("--duration-s", type=float,
-                       help="faults: load per scenario, wall seconds (24; --quick 14)")
-    bench.add_argument("--peer-prefix",
-                       help="transfer: command that runs the serving peer on another host, "
-                            "e.g. 'ssh gpu2' or 'ip netns exec h2' (default: this host)")
-    bench.add_argument("--nats-host", default="127.0.0.1",
-                       help="transfer: address of the bench's NATS server (one the peer "
-                            "reaches)")
-    bench.add_argument("--cases", type=int,
-                       help="fuzz: hostile messages per subject (default 10000)")
-    bench.add_argument("--seed", type=int, default=0, help="fuzz: corpus seed")
-    bench.set_defaults(func=cmd_bench)
+    add_bench_parser(sub)
 
     from tools.plan.cli import add_parser as add_plan_parser
 

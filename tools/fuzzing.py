@@ -312,7 +312,9 @@ _HEARTBEAT_HOSTILE: Hostile = {
 def _load(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
     return {"kind": "load", "v": 1, "node": _fake(ctx, rng),
             "role": rng.choice(["prefill", "decode", "preprefill"]),
-            "queue_depth": rng.randint(0, 10), "est_queue_ms": rng.random() * 100}
+            "queue_depth": rng.randint(0, 10),
+            "prefills": [[rng.randint(0, 5000), rng.randint(0, 100_000), rng.random() * 100]
+                         for _ in range(rng.randint(0, 4))]}
 
 
 _LOAD_HOSTILE: Hostile = {
@@ -320,7 +322,9 @@ _LOAD_HOSTILE: Hostile = {
     "role": lambda c, r: r.choice(["router", "bogus", BAD_UTF8]),
     "queue_depth": lambda c, r: r.choice(_hostile_ints()),
     "queued_new_tokens": lambda c, r: r.choice(_hostile_ints()),
-    "est_queue_ms": lambda c, r: r.choice([NAN, INF, -1.0, 1e308]),
+    "prefills": lambda c, r: r.choice([
+        None, "x", [[-1, 0, 0.0]], [[1, 2, NAN]], [[1, 2, -INF]], [[1]], [[1, 2, 3.0, 4]],
+        [{"new_tokens": 1}], [[0, 0, 0.0]] * (wire.MAX_REPORTED_PREFILLS + 1)]),
     "in_flight": lambda c, r: r.choice(_hostile_ints()),
     "dram_used_bytes": lambda c, r: r.choice(_hostile_ints()),
     "kv_bandwidth_gbps": lambda c, r: r.choice([NAN, -INF, -0.5]),

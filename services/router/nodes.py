@@ -96,28 +96,23 @@ class NodeTable:
                 continue
             r = n.load
             out.append(NodeLoad(node=n.node, role=n.role,
-                                queue_ms=(r.est_queue_ms if r else 0.0) + sum(n.dispatched_ms),
                                 queued_new_tokens=r.queued_new_tokens if r else 0,
                                 in_flight=r.in_flight if r else 0,
                                 bandwidth_gbps=r.kv_bandwidth_gbps if r else 0.0,
-                                prefills=tuple(r.prefills) if r and r.prefills is not None
-                                else None,
+                                prefills=tuple(r.prefills) if r else (),
                                 dispatched_ms=tuple(n.dispatched_ms),
                                 shares_steps=bool(r and r.prefill_token_cap)))
         return out
 
-    def status(self, now: float, cost: PrefillCost | None = None) -> list[wire.NodeStatus]:
-        """Every node ever heard of, alive or not, for ``cpd status``. With ``cost``, a
-        node that lists its held prefills shows what the router prices them at (the
-        compute they still need, plus what it dispatched since), not the worker's own
-        estimate, whose wall ms per token include waiting inside the engine."""
+    def status(self, now: float, cost: PrefillCost) -> list[wire.NodeStatus]:
+        """Every node ever heard of, alive or not, for ``cpd status``; a node's queue is
+        what the router prices its held prefills at with ``cost`` (the compute they still
+        need), plus what it dispatched there since the node's last report."""
         out = []
         for n in sorted(self._nodes.values(), key=lambda x: (x.role, x.node)):
             r = n.load or wire.LoadReport(node=n.node, role=n.role)  # type: ignore[arg-type]
-            queue_ms = r.est_queue_ms
-            if cost is not None and r.prefills is not None:
-                queue_ms = sum(ahead_ms(r.prefills, n.dispatched_ms, cost,
-                                        bool(r.prefill_token_cap)))
+            queue_ms = sum(ahead_ms(r.prefills, n.dispatched_ms, cost,
+                                    bool(r.prefill_token_cap)))
             out.append(wire.NodeStatus(
                 node=n.node, role=n.role, alive=now - n.last_seen <= n.lease_ttl_s,
                 last_seen_ms=max(0.0, (now - n.last_seen) * 1000),

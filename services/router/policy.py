@@ -50,14 +50,13 @@ class NodeLoad:
 
     node: str
     role: Role
-    queue_ms: float = 0.0
     queued_new_tokens: int = 0
     in_flight: int = 0
     bandwidth_gbps: float = 0.0  # measured by the worker; 0 until it has measured
-    # The prefills it reported holding (None: not reported, so plans use queue_ms), the
-    # estimated ms of each request sent to it since, and whether its prefills share
-    # steps (a long-prefill cap): the inputs of services.router.queueing.
-    prefills: tuple[wire.PrefillWork, ...] | None = None
+    # Its queue, as the router prices it (services.router.queueing): the prefills it
+    # reported holding, the estimated ms of each request sent to it since, and whether
+    # its prefills share steps (a long-prefill cap).
+    prefills: tuple[wire.PrefillWork, ...] = ()
     dispatched_ms: tuple[float, ...] = ()
     shares_steps: bool = False
 
@@ -257,8 +256,6 @@ class Router:
 
     def queue_ms(self, node: NodeLoad, own_ms: float) -> float:
         """How long a prefill of ``own_ms`` waits on ``node`` behind what it holds."""
-        if node.prefills is None:
-            return node.queue_ms
         cached = self._ahead.get(id(node))
         if cached is None or cached[0] is not node:
             cached = self._ahead[id(node)] = (node, ahead_ms(
@@ -354,9 +351,12 @@ class CpdPolicy(RoutingPolicy):
             return None  # even after the wait it would be cold
         # Upper bound: that node computing the whole pending prefix from now on.
         wait_ms = r.prefill.ms(covered, 0)
-        queue = min(x.queue_ms for x in warm_nodes)
-        after = (wait_ms + queue + r.load.ms(covered, cfg.default_bandwidth_gbps)
-                 + r.prefill.ms(n - covered, covered))
+        suffix_ms = r.prefill.ms(n - covered, covered)
+        # The least loaded prefill node works off what it holds while the prefix is
+        # computed: the suffix starts after the later of the two.
+        queue = min(r.queue_ms(x, suffix_ms) for x in warm_nodes)
+        after = (max(wait_ms, queue) + r.load.ms(covered, cfg.default_bandwidth_gbps)
+                 + suffix_ms)
         if after > now.ttft_ms + cfg.overflow_margin_ms or wait_ms > cfg.max_single_flight_wait_ms:
             return None
         return Wait(node=node, blocks=covered // bs, max_wait_ms=wait_ms)
@@ -403,9 +403,10 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 
 
 def choose_decode(nodes: Iterable[NodeLoad]) -> str:
-    """The least-loaded decode node (queue, then requests in flight, then name)."""
+    """The least-loaded decode node: the fewest requests in flight, then the name
+    (decode nodes hold no prefills: their load is the requests they decode)."""
     best = min((x for x in nodes if x.role == Role.DECODE),
-               key=lambda x: (x.queue_ms, x.in_flight, x.node), default=None)
+               key=lambda x: (x.in_flight, x.node), default=None)
     if best is None:
         raise NoCapacity("no decode node is up")
     return best.node

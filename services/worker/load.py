@@ -25,12 +25,11 @@ class HeldPrefill:
 class WorkerLoad:
     """One worker's load; ``on_change`` is called when a report should go out now."""
 
-    def __init__(self, *, initial_ms_per_token: float, on_change: Callable[[], None]) -> None:
+    def __init__(self, *, on_change: Callable[[], None]) -> None:
         self._prefills: dict[int, HeldPrefill] = {}
         self._ids = itertools.count()
         self._on_change = on_change
         self.in_flight = 0
-        self.ms_per_token = initial_ms_per_token
 
     @contextlib.contextmanager
     def holding(self, new_tokens: int, context_tokens: int) -> Iterator[HeldPrefill]:
@@ -58,11 +57,6 @@ class WorkerLoad:
             if report:
                 self._on_change()
 
-    def prefill_took(self, computed_tokens: int, seconds: float) -> None:
-        """An EWMA of this node's prefill speed per computed token (``est_queue_ms``)."""
-        if computed_tokens > 0:
-            self.ms_per_token = 0.8 * self.ms_per_token + 0.2 * (seconds * 1e3 / computed_tokens)
-
     @property
     def waiting(self) -> int:
         """Prefills held here."""
@@ -86,8 +80,7 @@ class WorkerLoad:
         """The load report of ``node``."""
         return wire.LoadReport(
             node=node, role=role, queue_depth=self.waiting,  # type: ignore[arg-type]
-            queued_new_tokens=self.queued_tokens,
-            est_queue_ms=self.queued_tokens * self.ms_per_token, in_flight=self.in_flight,
+            queued_new_tokens=self.queued_tokens, in_flight=self.in_flight,
             dram_used_bytes=store.used_bytes, dram_total_bytes=store.total_bytes,
             kv_bandwidth_gbps=kv_bandwidth_gbps, prefills=self.prefill_work(),
             prefill_token_cap=prefill_token_cap)

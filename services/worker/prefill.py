@@ -84,8 +84,8 @@ class PrefillHandler:
         hashes = wire.split_hashes(req.block_hashes)
         if len(hashes) != len(tokens) // core.block_size:
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
-        # New tokens as the router planned them (cached ones cost next to nothing); the
-        # EWMA below is per computed token too, so the queue estimate stays consistent.
+        # New tokens as the router planned them (cached ones cost next to nothing): the
+        # router prices the held prefill as it priced the request.
         pending = req.route.tokens_computed or len(tokens)
         with core.load.holding(pending, len(tokens) - pending) as held:
             loaded, remote, load_error = await self._gather_prefix(req, hashes)
@@ -95,7 +95,6 @@ class PrefillHandler:
         core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
                     written=len(saved), loaded=step.loaded_blocks)
         computed = len(tokens) - step.cached_tokens
-        core.load.prefill_took(computed, t_done - t_load)
         first = step.token_ids[0]
         await out.tokens([first])
         bs = core.block_size

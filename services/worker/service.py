@@ -74,8 +74,7 @@ class WorkerService(Service):
                            heartbeat_interval_s=settings.node.heartbeat_interval_s,
                            connect_ahead_delay_s=settings.dataplane.connect_ahead_delay_s,
                            log=self.log)
-        self.load = WorkerLoad(initial_ms_per_token=settings.worker.initial_ms_per_token,
-                               on_change=self._load_changed)
+        self.load = WorkerLoad(on_change=self._load_changed)
         self._parts: EngineParts | None = None
         self._arena: Arena | None = None
         self._bridge: CacheEventBridge | None = None

@@ -15,13 +15,17 @@ async def run(model_cache: str, arena_path: str) -> dict:
     from cpd.engines.vllm.connector import checksum
     from cpd.engines.vllm.engine import VllmEngine
     from cpd.modelbuild import PRESETS, build
+    from cpd.ops.config import EngineSettings
     from cpd.protocol import wire
 
     folder = build("tiny", model_cache)
     bs, slots = 256, 8
     slot_bytes = bs * PRESETS["tiny"].kv_bytes_per_token()
     arena = np.memmap(arena_path, dtype=np.uint8, mode="w+", shape=(slots, slot_bytes))
-    engine = VllmEngine(folder, block_size=bs, arena=ArenaSpec(arena_path, slots, slot_bytes))
+    # [engine] settings as a worker passes them (a shorter context, a smaller batch).
+    settings = EngineSettings(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=4096)
+    engine = VllmEngine(folder, block_size=bs, arena=ArenaSpec(arena_path, slots, slot_bytes),
+                        engine=settings)
     await engine.start()
     prompt = np.random.default_rng(3).integers(0, 1900, size=3 * bs + 5).tolist()
     greedy = wire.SamplingParams(max_tokens=10, ignore_eos=True)
@@ -34,7 +38,9 @@ async def run(model_cache: str, arena_path: str) -> dict:
                 "cached": last.cached_tokens, "loaded": last.loaded_blocks,
                 "saved": last.saved_blocks}
 
-    out = {"max_model_len": engine.max_model_len, "plain": await gen("a")}
+    sched = engine._llm.vllm_config.scheduler_config
+    out = {"max_model_len": engine.max_model_len, "max_num_seqs": sched.max_num_seqs,
+           "max_num_batched_tokens": sched.max_num_batched_tokens, "plain": await gen("a")}
     out["save"] = await gen("b", save_slots=[0, 1, 2])
     await engine._llm.reset_prefix_cache()
     cks = [checksum(arena[i]) for i in range(3)]

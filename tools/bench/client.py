@@ -26,6 +26,7 @@ reported, never averaged in.
 from __future__ import annotations
 
 import abc
+import argparse
 import asyncio
 import contextlib
 import os
@@ -48,6 +49,7 @@ from cpd.modelbuild.runtime import prepare_cpu_env
 from cpd.modelbuild.tokenizer import CORPUS
 from cpd.ops.config import Settings, load_settings
 from tools.bench.hostinfo import free_port, load_average, machine_info
+from tools.bench.registry import SettingsFactory
 from tools.supervisor import UP_BANNER, stop_tree
 
 PRESET = "tiny"
@@ -510,3 +512,14 @@ def run(settings: Settings | None = None, quick: bool = False) -> dict[str, Any]
               + "\n  ".join(f"{f['server']} {f['api']} {f['context_tokens']} {f['case']}: "
                             f"{f['error']}" for f in result["failures"]), file=sys.stderr)
     return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench client``'s flags."""
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run: fewer context sizes and iterations (tests, CI)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench client``'s flags."""
+    return run(settings(), quick=args.quick)

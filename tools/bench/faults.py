@@ -24,6 +24,7 @@ afterwards the invariants are checked:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import importlib.util
@@ -53,6 +54,7 @@ from cpd.protocol.hashing import Namespace
 from cpd.sim.workloads import DEFAULT_VOCAB, block_token_ids
 from services.kvindex.index import Index
 from tools.bench.hostinfo import free_port
+from tools.bench.registry import SettingsFactory
 from tools.bench.simcluster import SimCluster
 from tools.faultproxy import FaultProxy
 
@@ -806,5 +808,27 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["FULL", "QUICK", "SCENARIOS", "FaultConfig", "Timeline", "check_blocks",
-           "config_for", "markdown", "reference_tokens", "run", "run_async"]
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench faults``'s flags."""
+    parser.add_argument("--quick", action="store_true",
+                        help="five scenarios, less load, no fuzzing (tests, CI)")
+    parser.add_argument("--scenarios", help="comma-separated scenario names "
+                                            "(default: all; --quick: five)")
+    parser.add_argument("--concurrency", type=int,
+                        help="requests kept in flight (200; --quick 60)")
+    parser.add_argument("--duration-s", type=float,
+                        help="load per scenario, wall seconds (24; --quick 14)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench faults``'s flags; the per-scenario table goes to stderr
+    (stdout carries the JSON)."""
+    result = run(config_for(args.quick, scenarios=args.scenarios,
+                            concurrency=args.concurrency, duration_s=args.duration_s))
+    print(markdown(result), file=sys.stderr)
+    return result
+
+
+__all__ = ["FULL", "QUICK", "SCENARIOS", "FaultConfig", "Timeline", "add_arguments",
+           "check_blocks", "config_for", "markdown", "reference_tokens", "run", "run_args",
+           "run_async"]

@@ -18,6 +18,7 @@ a rejection the service did not count. The tests (``tests/fuzz``) run the same d
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -44,12 +45,13 @@ from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import CpdError, ErrorCode
+from cpd.protocol.errors import CpdError, ErrorCode, NoResponders, RequestTimeout
 from cpd.protocol.hashing import block_hashes
 from cpd.protocol.roles import Role
 from cpd.transfer import framing
 from tools import fuzzing
 from tools.bench.hostinfo import free_port
+from tools.bench.registry import SettingsFactory
 from tools.supervisor import Proc, until_ready, wait_ready
 
 # The cluster: node id -> service.
@@ -371,15 +373,15 @@ def _same_lookup(a: wire.LookupReply, b: wire.LookupReply) -> bool:
 # ----------------------------------------------------------------------- the driver
 
 
-async def _request_case(nc: Any, subject: str, data: bytes, out: Outcome,
+async def _request_case(bus: Bus, subject: str, data: bytes, out: Outcome,
                         sem: asyncio.Semaphore) -> None:
     async with sem:
         try:
-            reply = await nc.request(subject, data, timeout=REPLY_TIMEOUT_S)
+            reply = await bus.request_bytes(subject, data, timeout=REPLY_TIMEOUT_S)
         except nats.errors.MaxPayloadError:
             out.refused += 1
             return
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+        except (RequestTimeout, NoResponders) as e:
             out.hangs += 1
             out.problems.append(f"no reply ({type(e).__name__}) to {data[:80]!r}")
             return
@@ -552,7 +554,7 @@ async def fuzz_target(cluster: FuzzCluster, target: Target, n: int, seed: int) -
         sem = asyncio.Semaphore(CONCURRENCY)
         # Workers answer "accepted" and stream the rest to the case's own reply_to: what
         # they refuse after accepting arrives there (and must be typed and counted too).
-        own = bytes(cluster.bus.nc._resp_sub_prefix).decode()
+        own = await cluster.bus.reply_prefix()
 
         async def on_stream(msg: Any) -> None:
             if not msg.subject.startswith(own):
@@ -561,7 +563,7 @@ async def fuzz_target(cluster: FuzzCluster, target: Target, n: int, seed: int) -
         # A mutated reply_to may name any subject: listen on all, except this client's
         # own request inbox (the direct answers, counted by _request_case).
         streams = await cluster.bus.nc.subscribe(">", cb=on_stream)
-        await asyncio.gather(*(_request_case(cluster.bus.nc, target.subject, c.data, out, sem)
+        await asyncio.gather(*(_request_case(cluster.bus, target.subject, c.data, out, sem)
                                for c in cases))
     elif target.style in ("publish", "jetstream"):
         await _publish_cases(cluster, target, cases, fam.kind, out)
@@ -630,3 +632,15 @@ async def run_async(cases_per_subject: int = 10_000, seed: int = 0,
 def run(cases_per_subject: int = 10_000, seed: int = 0) -> dict[str, Any]:
     """The fuzz bench: ``{"fuzz_crashes": n, "subjects": {subject: {...}}}``."""
     return asyncio.run(run_async(cases_per_subject, seed))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench fuzz``'s flags. No ``--quick``: fewer cases is ``--cases``."""
+    parser.add_argument("--cases", type=int, default=10_000,
+                        help="hostile messages per subject (default 10000)")
+    parser.add_argument("--seed", type=int, default=0, help="corpus seed (default 0)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench fuzz``'s flags; the cluster uses its own settings."""
+    return run(args.cases, args.seed)

@@ -9,6 +9,7 @@ bytes (vLLM's prefix-hash choice) as references.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import statistics
 import time
@@ -17,6 +18,7 @@ import numpy as np
 
 from cpd.protocol import hashing, wire
 from cpd.protocol.hashing import ROOT_PARENT, Namespace, block_hashes
+from tools.bench.registry import SettingsFactory
 
 
 def _sha256_chain(tokens: np.ndarray, block_size: int) -> bytes:
@@ -81,3 +83,17 @@ def run(tokens: int | None = None, block_size: int = 256, repeat: int = 200) -> 
         "target_ms": 1.0,
         "meets_target": both_ms < 1.0,
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench hashing``'s flags. No ``--quick``: the full run takes about a second."""
+    parser.add_argument("--tokens", type=int, help="prompt tokens (default 100000)")
+    parser.add_argument("--block-size", type=int, default=256,
+                        help="tokens per block (default 256)")
+    parser.add_argument("--repeat", type=int, default=200,
+                        help="timed runs per measurement (default 200)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench hashing``'s flags; no settings needed."""
+    return run(tokens=args.tokens, block_size=args.block_size, repeat=args.repeat)

@@ -27,6 +27,7 @@ with no service behind the subject; ``lookup_p99_over_floor`` is kvindex's share
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
@@ -50,6 +51,7 @@ from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import Namespace
 from services.kvindex.index import Index
 from tools.bench.proccpu import cpu_seconds_all, cpu_used_since
+from tools.bench.registry import SettingsFactory
 
 CHAIN = 391
 NODES = ("w0", "w1", "w2", "w3")
@@ -365,3 +367,16 @@ class _Run:
     def cpu_us(self) -> dict[str, float]:
         """Each process's CPU time per lookup sent, µs."""
         return {name: round(used / self.sent * 1e6, 1) for name, used in self.cpu.items()}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench kvindex``'s flags."""
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run: 100K blocks, shorter rounds (tests, CI)")
+    parser.add_argument("--blocks", type=int,
+                        help="index size in blocks (default 1M; --quick 100K)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench kvindex``'s flags; the bench sets up its own NATS."""
+    return run(quick=args.quick, blocks=args.blocks)

@@ -8,6 +8,7 @@ path on this host), side by side in one run.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 from cpd.modelbuild import PRESETS, build
 from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
 from cpd.ops.config import Settings
+from tools.bench.registry import SettingsFactory
 
 
 def _load(settings: Settings, preset: str | None, *, prefix_caching: bool) -> tuple[Any, str]:
@@ -88,3 +90,16 @@ def run(settings: Settings, preset: str | None = None, prefill_tokens: int | Non
         # Bandwidth at which loading the KV would take as long as recomputing it.
         "break_even_gbps": round(kv_bytes / prefill_s / 1e9, 3),
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench model``'s flags. No ``--quick``."""
+    parser.add_argument("--preset", help="model preset, tiny or small (default: model.preset)")
+    parser.add_argument("--tokens", type=int,
+                        help="prompt tokens to prefill (default 8192; capped at the "
+                             "model's context - 1)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench model``'s flags."""
+    return run(settings(), preset=args.preset, prefill_tokens=args.tokens)

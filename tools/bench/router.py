@@ -49,10 +49,12 @@ was reused, of the 32-in-flight pass).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import shutil
 import subprocess
@@ -79,8 +81,11 @@ from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import BlockHasher, Namespace, block_hashes
 from cpd.protocol.roles import Role
 from services.router import Decision, Hits, RouterService, Wait
+from services.router.cost import PrefillCost
+from services.router.service import prefill_cost
 from tools.bench.kvindex import CHAIN, _run_loop
 from tools.bench.proccpu import cpu_seconds_all, cpu_used_since
+from tools.bench.registry import SettingsFactory
 
 PROMPT_TOKENS = 100_000
 MAX_MODEL_LEN = 131_072
@@ -102,8 +107,9 @@ SEED = 20261201
 # Long enough that a fake node never expires while two cores are busy ingesting a million
 # blocks; the lease length does not enter the decision's cost.
 LEASE_TTL_MS = 30_000
-# Queue estimates the fake workers report (ms): enough spread that some decisions
-# overflow across tiers, as under real load.
+# The queues of the fake prefill-capable workers (ms, as the router prices the prefill
+# each one reports holding): enough spread that some decisions overflow across tiers, as
+# under real load.
 MAX_QUEUE_MS = 300.0
 KV_BANDWIDTH_GBPS = 5.0
 PUBLISH_BATCH = 500
@@ -289,8 +295,10 @@ async def _publish(js: Any, events: Iterator[wire.KvEvent]) -> int:
     return count
 
 
-async def _fake_workers(bus: Bus, settings: Settings, ns: Namespace, epoch: int) -> None:
-    """Heartbeats and load reports of every fake worker, at the workers' intervals."""
+async def _fake_workers(bus: Bus, settings: Settings, ns: Namespace, epoch: int,
+                        cost: PrefillCost) -> None:
+    """Heartbeats and load reports of every fake worker, at the workers' intervals; a
+    prefill-capable one holds a prefill ``cost`` prices at 0 to ``MAX_QUEUE_MS``."""
     rng = np.random.default_rng(SEED + 2)
     spec = ns.to_spec()
     next_heartbeat = 0.0
@@ -305,12 +313,26 @@ async def _fake_workers(bus: Bus, settings: Settings, ns: Namespace, epoch: int)
                     capacity_blocks=4096))
         for node, role in WORKERS.items():
             queue_ms = float(rng.uniform(0, MAX_QUEUE_MS))
+            held = ([wire.PrefillWork(new_tokens=n, context_tokens=0)]
+                    if role != Role.DECODE and (n := _tokens_priced_at(cost, queue_ms))
+                    else [])
             await bus.publish(subjects.load(role, node), wire.LoadReport(
-                node=node, role=role, queue_depth=int(queue_ms // 50),  # type: ignore[arg-type]
-                queued_new_tokens=int(queue_ms * 4), est_queue_ms=queue_ms,
+                node=node, role=role, queue_depth=len(held),  # type: ignore[arg-type]
+                queued_new_tokens=sum(w.new_tokens for w in held), prefills=held,
                 in_flight=int(rng.integers(0, 8)),
                 kv_bandwidth_gbps=KV_BANDWIDTH_GBPS if role != Role.DECODE else 0.0))
         await asyncio.sleep(settings.worker.load_report_interval_s)
+
+
+def _tokens_priced_at(cost: PrefillCost, ms: float) -> int:
+    """The new tokens (no cached context) ``cost`` prices at about ``ms``: 0 when ``ms``
+    is not above its fixed part, or when tokens cost nothing."""
+    budget = ms - cost.fixed_ms
+    a, b = cost.per_token_ms, cost.per_token_ctx_ms / 2  # budget = a·n + b·n²
+    if budget <= 0 or (a <= 0 and b <= 0):
+        return 0
+    n = budget / a if b <= 0 else (math.sqrt(a * a + 4 * b * budget) - a) / (2 * b)
+    return int(n)
 
 
 async def _until(what: str, timeout: float, check: Callable[[], Awaitable[bool]]) -> float:
@@ -402,7 +424,8 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
             await _until("kvindex start", READY_TIMEOUT_S, lambda: _ready(bus, ns, probe, kvi))
         except TimeoutError as e:
             raise RuntimeError(f"{e}; its log:\n{kvi.log_tail()}") from None
-        workers = asyncio.create_task(_fake_workers(bus, s, ns, epoch))
+        workers = asyncio.create_task(_fake_workers(bus, s, ns, epoch,
+                                                    prefill_cost(engine_profile(s))))
         writers = {n: _Writer(n, ns, epoch, engine_profile(s).slot_bytes) for n in WORKERS}
         t0 = time.perf_counter()
         n_events = await _publish(js, _background(writers, sizes.blocks))
@@ -877,3 +900,16 @@ async def _agent_passes(router: RouterService, sessions: list[AgentSession],
                                                          if router_cpu else None),
         "hash_memo_reuse_ratio": many["hash_memo"]["reuse_ratio"],
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench router``'s flags."""
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run: 100K blocks (tests, CI)")
+    parser.add_argument("--blocks", type=int,
+                        help="kvindex size in blocks (default 1M; --quick 100K)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench router``'s flags."""
+    return run(settings(), quick=args.quick, blocks=args.blocks)

@@ -27,7 +27,9 @@ topology (:func:`cpd.sim.analysis.sustainable_qps_per_gpu`); the analytic bound
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import os
 import shutil
 import sys
@@ -44,6 +46,7 @@ from cpd.sim.analysis import DEFAULT_TTFT_SLO_S, RunSummary, analytic_bound, sus
 from cpd.sim.costmodel import DEFAULT_PRESET, CostModel, preset
 from cpd.sim.workloads import CodingAgentConfig, WorkloadRequest, coding_agent, mooncake, poisson
 from tools.bench.loaddriver import DEFAULT_MAX_INFLIGHT, Phases, drive, fresh_content, report
+from tools.bench.registry import SettingsFactory
 from tools.bench.simcluster import SimCluster as BaseSimCluster
 
 Workload = Literal["coding-agent", "mooncake"]
@@ -508,5 +511,52 @@ def plot(result: dict, out_dir: Path) -> list[str]:
     return paths
 
 
-__all__ = ["TOPOLOGIES", "SimCluster", "SweepConfig", "Topology", "config_for", "headline",
-           "make_workload", "markdown", "plot", "run", "run_topology"]
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench sweep``'s flags (docs/sim.md, "``cpd bench sweep``")."""
+    parser.add_argument("--quick", action="store_true",
+                        help="2P1D pd-rr and CPD-1D at two loads, short phases (tests, CI)")
+    parser.add_argument("--workload", choices=["coding-agent", "mooncake"],
+                        default="coding-agent", help="the request mix")
+    parser.add_argument("--trace", help="Mooncake JSONL trace (--workload mooncake)")
+    parser.add_argument("--preset", help="sim cost preset (default: sim.preset)")
+    parser.add_argument("--time-scale", type=float,
+                        help="simulated seconds per wall second (default: sim.time_scale)")
+    parser.add_argument("--qps", help="offered QPS/GPU, comma-separated "
+                                      "(default 0.4,0.6,...,1.6)")
+    parser.add_argument("--ramp-s", type=float, help="ramp phase, simulated s (30)")
+    parser.add_argument("--steady-s", type=float, help="steady phase, simulated s (600)")
+    parser.add_argument("--settle-s", type=float,
+                        help="unmeasured phase at the target rate between ramp and steady, "
+                             "simulated s (60)")
+    parser.add_argument("--topologies", help="comma-separated, e.g. '2P1D pd-rr,CPD-1D'")
+    parser.add_argument("--stop-after", type=int,
+                        help="skip a topology's higher loads after N unsustainable ones in "
+                             "a row (default: run every load)")
+    parser.add_argument("--out", help="folder for the table and plots "
+                                      "(default: the --json file's folder)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench sweep``'s flags. With ``--json PATH`` the result so far is
+    kept in ``PATH.partial`` after each topology (a full sweep runs for hours) and
+    removed once the whole result is back."""
+    s = settings()
+    cfg = config_for(s, quick=args.quick, workload=args.workload, trace=args.trace,
+                     preset_name=args.preset, time_scale=args.time_scale, qps=args.qps,
+                     steady_s=args.steady_s, ramp_s=args.ramp_s, settle_s=args.settle_s,
+                     topologies=args.topologies, stop_after=args.stop_after)
+    out = Path(args.out) if args.out else (Path(args.json).parent if args.json else None)
+    partial = Path(f"{args.json}.partial") if args.json else None
+    if partial is not None:  # before an hour of load, not after it
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    result = run(s, cfg, out, on_topology=(
+        None if partial is None else
+        lambda r: partial.write_text(json.dumps(r, indent=2, default=str))))
+    if partial is not None:
+        partial.unlink(missing_ok=True)
+    return result
+
+
+__all__ = ["TOPOLOGIES", "SimCluster", "SweepConfig", "Topology", "add_arguments", "config_for",
+           "headline", "make_workload", "markdown", "plot", "run", "run_args", "run_topology"]

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import struct
 import subprocess
@@ -52,6 +53,7 @@ from cpd.transfer import (
     ucx_options,
 )
 from cpd.transfer.runtime import progress_while_busy
+from tools.bench.registry import SettingsFactory
 
 KIB, MIB = 1 << 10, 1 << 20
 BATCHES = (1, 16, 256)
@@ -333,6 +335,24 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_peer(args.block_bytes, args.blocks, args.nats))
     else:
         print(json.dumps(run(args.quick), indent=2))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench transfer``'s flags."""
+    parser.add_argument("--quick", action="store_true",
+                        help="64 KiB, 1 MiB and 8 MiB blocks (tests, CI)")
+    parser.add_argument("--peer-prefix",
+                        help="command that runs the serving peer on another host, "
+                             "e.g. 'ssh gpu2' or 'ip netns exec h2' (default: this host)")
+    parser.add_argument("--nats-host", default="127.0.0.1",
+                        help="address of the bench's NATS server (one the peer reaches)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench transfer``'s flags; the peer prefix is split as a shell
+    would split it."""
+    return run(quick=args.quick, peer_prefix=shlex.split(args.peer_prefix or ""),
+               nats_host=args.nats_host)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ result (``path_ok``, ``path_errors``), never silently averaged in.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -46,6 +47,7 @@ from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.hashing import Namespace, block_hashes
 from services.kvindex import KvIndexService
 from tools.bench.hostinfo import load_average, machine_info
+from tools.bench.registry import SettingsFactory
 from tools.supervisor import kill_tree, stop_tree
 
 PRESET = "tiny"
@@ -437,3 +439,14 @@ def run(settings: Settings | None = None, quick: bool = False) -> dict:
         print("cpd bench ttft: WARNING: some requests did not take the intended path:\n  "
               + "\n  ".join(result["path_errors"]), file=sys.stderr)
     return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cpd bench ttft``'s flags."""
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run: fewer prompt lengths (tests, CI)")
+
+
+def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
+    """Run from ``cpd bench ttft``'s flags."""
+    return run(settings(), quick=args.quick)

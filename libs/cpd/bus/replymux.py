@@ -47,6 +47,12 @@ class ReplyMux:
         self._pending: dict[str, asyncio.Future[Msg]] = {}
         self._next = 0
 
+    async def inbox_prefix(self) -> str:
+        """The subject prefix of this connection's replies (subscribed on first use)."""
+        if not self._prefix:
+            await self._start()
+        return self._prefix
+
     @property
     def pending(self) -> int:
         """Requests waiting for their reply."""

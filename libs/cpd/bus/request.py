@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from cpd.bus.replymux import ReplyMux
 from cpd.ops import telemetry
@@ -54,6 +55,10 @@ class Bus:
         """Connect and wrap; ``url`` (one server) replaces ``settings.nats.servers``."""
         return cls(await connect(settings.nats, name, url=url), settings.bus)
 
+    async def reply_prefix(self) -> str:
+        """The subject prefix every reply to this connection's requests arrives on."""
+        return await self._replies.inbox_prefix()
+
     @property
     def max_message_bytes(self) -> int:
         """The effective limit: ours, or the server's when that is smaller."""
@@ -92,6 +97,12 @@ class Bus:
             raise CpdError(f"expected {expect.__name__} from {subject}, got "
                            f"{type(answer).__name__}", code=ErrorCode.MALFORMED)
         return answer
+
+    async def request_bytes(self, subject: str, data: bytes, *, timeout: float) -> Msg:
+        """One request of raw bytes (e.g. a fuzzer's), its reply as received; replies
+        arrive under :meth:`reply_prefix`. Raises ``NoResponders`` and
+        ``RequestTimeout`` like :meth:`request`."""
+        return await self._replies.request(subject, data, timeout=timeout)
 
     async def stream(self, subject: str, msg: wire.Message, *, timeout: float,
                      idle_timeout: float | None = None, silence_limit: float | None = None,

@@ -12,12 +12,14 @@ engine kind.
 from __future__ import annotations
 
 import abc
+import json
 from pathlib import Path
 from typing import ClassVar, Protocol
 
 from cpd.kvstore import KvEventPublisher, kv_block_bytes
 from cpd.ops.config import Settings
 from cpd.ops.cpuset import parse_cpu_list
+from cpd.protocol.errors import ConfigError
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.roles import Role
 from cpd.sim.costmodel import CostModel, preset
@@ -90,12 +92,18 @@ class VllmProfile(EngineProfile):
         return ServedModel.load(self.settings)
 
     def _block_bytes(self) -> int:
+        """One block's KV across all layers, from the model's shape: the preset's, or the
+        ``config.json`` of ``model.path`` (a Hugging Face checkpoint)."""
         from cpd.modelbuild import PRESETS
 
         s = self.settings
-        p = PRESETS[s.model.preset]
-        return kv_block_bytes(layers=p.num_hidden_layers, kv_heads=p.num_key_value_heads,
-                              head_dim=p.head_dim, block_tokens=s.cache.block_size,
+        if s.model.path:
+            layers, kv_heads, head_dim = _kv_shape(Path(s.model.path) / "config.json")
+        else:
+            p = PRESETS[s.model.preset]
+            layers, kv_heads, head_dim = p.num_hidden_layers, p.num_key_value_heads, p.head_dim
+        return kv_block_bytes(layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                              block_tokens=s.cache.block_size,
                               dtype_bytes=_DTYPE_BYTES[s.model.dtype])
 
     def prefill_cost_ms(self) -> tuple[float, float, float]:
@@ -113,7 +121,8 @@ class VllmProfile(EngineProfile):
                           long_prefill_token_threshold=s.worker.long_prefill_token_threshold,
                           async_kv_load=s.worker.loads_async(role),
                           executor=s.worker.engine_executor, threads=s.worker.engine_threads,
-                          cpus=parse_cpu_list(s.worker.engine_cpus))
+                          cpus=parse_cpu_list(s.worker.engine_cpus),
+                          engine=s.engine_for(role))
 
     def cache_event_bridge(self, engine: Engine, publisher: KvEventPublisher,
                            namespace: Namespace, *, kv_events_endpoint: str
@@ -206,3 +215,17 @@ def served_model(settings: Settings) -> ServedModel:
 
 __all__ = ["CacheEventBridge", "EngineProfile", "SimProfile", "VllmProfile", "engine_profile",
            "served_model"]
+
+
+def _kv_shape(config_json: Path) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a Hugging Face model's ``config.json``: KV heads
+    default to the attention heads (no grouped-query attention), the head dim to the
+    hidden size over the attention heads."""
+    try:
+        cfg = json.loads(config_json.read_text())
+        heads = int(cfg["num_attention_heads"])
+        return (int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or heads),
+                int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model.path: cannot read the KV shape from {config_json}: "
+                          f"{e!r}") from None

@@ -67,8 +67,9 @@ class ServedModel:
             tenant_salt=s.cache.tenant_salt)
         cfg = _read_json(folder / "config.json")
         tok_cfg = _read_json(folder / "tokenizer_config.json")
-        max_len = int(cfg.get("max_position_embeddings")
-                      or tok_cfg.get("model_max_length") or 0)
+        # The engines' context: the model's own unless [engine] sets a shorter one.
+        max_len = s.served_context(int(cfg.get("max_position_embeddings")
+                                       or tok_cfg.get("model_max_length") or 0))
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None

