@@ -98,7 +98,8 @@ class WorkerCore:
         js = bus.nc.jetstream()
         await kvevents.ensure_stream(js, update=False)  # kvindex owns its limits
         kv = KvStore(BlockStore(slots.shape[1], slots.shape[0], node=node, arena=slots,
-                                capability=keyring.issue),
+                                capability=keyring.issue,
+                                eviction=settings.dataplane.eviction),
                      kvevents.KvEventPublisher(js, node, epoch=epoch))
         opened: list[Any] = [kv]
         try:

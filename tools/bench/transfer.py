@@ -250,11 +250,17 @@ async def _case(peer: _PeerProc, client: TransferClient, nc: Any, size: int, cou
     nats_gbps = _median_gbps(nbytes, nats_s)
     return {
         "blocks": count, "block_bytes": size, "total_bytes": nbytes,
-        "gbps": round(gbps, 3), "raw_ucx_gbps": round(raw_gbps, 3),
-        "nats_gbps": round(nats_gbps, 3), "memcpy_gbps": round(_median_gbps(nbytes, mem_s), 3),
-        "vs_raw_ucx": round(gbps / raw_gbps, 3), "vs_nats": round(gbps / nats_gbps, 2),
+        "gbps": _sig(gbps), "raw_ucx_gbps": _sig(raw_gbps),
+        "nats_gbps": _sig(nats_gbps), "memcpy_gbps": _sig(_median_gbps(nbytes, mem_s)),
+        "vs_raw_ucx": _sig(gbps / raw_gbps), "vs_nats": _sig(gbps / nats_gbps),
         "cpd_ms": round(statistics.median(cpd_s) * 1e3, 3),
     }
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits: a slow case (a loaded host, a link of a
+    few MB/s) keeps its precision, which fixed decimals would round away."""
+    return float(f"{x:.{digits}g}")
 
 
 async def _run(quick: bool, peer_prefix: Sequence[str], nats_host: str) -> dict[str, Any]:

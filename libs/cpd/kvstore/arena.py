@@ -5,15 +5,15 @@ nothing is allocated per block or per transfer, and every block's bytes are a ze
 view into the arena (what the engine writes into and what UCX sends from / receives into).
 
 :class:`BlockStore` has no I/O and no clock of its own: slots, lifecycle
-``ALLOCATED → WRITING → SEALED → (evicted)``, pins under leases, and LRU eviction that
-is *prefix-closed* (a block leaves only after every child of it in this store has left)
-and never touches pinned or unsealed blocks. Each transition appends the lifecycle
-event kvindex needs to an outbox (:meth:`BlockStore.drain_events`).
+``ALLOCATED → WRITING → SEALED → (evicted)``, pins under leases, and eviction that is
+*prefix-closed* (a block leaves only after every child of it in this store has left)
+and never touches pinned or unsealed blocks, in the order of a policy
+(:mod:`cpd.kvstore.eviction`: LRU, or LRU with frequency admission). Each transition
+appends the lifecycle event kvindex needs to an outbox (:meth:`BlockStore.drain_events`).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -34,12 +34,10 @@ from cpd.protocol.errors import (
 from cpd.protocol.lifecycle import BlockState
 
 from .events import MAX_BLOCKS_PER_EVENT
+from .eviction import POLICIES, EvictionPolicy, PolicyFactory, evictable
 
 SealItem = bytes | tuple[bytes, int] | tuple[bytes, int, int] | tuple[bytes, int, int, int]
 """What :meth:`BlockStore.seal` takes per block (see there)."""
-
-# The lazy LRU heap is rebuilt once stale entries outnumber live blocks by this factor.
-_HEAP_SLACK = 4
 
 
 def checksum(data: Any) -> int:
@@ -89,7 +87,12 @@ class BlockEntry:
     checksum: int = 0
     pins: int = 0
     children: int = 0  # children of this block present in this store
-    tick: int = 0  # last use; the LRU order
+    # Eviction policy state (cpd.kvstore.eviction): the last use, the last use that
+    # counted as a reference, the reference count, whether in the admission window.
+    tick: int = 0
+    ref_tick: int = 0
+    freq: int = 0
+    in_window: bool = False
 
     @property
     def ref(self) -> wire.BlockRef:
@@ -110,7 +113,7 @@ class Lease:
 
 
 class BlockStore:
-    """Slots, lifecycle, pins and prefix-closed LRU eviction of one arena (pure logic).
+    """Slots, lifecycle, pins and prefix-closed eviction of one arena (pure logic).
 
     Not thread-safe: one event loop owns it. Time comes from ``clock`` (monotonic
     seconds) so tests control lease expiry.
@@ -119,10 +122,13 @@ class BlockStore:
     def __init__(self, slot_bytes: int, num_slots: int, *, node: str = "",
                  tier: wire.Tier = wire.Tier.DRAM, arena: Any = None,
                  clock: Callable[[], float] = time.monotonic,
-                 capability: Callable[[str], bytes] | None = None) -> None:
+                 capability: Callable[[str], bytes] | None = None,
+                 eviction: str | PolicyFactory = "lru") -> None:
         """``capability``: namespace → this node's read capability (a
         :meth:`cpd.protocol.capability.Keyring.issue`), attached to every ``BlocksSealed`` event so
-        kvindex can hand it to readers; ``None`` attaches none (open data plane)."""
+        kvindex can hand it to readers; ``None`` attaches none (open data plane).
+        ``eviction``: a policy of :data:`~cpd.kvstore.eviction.POLICIES` by name (what
+        ``dataplane.eviction`` selects) or a factory of one."""
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError("slot_bytes and num_slots must be positive")
         self.capability = capability
@@ -144,8 +150,11 @@ class BlockStore:
         self._entries: dict[bytes, BlockEntry] = {}
         # Children present here whose parent is not (yet) held: adopted on the parent's arrival.
         self._orphans: dict[bytes, int] = defaultdict(int)
-        self._heap: list[tuple[int, bytes]] = []  # (tick, hash); lazily invalidated
-        self._tick = 0
+        if isinstance(eviction, str):
+            if eviction not in POLICIES:
+                raise ValueError(f"unknown eviction policy {eviction!r}")
+            eviction = POLICIES[eviction]
+        self._policy: EvictionPolicy = eviction(num_slots, self._entries)
         self._leases: dict[str, Lease] = {}
         self._outbox: list[wire.KvEvent] = []
         self._evicted: list[BlockEntry] = []  # evicted by the current operation
@@ -157,12 +166,14 @@ class BlockStore:
     def from_settings(cls, settings: Settings, slot_bytes: int, *, node: str | None = None,
                       **kwargs: Any) -> BlockStore:
         """A store sized by ``dataplane.arena_bytes`` with slots of ``slot_bytes`` (the
-        engine profile's :attr:`~cpd.engines.profile.EngineProfile.slot_bytes`)."""
+        engine profile's :attr:`~cpd.engines.profile.EngineProfile.slot_bytes`),
+        evicting by ``dataplane.eviction``."""
         size = slot_bytes
         slots = settings.dataplane.arena_bytes // size
         if slots < 1:
             raise ValueError(f"dataplane.arena_bytes {settings.dataplane.arena_bytes} holds no "
                              f"block of {size} bytes")
+        kwargs.setdefault("eviction", settings.dataplane.eviction)
         return cls(size, slots, node=settings.node.node_id if node is None else node, **kwargs)
 
     def __len__(self) -> int:
@@ -178,6 +189,11 @@ class BlockStore:
     def entries(self) -> list[BlockEntry]:
         """Every held block (a copy of the list; entries are live)."""
         return list(self._entries.values())
+
+    @property
+    def eviction(self) -> str:
+        """The eviction policy's name (:data:`~cpd.kvstore.eviction.POLICIES`)."""
+        return self._policy.name
 
     @property
     def free_slots(self) -> int:
@@ -216,7 +232,7 @@ class BlockStore:
                  slots: Sequence[int] | None = None) -> list[BlockEntry | None]:
         """Give each new block a slot (ALLOCATED); ``None`` for blocks already held.
 
-        Evicts least-recently-used evictable blocks when the free list runs out; all or
+        Evicts evictable blocks (in the policy's order) when the free list runs out; all or
         nothing: raises :class:`~cpd.protocol.errors.ArenaFull` (keeping what it evicted) when the
         batch cannot fit. A block's parent in the same batch counts as present. With
         ``slots`` (borrowed through :meth:`take_slots`, one per ref) block ``i`` takes
@@ -237,9 +253,9 @@ class BlockStore:
                 result.append(None)
                 continue
             # Registered first (slot -1) so their parents cannot be evicted to make room.
-            entry = BlockEntry(r.hash, r.parent, r.num_tokens, namespace, slot=-1,
-                               tick=self._next_tick())
+            entry = BlockEntry(r.hash, r.parent, r.num_tokens, namespace, slot=-1)
             self._add(entry)
+            self._policy.added(entry)
             new.append(entry)
             result.append(entry)
         while slots is None and len(self._free) < len(new):
@@ -345,14 +361,17 @@ class BlockStore:
         return [h for hs in by_ns.values() for h in hs]
 
     def touch(self, hashes: Iterable[bytes]) -> None:
-        """Mark blocks as just used (a hit), moving them to the young end of the LRU."""
+        """Mark blocks as just used (a hit): the eviction policy's recency and count."""
+        get, used, offer = self._entries.get, self._policy.used, self._policy.offer
         for h in hashes:
-            entry = self._entries.get(h)
+            entry = get(h)
             if entry is not None:
-                self._touch(entry)
+                used(entry)
+                if evictable(entry):
+                    offer(entry)
 
     def evict(self, count: int) -> int:
-        """Evict up to ``count`` blocks in prefix-closed LRU order; returns how many."""
+        """Evict up to ``count`` blocks in prefix-closed policy order; returns how many."""
         done = 0
         while done < count and self._evict_one():
             done += 1
@@ -453,10 +472,6 @@ class BlockStore:
         # kvindex (replica, replay, restart) learns it from the stream alone.
         return {"capability": self.capability(namespace)} if self.capability else {}
 
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
-
     def _sealed(self, block_hash: bytes) -> BlockEntry:
         entry = self._entries.get(block_hash)
         if entry is None or entry.state is not BlockState.SEALED:
@@ -472,8 +487,9 @@ class BlockStore:
         elif entry.parent:
             self._orphans[entry.parent] += 1
 
-    def _remove(self, entry: BlockEntry) -> None:
+    def _remove(self, entry: BlockEntry, evicted: bool = False) -> None:
         del self._entries[entry.hash]
+        self._policy.removed(entry, evicted)
         if entry.slot >= 0:
             self._free.append(entry.slot)
         if entry.children:
@@ -488,32 +504,21 @@ class BlockStore:
                 del self._orphans[entry.parent]
 
     def _touch(self, entry: BlockEntry) -> None:
-        entry.tick = self._next_tick()
+        self._policy.used(entry)
         self._maybe_evictable(entry)
 
-    @staticmethod
-    def _evictable(entry: BlockEntry) -> bool:
-        return entry.state is BlockState.SEALED and not entry.pins and not entry.children
-
     def _maybe_evictable(self, entry: BlockEntry) -> None:
-        if self._evictable(entry):
-            heapq.heappush(self._heap, (entry.tick, entry.hash))
-            if len(self._heap) > _HEAP_SLACK * len(self._entries) + 64:
-                self._heap = [(e.tick, e.hash) for e in self._entries.values()
-                              if self._evictable(e)]
-                heapq.heapify(self._heap)
+        if evictable(entry):
+            self._policy.offer(entry)
 
     def _evict_one(self) -> bool:
-        while self._heap:
-            tick, h = heapq.heappop(self._heap)
-            entry = self._entries.get(h)
-            if entry is None or entry.tick != tick or not self._evictable(entry):
-                continue  # stale heap record
-            self._remove(entry)
-            self.evictions += 1
-            self._evicted.append(entry)
-            return True
-        return False
+        entry = self._policy.victim()
+        if entry is None:
+            return False
+        self._remove(entry, evicted=True)
+        self.evictions += 1
+        self._evicted.append(entry)
+        return True
 
     def _flush_evictions(self) -> None:
         evicted = self._evicted

@@ -284,6 +284,11 @@ class DataPlaneSettings(_Section):
 
     # Preallocated block arena of this worker (host DRAM); its slots are reused forever.
     arena_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 1 << 30
+    # Which sealed, unpinned, childless block the arena evicts first (cpd.kvstore.eviction):
+    # "tinylfu" is LRU with frequency admission, which keeps part of a cyclic revisit of
+    # more sessions than fit (LRU keeps none) and a hot set through a one-off scan;
+    # "lru" is least recently used (docs/architecture.md, "KV tiers and the data plane").
+    eviction: Literal["lru", "tinylfu"] = "tinylfu"
     # Bytes of one cache block (one arena slot). 0 derives it from the model:
     # layers × (K, V) × cache.block_size × KV heads × head dim × dtype size.
     block_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
