@@ -24,19 +24,12 @@ from cpd.protocol import wire
 from cpd.protocol.errors import ErrorCode
 from services.gateway import protocol
 from services.gateway.calls import Outcomes
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, check_model
 from services.gateway.metrics import UNAUTHORIZED, UNKNOWN_TENANT
 from services.gateway.ratelimit import RateLimiter, retry_after_header
 from services.gateway.tenants import AuthError, Tenant, TenantTable
 
 log = telemetry.get_logger("cpd.gateway")
-
-
-def unknown_model(name: str, served_name: str) -> ApiError:
-    """The 404 of a request for a model other than the served one."""
-    return ApiError(HTTPStatus.NOT_FOUND,
-                    f"the model {name!r} does not exist; this server serves "
-                    f"{served_name!r}", code="model_not_found", param="model")
 
 
 class Admission:
@@ -84,8 +77,7 @@ class Admission:
     async def wire_request(self, body: protocol.CompletionRequest | protocol.ChatRequest,
                            request_id: str, tenant: Tenant) -> wire.GenerateRequest:
         """Check a parsed body and turn it into the router's request."""
-        if body.model and body.model != self.served_name:
-            raise unknown_model(body.model, self.served_name)
+        check_model(body.model, self.served_name)
         protocol.refuse_unsupported(body)
         text_or_ids: str | list[int]
         if isinstance(body, protocol.ChatRequest):

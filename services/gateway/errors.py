@@ -103,3 +103,12 @@ async def http_exception_handler(_: Request, exc: Exception) -> Response:
     code = "not_found" if status == HTTPStatus.NOT_FOUND else status.phrase.lower().replace(
         " ", "_")
     return ApiError(status, str(exc.detail), code=code).response(dict(exc.headers or {}))
+
+
+def check_model(name: str | None, served_name: str) -> None:
+    """Refuse (404) a request naming a model other than the served one; none named is
+    the served one."""
+    if name and name != served_name:
+        raise ApiError(HTTPStatus.NOT_FOUND,
+                       f"the model {name!r} does not exist; this server serves "
+                       f"{served_name!r}", code="model_not_found", param="model")

@@ -22,9 +22,8 @@ from cpd.engines.servedmodel import ServedModel
 from cpd.protocol.errors import CpdError
 from cpd.protocol.roles import PREFILL_ROLES
 from services.gateway import protocol
-from services.gateway.admission import unknown_model
 from services.gateway.calls import OWNER
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, check_model
 from services.gateway.replies import json_response
 
 HEALTH_TIMEOUT_S = 1.0
@@ -58,8 +57,7 @@ class OpsRoutes:
 
     async def _tokenize(self, raw: bytes) -> dict[str, Any]:
         body = protocol.decode_tokenize(raw)
-        if body.model and body.model != self.served_name:
-            raise unknown_model(body.model, self.served_name)
+        check_model(body.model, self.served_name)
         if body.messages is not None:
             text = protocol.chat_prompt(body.chat(), self.model)
         elif body.prompt is not None:
@@ -75,8 +73,7 @@ class OpsRoutes:
 
     async def _detokenize(self, raw: bytes) -> dict[str, Any]:
         body = protocol.decode_detokenize(raw)
-        if body.model and body.model != self.served_name:
-            raise unknown_model(body.model, self.served_name)
+        check_model(body.model, self.served_name)
         if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < (
                 self.model.vocab_size):
             raise ApiError.invalid(f"token ids must lie in [0, {self.model.vocab_size})",

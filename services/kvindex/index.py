@@ -31,15 +31,7 @@ from cpd.protocol.lifecycle import BlockState
 from services.kvindex.blocks import BlockTable
 from services.kvindex.gpu import removed_blocks, stored_blocks
 from services.kvindex.lookup import lookup_prefixes
-from services.kvindex.records import (
-    Block,
-    Changes,
-    Location,
-    LocKey,
-    NodeInfo,
-    Tier,
-    valid_namespace,
-)
+from services.kvindex.records import Changes, LocKey, NodeInfo, Tier, valid_namespace
 from services.kvindex.snapshot import (
     SNAPSHOT_VERSION,
     SnapshotState,
@@ -48,8 +40,8 @@ from services.kvindex.snapshot import (
     fingerprint,
 )
 
-__all__ = ["SNAPSHOT_VERSION", "Block", "Changes", "Index", "LocKey", "Location", "NodeInfo",
-           "Tier", "valid_namespace"]
+__all__ = ["SNAPSHOT_VERSION", "Changes", "Index", "LocKey", "NodeInfo", "Tier",
+           "valid_namespace"]
 
 
 class Index(BlockTable):

@@ -39,7 +39,7 @@ class Relay:
         self.forwarded: list[int] = []
         self.seen = 0  # tokens received in the current try
         self.first_at = 0.0
-        self.owner = ""  # the node streaming the current try
+        self._prefill_node = ""  # the current try's
         self.decode_node = ""  # the node that accepted the current try's hand-off
 
     @property
@@ -47,15 +47,21 @@ class Relay:
         """Tokens the client has."""
         return len(self.forwarded)
 
+    @property
+    def owner(self) -> str:
+        """The node streaming the current try: its prefill node until a decode node
+        accepts the hand-off."""
+        return self.decode_node or self._prefill_node
+
     def restart(self, prefill_node: str) -> None:
         """A new try, dispatched to ``prefill_node``, which owns its stream."""
         self.seen = 0
-        self.owner = prefill_node
+        self._prefill_node = prefill_node
         self.decode_node = ""
 
     def accepted(self, msg: wire.HandoffAccepted) -> None:
         """The decode node took the hand-off: it owns the rest of the stream."""
-        self.owner = self.decode_node = msg.node
+        self.decode_node = msg.node
 
     async def follow(self, reader: StreamReader, nodes: NodeTable, *, check_s: float,
                      idle_s: float) -> wire.Final:
@@ -67,7 +73,8 @@ class Relay:
         epochs: dict[str, int] = {}
         while True:
             owner = self.owner
-            epochs.setdefault(owner, nodes.epoch(owner))
+            if owner not in epochs:
+                epochs[owner] = nodes.epoch(owner)
             try:
                 msg = await reader.next(check_s)
             except CpdError as e:

@@ -59,8 +59,6 @@ _SINGLE_FLIGHT_LOOK_S = 1.0
 _FORGET_AFTER_LEASES = 60
 
 
-
-
 class RouterService(Service):
     """One router replica; replicas share the ``router`` queue group."""
 
@@ -370,8 +368,6 @@ class RouterService(Service):
             ttft_ms=ttft_ms, total_ms=(now - t0) * 1000)
         r = final.route
         r.failovers = failovers
-        if relay.decode_node:  # the node that said it took the hand-off
-            r.decode_node = relay.decode_node
         if r.load_error is not None:
             self.log.warning("router.load_failed", node=r.prefill_node,
                              peer=r.load_error.peer, error=r.load_error.code)

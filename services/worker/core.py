@@ -61,24 +61,18 @@ class WorkerCore:
     """The shared state and checks of one worker process's handlers."""
 
     settings: Settings
-    role: str
     node_id: str
-    epoch: int
     bus: Bus
     log: Any
     spawn: Spawn
     reject: Callable[[str, CpdError], None]
-    namespace: Namespace
-    vocab_size: int
     parts: EngineParts
     kv: KvStore
     server: TransferServer
     client: TransferClient
     loader: PrefixLoader
-    peers: Peers
     load: WorkerLoad
     keyring: Keyring
-    audit: AuditLog | None
     metrics: _Instruments
     running: set[tuple[str, str]] = field(default_factory=set)
     """(handler, request id) of the requests held here: an engine refuses a duplicate
@@ -119,16 +113,23 @@ class WorkerCore:
                     await part.close()
             raise
         loader = PrefixLoader(role, kv, client, peers, audit=audit, log=log)
-        model = parts.model
-        return cls(settings=settings, role=role, node_id=node, epoch=epoch, bus=bus, log=log,
-                   spawn=spawn, reject=reject, namespace=model.namespace,
-                   vocab_size=model.vocab_size, parts=parts, kv=kv, server=server,
-                   client=client, loader=loader, peers=peers, load=load, keyring=keyring,
-                   audit=audit, metrics=_instruments(role, node, kv.store))
+        return cls(settings=settings, node_id=node, bus=bus, log=log, spawn=spawn,
+                   reject=reject, parts=parts, kv=kv, server=server, client=client,
+                   loader=loader, load=load, keyring=keyring,
+                   metrics=_instruments(role, node, kv.store))
 
     @property
     def engine(self) -> Engine:
         return self.parts.engine
+
+    @property
+    def namespace(self) -> Namespace:
+        """The served model's base namespace."""
+        return self.parts.model.namespace
+
+    @property
+    def vocab_size(self) -> int:
+        return self.parts.model.vocab_size
 
     @property
     def block_size(self) -> int:
@@ -157,21 +158,18 @@ class WorkerCore:
         if len(self.running) >= self.settings.worker.max_queued_requests:
             raise Overloaded(f"{self.node_id} holds {len(self.running)} requests")
 
-    def claim(self, handler: str, request_id: str) -> tuple[str, str]:
-        """Mark ``request_id`` running in ``handler``, refusing one that already is;
-        the key to discard from :attr:`running` when it is done."""
+    def claim(self, handler: str, request_id: str) -> None:
+        """Mark ``request_id`` running in ``handler`` (until it is discarded from
+        :attr:`running`), refusing one that already is."""
         key = (handler, request_id)
         if key in self.running:
             raise InvalidRequest(f"request {request_id[:80]!r} is already running here")
         self.running.add(key)
-        return key
 
     def check_vocab(self, tokens: np.ndarray) -> None:
         """Token ids an engine would index its embedding with: past the vocabulary they
         crash a real engine, so they are refused here."""
-        if tokens.size and int(tokens.max()) >= self.vocab_size:
-            raise InvalidRequest(f"token id {int(tokens.max())} is outside the vocabulary "
-                                 f"of {self.vocab_size}")
+        self.parts.model.check_vocab(tokens)
 
     def count_stream_rejection(self, subject: str, e: BaseException) -> None:
         """Bad input found after the request was accepted (its error goes on the stream)
@@ -187,14 +185,12 @@ class WorkerCore:
 
     @contextlib.asynccontextmanager
     async def pinned(self, kind: str, request_id: str,
-                     entries: list[BlockEntry]) -> AsyncIterator[list[BlockEntry]]:
+                     entries: list[BlockEntry]) -> AsyncIterator[None]:
         """``entries`` pinned for an engine run (eviction cannot take a block the engine
-        is loading) and unpinned after it; blocks the engine found corrupt are dropped."""
-        lease = f"{kind}-{request_id}-{uuid.uuid4().hex[:6]}"
-        if entries:
-            self.kv.pin(lease, [e.hash for e in entries], self.settings.dataplane.pin_ttl_s)
+        is loading) and unpinned after it."""
+        lease = self._pin(kind, request_id, [e.hash for e in entries])
         try:
-            yield entries
+            yield
         finally:
             if entries:
                 self.kv.unpin(lease)
@@ -202,7 +198,10 @@ class WorkerCore:
     def pin_for_handoff(self, request_id: str, hashes: list[bytes]) -> str:
         """Pin a request's blocks until its decode node acks the pull (or the lease's
         time runs out: the store's sweep expires it); the lease id."""
-        lease = f"handoff-{request_id}-{uuid.uuid4().hex[:6]}"
+        return self._pin("handoff", request_id, hashes)
+
+    def _pin(self, kind: str, request_id: str, hashes: list[bytes]) -> str:
+        lease = f"{kind}-{request_id}-{uuid.uuid4().hex[:6]}"
         if hashes:
             self.kv.pin(lease, hashes, self.settings.dataplane.pin_ttl_s)
         return lease

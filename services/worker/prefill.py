@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 
 from cpd.bus import ReplyStream, Request, Service
 from cpd.engines import EngineRequest, EngineStep
+from cpd.kvstore import BlockEntry
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
 from services.worker.core import WorkerCore
@@ -88,9 +89,9 @@ class PrefillHandler:
         # router prices the held prefill as it priced the request.
         pending = req.route.tokens_computed or len(tokens)
         with core.load.holding(pending, len(tokens) - pending) as held:
-            loaded, remote, load_error = await self._gather_prefix(req, hashes)
+            have, remote, load_error = await self._gather_prefix(req, hashes)
             t_load = held.engine_start = time.perf_counter()
-            step, saved = await self._run(req, tokens, hashes, loaded)
+            step, saved = await self._run(req, tokens, hashes, have)
         t_done = time.perf_counter()
         core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
                     written=len(saved), loaded=step.loaded_blocks)
@@ -116,7 +117,7 @@ class PrefillHandler:
         await self._handoff(req, hashes, first, route, timings, out)
 
     async def _gather_prefix(self, req: wire.PrefillRequest, hashes: list[bytes]
-                             ) -> tuple[list[bytes], int, wire.LoadError | None]:
+                             ) -> tuple[list[BlockEntry], int, wire.LoadError | None]:
         """The sealed local blocks the engine will load, in chain order from block 0,
         after pulling the planned remote runs; how many of them came from peers; and,
         when a planned pull failed, which and why (the rest is recomputed, and the
@@ -137,16 +138,15 @@ class PrefillHandler:
             remote += got
             if failure is not None:  # recompute from here
                 break
-        have = [e.hash for e in loader.sealed_prefix(hashes)]
+        have = loader.sealed_prefix(hashes)
         return have, min(remote, len(have)), failure
 
     async def _run(self, req: wire.PrefillRequest, tokens: np.ndarray, hashes: list[bytes],
-                   loaded: list[bytes]) -> tuple[EngineStep, list[bytes]]:
+                   have: list[BlockEntry]) -> tuple[EngineStep, list[bytes]]:
         """One engine run for the first token: the loaded prefix pinned, the new full
         blocks written through to fresh slots and sealed after (failed on error)."""
         core = self.core
         kv, store = core.kv, core.kv.store
-        have = [e for e in (store.get(h) for h in loaded) if e is not None]
         # Pinned before new slots are allocated: allocation may evict, never these.
         async with core.pinned("load", req.request_id, have):
             new_refs = [wire.BlockRef(h, hashes[i - 1] if i else b"", core.block_size)
@@ -170,7 +170,7 @@ class PrefillHandler:
                     await kv.fail(fresh, "prefill failed")
                 raise
         if step.failed_blocks:
-            await core.drop_corrupt(loaded)
+            await core.drop_corrupt([e.hash for e in have])
         if fresh:
             await kv.seal([(h, store.slot_bytes) for h in fresh])
         return step, fresh

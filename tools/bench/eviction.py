@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cpd.kvstore import BlockStore
-from cpd.kvstore.eviction import POLICIES, Admission, EvictionPolicy, PolicyFactory
+from cpd.kvstore.eviction import (
+    POLICIES,
+    Admission,
+    EvictionPolicy,
+    PolicyFactory,
+    in_main,
+    in_window,
+)
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import BlockState
 
@@ -217,15 +224,6 @@ def hit_rate(eviction: str | PolicyFactory, pattern: Pattern, capacity: int) -> 
 # ------------------------------------------------------------ candidates not kept in the store
 
 
-def _first(entry: BlockEntry) -> bool:
-    return entry.in_window
-
-
-def _second(entry: BlockEntry) -> bool:
-    return not entry.in_window
-
-
-
 class _Fifos(EvictionPolicy):
     """Two lazy FIFO heaps of evictable leaves (``in_window``: the first one), keyed by
     insertion order; a block moved between them is re-keyed."""
@@ -246,10 +244,10 @@ class _Fifos(EvictionPolicy):
     def offer(self, entry: BlockEntry) -> None:
         i = 0 if entry.in_window else 1
         self._heaps[i] = self._push(self._heaps[i], entry, len(self._entries),
-                                    _first if entry.in_window else _second)
+                                    in_window if entry.in_window else in_main)
 
     def _head(self, first: bool) -> BlockEntry | None:
-        return self._live(self._heaps[0 if first else 1], _first if first else _second)
+        return self._live(self._heaps[0 if first else 1], in_window if first else in_main)
 
     def _move(self, entry: BlockEntry) -> None:
         """Move ``entry`` and its ancestors in the first FIFO to the second's tail."""

@@ -424,9 +424,9 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
             await _until("kvindex start", READY_TIMEOUT_S, lambda: _ready(bus, ns, probe, kvi))
         except TimeoutError as e:
             raise RuntimeError(f"{e}; its log:\n{kvi.log_tail()}") from None
-        workers = asyncio.create_task(_fake_workers(bus, s, ns, epoch,
-                                                    prefill_cost(engine_profile(s))))
-        writers = {n: _Writer(n, ns, epoch, engine_profile(s).slot_bytes) for n in WORKERS}
+        profile = engine_profile(s)
+        workers = asyncio.create_task(_fake_workers(bus, s, ns, epoch, prefill_cost(profile)))
+        writers = {n: _Writer(n, ns, epoch, profile.slot_bytes) for n in WORKERS}
         t0 = time.perf_counter()
         n_events = await _publish(js, _background(writers, sizes.blocks))
         n_events += await _publish(js, _cached(writers, cached))

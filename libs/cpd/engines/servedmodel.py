@@ -107,14 +107,19 @@ class ServedModel:
         return bool(self.max_model_len) and len(text) > self.max_model_len * max(
             self.max_token_chars, 1)
 
+    def check_vocab(self, tokens: np.ndarray) -> None:
+        """Refuse, typed, token ids past the vocabulary (an engine would index its
+        embedding with them)."""
+        if self.vocab_size and tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise InvalidRequest(f"token id {int(tokens.max())} is outside the "
+                                 f"vocabulary of {self.vocab_size}")
+
     def check_prompt(self, tokens: np.ndarray, max_tokens: int) -> None:
         """Refuse, typed, a prompt no engine of this model can run: empty, a token id
         outside the vocabulary, or ``max_tokens`` more that do not fit the context."""
         if not tokens.size:
             raise InvalidRequest("empty prompt")
-        if self.vocab_size and int(tokens.max()) >= self.vocab_size:
-            raise InvalidRequest(f"token id {int(tokens.max())} is outside the "
-                                 f"vocabulary of {self.vocab_size}")
+        self.check_vocab(tokens)
         if self.max_model_len and tokens.size + max_tokens > self.max_model_len:
             raise PromptTooLong(f"{tokens.size} prompt + {max_tokens} new tokens exceed "
                                 f"the model's {self.max_model_len}")

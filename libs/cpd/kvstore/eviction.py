@@ -22,15 +22,14 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
+from cpd.ops.config import EvictionName  # noqa: F401  (re-exported: the policies' names)
 from cpd.protocol.lifecycle import BlockState
 
 if TYPE_CHECKING:
     from .arena import BlockEntry
 
-EvictionName = Literal["lru", "tinylfu"]
-"""The policies ``dataplane.eviction`` selects (:data:`POLICIES`)."""
 
 # Weight of one reference in the running mean of reuse distances.
 _EWMA_ALPHA = 1 / 32
@@ -136,11 +135,13 @@ class Lru(EvictionPolicy):
         return entry
 
 
-def _in_window(entry: BlockEntry) -> bool:
+def in_window(entry: BlockEntry) -> bool:
+    """Whether ``entry`` is in a two-queue policy's first (admission) queue."""
     return entry.in_window
 
 
-def _in_main(entry: BlockEntry) -> bool:
+def in_main(entry: BlockEntry) -> bool:
+    """Whether ``entry`` is in a two-queue policy's second (main) queue."""
     return not entry.in_window
 
 
@@ -233,16 +234,16 @@ class Admission(EvictionPolicy):
         # rebuild, which scans them all, stays O(1) amortized however small the segment.
         if entry.in_window:
             self._window_heap = self._push(self._window_heap, entry, len(self._entries),
-                                           _in_window)
+                                           in_window)
         else:
             self._main_heap = self._push(self._main_heap, entry, len(self._entries),
-                                         _in_main)
+                                         in_main)
 
     def victim(self) -> BlockEntry | None:
         if self._window_size > self._window_target:
-            candidate = self._live(self._window_heap, _in_window)
+            candidate = self._live(self._window_heap, in_window)
             if candidate is not None:
-                resident = self._live(self._main_heap, _in_main)
+                resident = self._live(self._main_heap, in_main)
                 if resident is None or not self.wins(candidate, resident):
                     return candidate
                 self._admit(candidate)
@@ -250,8 +251,8 @@ class Admission(EvictionPolicy):
             # Every window block is in use: main pays, once, and the window grows to hold
             # requests this large from now on.
             self._window_target = float(self._window_size)
-        return (self._live(self._main_heap, _in_main)
-                or self._live(self._window_heap, _in_window))
+        return (self._live(self._main_heap, in_main)
+                or self._live(self._window_heap, in_window))
 
     def _admit(self, entry: BlockEntry) -> None:
         """Move ``entry`` and every ancestor of it still in the window into main."""

@@ -278,6 +278,10 @@ class KvIndexSettings(_Section):
     consumer_heartbeat_s: Annotated[float, msgspec.Meta(ge=0.1, le=30.0)] = 1.0
 
 
+EvictionName = Literal["lru", "tinylfu"]
+"""The block arena's eviction policies (``dataplane.eviction``; cpd.kvstore.eviction)."""
+
+
 class DataPlaneSettings(_Section):
     """Host-DRAM block store and UCX transfers between workers (docs/architecture.md, "KV tiers and
     the data plane")."""
@@ -288,7 +292,7 @@ class DataPlaneSettings(_Section):
     # "tinylfu" is LRU with frequency admission, which keeps part of a cyclic revisit of
     # more sessions than fit (LRU keeps none) and a hot set through a one-off scan;
     # "lru" is least recently used (docs/architecture.md, "KV tiers and the data plane").
-    eviction: Literal["lru", "tinylfu"] = "tinylfu"
+    eviction: EvictionName = "tinylfu"
     # Bytes of one cache block (one arena slot). 0 derives it from the model:
     # layers × (K, V) × cache.block_size × KV heads × head dim × dtype size.
     block_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -211,7 +211,9 @@ class BlockHasher:
                  n: int) -> tuple[_Entry | None, int]:
         """The stored prompt sharing the most leading full blocks with ``data``, and
         how many it shares."""
-        table = self._tables.get(ns, {})
+        table = self._tables.get(ns)
+        if not table:  # nothing stored in this namespace yet
+            return None, 0
         best: _Entry | None = None
         best_k = 0
         seen: set[int] = set()

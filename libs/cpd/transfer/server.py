@@ -261,18 +261,18 @@ class TransferServer:
         """The one namespace of a get's (pinned) blocks; blocks of several namespaces or
         a coalesced run larger than a staging buffer are refused, typed."""
         namespaces = {e.namespace for e in entries}
-        if len(namespaces) != 1:
-            err = InvalidRequest("one get carries blocks of one namespace")
-            await self._reply_error(ep, xfer_id, 0, err)
-            raise err
         largest = max((sum(e.nbytes for e in entries[start:start + count])
                        for start, count in runs if count > 1), default=0)
-        if largest > self.settings.coalesce_message_bytes:
-            err = InvalidRequest(
-                f"a coalesced run of {largest} bytes exceeds this server's "
-                f"dataplane.coalesce_message_bytes {self.settings.coalesce_message_bytes}")
-            await self._reply_error(ep, xfer_id, 0, err)
-            raise err
+        try:
+            if len(namespaces) != 1:
+                raise InvalidRequest("one get carries blocks of one namespace")
+            if largest > self.settings.coalesce_message_bytes:
+                raise InvalidRequest(
+                    f"a coalesced run of {largest} bytes exceeds this server's "
+                    f"dataplane.coalesce_message_bytes {self.settings.coalesce_message_bytes}")
+        except CpdError as e:
+            await self._reply_error(ep, xfer_id, 0, e)
+            raise
         return namespaces.pop()
 
     async def _send_get(self, ep: Any, xfer_id: int, namespace: str, entries: list[Any],
