@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from cpd.protocol import wire
-from tools.bench.ttft import Sample, check_route, prompt_lengths, summarize
+from services.router.outcome import Reports
+from tools.bench.ttft import Sample, prompt_lengths, route_mismatches, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 256
@@ -56,11 +57,11 @@ def test_summarize_misses_the_target_when_warm_is_too_slow() -> None:
 def test_a_wrong_path_is_reported_and_never_meets_the_target() -> None:
     samples = _samples(2048, [100], [10], [10], [10])
     samples[1] = Sample(prompt_tokens=2048, case="warm_remote", ttft_ms=10, path_ok=False,
-                        path_error="tokens_remote=0 (want 1792)")
+                        path_error="remote=0 (want 1792)")
     r = summarize(samples)
     assert not r["path_ok"] and not r["met_target"]
     assert not r["lengths"][0]["path_ok"]
-    assert r["path_errors"] == ["warm_remote at 2048 tokens: tokens_remote=0 (want 1792)"]
+    assert r["path_errors"] == ["warm_remote at 2048 tokens: remote=0 (want 1792)"]
 
 
 def test_summarize_of_nothing_reports_no_headline() -> None:
@@ -80,25 +81,31 @@ def test_prompt_lengths_run_from_1k_to_the_model_limit() -> None:
     assert prompt_lengths(False, 2048) == [1024, 2034]
 
 
-def test_check_route_accepts_each_intended_path_and_names_what_differs() -> None:
-    n, cached = 1300, 1280  # 5 full blocks before the last prompt token
-    cold = wire.Route(prefill_node="pp0", decode_node="d0", tokens_computed=n)
-    remote = wire.Route(prefill_node="p0", decode_node="d0", tokens_remote=cached,
-                        tokens_computed=n - cached)
-    dram = wire.Route(prefill_node="p0", decode_node="d0", tokens_dram=cached,
-                      tokens_computed=n - cached)
-    gpu = wire.Route(prefill_node="p0", decode_node="d0", tokens_gpu=cached,
-                     tokens_computed=n - cached)
-    assert check_route("cold", n, BS, cold) == ""
-    assert check_route("warm_remote", n, BS, remote) == ""
-    assert check_route("warm_local_dram", n, BS, dram) == ""
-    assert check_route("gpu_hit", n, BS, gpu) == ""
-    # A "remote" request that the peer could not serve was recomputed: say so.
-    err = check_route("warm_remote", n, BS, cold)
-    assert "tokens_remote=0 (want 1280)" in err and "prefill_node='pp0'" in err
+def _reports(prefill: str, decode: str = "d0", **tokens: int) -> Reports:
+    return Reports(
+        prefill=wire.PrefillReport(request_id="r", seq=1, node=prefill,
+                                   tokens=wire.PromptTokens(**tokens)),
+        decode=wire.DecodeReport(request_id="r", seq=2, node=decode) if decode else None)
+
+
+@pytest.mark.parametrize(("case", "n", "reports", "wrong"), [
+    # n = 1300: 5 full blocks (1280 tokens) before the last prompt token.
+    ("cold", 1300, _reports("pp0", computed=1300), {}),
+    ("warm_remote", 1300, _reports("p0", remote=1280, computed=20), {}),
+    ("warm_local_dram", 1300, _reports("p0", dram=1280, computed=20), {}),
+    ("gpu_hit", 1300, _reports("p0", gpu=1280, computed=20), {}),
     # An exact multiple of the block size still computes its last block.
-    assert check_route("gpu_hit", 1024, BS, wire.Route(
-        prefill_node="p0", decode_node="d0", tokens_gpu=768, tokens_computed=256)) == ""
+    ("gpu_hit", 1024, _reports("p0", gpu=768, computed=256), {}),
+    # A "remote" request that the peer could not serve was recomputed: say so.
+    ("warm_remote", 1300, _reports("pp0", computed=1300),
+     {"remote": (0, 1280), "computed": (1300, 20), "prefill_node": ("pp0", "p0")}),
+    # The prefill node finished the request itself: no decode node took it.
+    ("cold", 1300, _reports("pp0", decode="", computed=1300), {"decode_node": ("", "d0")}),
+    ("cold", 1300, Reports(), {"prefill_report": (None, "a report")}),
+])
+def test_route_mismatches_accept_each_intended_path_and_name_what_differs(
+        case: str, n: int, reports: Reports, wrong: dict) -> None:
+    assert route_mismatches(case, n, BS, reports) == wrong
 
 
 def test_gpu_check_dry_run_reports_no_cuda_with_its_own_exit_code(tmp_path: Path) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from nats.micro.service import ServiceInfo, ServicePing, ServiceStats
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -58,6 +60,8 @@ class EchoService(Service):
         self.seen_trace_ids.append(trace.get_current_span().get_span_context().trace_id)
         if msg.namespace == "slow":
             await asyncio.sleep(1.0)
+        if msg.namespace == "nap":
+            await asyncio.sleep(0.3)
         if msg.namespace == "busy":
             raise Overloaded("too many requests")
         if msg.namespace == "crash":
@@ -84,6 +88,10 @@ class EchoService(Service):
         if prompt == "fail-midway":
             await out.tokens([1])
             raise Overloaded("decode lost")
+        if prompt == "stream-error":  # the handler ends the stream itself, then returns
+            await out.tokens([1])
+            await out.error(Overloaded("stream ended"))
+            return
         for ch in prompt:
             await out.tokens([ord(ch)], ch)
         await out.final(finish_reason="stop",
@@ -297,6 +305,124 @@ async def test_micro_health_and_info(bus: Bus, echo: EchoService) -> None:
     assert any(p["metadata"]["node"] == echo.node_id for p in pings)
     info = json.loads((await bus.nc.request("$SRV.INFO.cpd-echo", b"", timeout=2)).data)
     assert {e["name"] for e in info["endpoints"]} == {"generate", "lookup"}
+
+
+async def _answers(bus: Bus, subject: str, quiet: float = 0.3) -> list[dict]:
+    """Every answer to a discovery request on ``subject`` (until ``quiet`` s pass without one)."""
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox)
+    try:
+        await bus.nc.publish(subject, b"", reply=inbox)
+        answers = []
+        with contextlib.suppress(Exception):
+            while True:
+                answers.append(json.loads((await sub.next_msg(timeout=quiet)).data))
+        return answers
+    finally:
+        await sub.unsubscribe()
+
+
+async def _stats(bus: Bus, svc: Service) -> dict[str, dict]:
+    """This very instance's ``$SRV.STATS`` endpoints by name."""
+    assert svc._micro is not None
+    raw = await bus.nc.request(f"$SRV.STATS.cpd-echo.{svc._micro.id}", b"", timeout=2)
+    return {e["name"]: e for e in json.loads(raw.data)["endpoints"]}
+
+
+@pytest.mark.parametrize("verb, parse", [("PING", ServicePing), ("INFO", ServiceInfo),
+                                         ("STATS", ServiceStats)])
+async def test_micro_answers_on_all_three_subjects(bus: Bus, echo: EchoService, verb: str,
+                                                   parse: type) -> None:
+    assert echo._micro is not None
+    me = echo._micro.id
+    for subject in (f"$SRV.{verb}", f"$SRV.{verb}.cpd-echo", f"$SRV.{verb}.cpd-echo.{me}"):
+        mine = [a for a in await _answers(bus, subject) if a["id"] == me]
+        assert len(mine) == 1, subject
+        answer = mine[0]
+        assert answer["type"] == f"io.nats.micro.v1.{verb.lower()}_response"
+        assert (answer["name"], answer["version"]) == ("cpd-echo", echo.version)
+        assert answer["metadata"] == {"node": echo.node_id}
+        # nats.micro reads it back field for field (what other micro clients expect).
+        assert parse.from_dict(answer).to_dict() == answer
+    if verb == "INFO":
+        assert sorted(answer["endpoints"], key=lambda e: e["name"]) == [
+            {"name": n, "subject": f"{echo.prefix}.{n}", "queue_group": "echo", "metadata": {}}
+            for n in ("generate", "lookup")]
+
+
+async def test_micro_stats_count_typed_handler_errors(bus: Bus, echo: EchoService) -> None:
+    before = (await _stats(bus, echo))["lookup"]
+    assert (before["num_errors"], before["last_error"]) == (0, "")
+    with pytest.raises(Overloaded):
+        await bus.request(f"{echo.prefix}.lookup", _lookup("busy"), expect=wire.LookupReply)
+    after = (await _stats(bus, echo))["lookup"]
+    assert after["num_requests"] == before["num_requests"] + 1
+    assert after["num_errors"] == 1
+    assert after["last_error"] == "overloaded: too many requests"
+    with pytest.raises(RemoteError):
+        await bus.request(f"{echo.prefix}.lookup", _lookup("crash"), expect=wire.LookupReply)
+    after = (await _stats(bus, echo))["lookup"]
+    assert after["num_errors"] == 2 and after["last_error"].startswith("internal: ")
+    assert "boom" in after["last_error"]
+    # A success is no error.
+    await bus.request(f"{echo.prefix}.lookup", _lookup(), expect=wire.LookupReply)
+    assert (await _stats(bus, echo))["lookup"]["num_errors"] == 2
+
+
+async def test_micro_stats_count_bad_input_as_errors(bus: Bus, echo: EchoService) -> None:
+    before = (await _stats(bus, echo))["lookup"]
+    raw = await bus.nc.request(f"{echo.prefix}.lookup", b"\xc1garbage", timeout=5)
+    assert wire.decode(raw.data, wire.Error).code == ErrorCode.MALFORMED.value
+    after = (await _stats(bus, echo))["lookup"]
+    assert after["num_requests"] == before["num_requests"] + 1
+    assert after["num_errors"] == before["num_errors"] + 1
+    assert after["last_error"].startswith("malformed: ")
+
+
+async def test_micro_stats_time_whole_concurrent_handlers(bus: Bus, echo: EchoService) -> None:
+    before = (await _stats(bus, echo))["lookup"]
+    started = time.monotonic()
+    replies = await asyncio.gather(*(
+        bus.request(f"{echo.prefix}.lookup", _lookup("nap"), expect=wire.LookupReply)
+        for _ in range(2)))
+    took = time.monotonic() - started
+    assert [r.num_blocks for r in replies] == [2, 2]
+    assert took < 0.5  # the two ran at once, not one after the other
+    after = (await _stats(bus, echo))["lookup"]
+    assert after["num_requests"] == before["num_requests"] + 2
+    # Each is timed to its handler's end (0.3 s), not to the task's spawn.
+    assert after["processing_time"] - before["processing_time"] >= 2 * 300_000_000
+    assert after["average_processing_time"] >= 2 * 300_000_000 // 3  # with the probe
+    assert after["num_errors"] == 0
+
+
+async def test_micro_stats_time_streamed_replies(bus: Bus, echo: EchoService) -> None:
+    before = (await _stats(bus, echo))["generate"]
+    msgs = [m async for m in bus.stream(f"{echo.prefix}.generate",
+                                        wire.GenerateRequest(request_id="g", prompt="ab"),
+                                        timeout=10)]
+    assert isinstance(msgs[-1], wire.Final)
+    after = (await _stats(bus, echo))["generate"]
+    assert after["num_requests"] == before["num_requests"] + 1
+    assert after["processing_time"] > before["processing_time"]
+    with pytest.raises(Overloaded):
+        async for _ in bus.stream(f"{echo.prefix}.generate",
+                                  wire.GenerateRequest(request_id="g", prompt="fail-midway"),
+                                  timeout=10):
+            pass
+    after = (await _stats(bus, echo))["generate"]
+    assert after["num_errors"] == before["num_errors"] + 1
+    assert after["last_error"] == "overloaded: decode lost"
+    # A stream the handler ended with an error is a failed request too (as the router's
+    # generate endpoint ends its client's stream).
+    with pytest.raises(Overloaded):
+        async for _ in bus.stream(f"{echo.prefix}.generate",
+                                  wire.GenerateRequest(request_id="g", prompt="stream-error"),
+                                  timeout=10):
+            pass
+    after = (await _stats(bus, echo))["generate"]
+    assert after["num_errors"] == before["num_errors"] + 2
+    assert after["last_error"] == "overloaded: stream ended"
 
 
 async def test_graceful_stop_finishes_in_flight_work(settings: Settings, bus: Bus) -> None:

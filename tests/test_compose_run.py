@@ -143,4 +143,4 @@ def test_compose_serves_a_completion_and_a_cold_then_warm_pair(stack: _Stack) ->
     route = warm["cpd"]["route"]
     assert (route["path"], route["prefill_node"], route["remote_node"]) == (
         "warm", "prefill-0", "preprefill-0"), route
-    assert route["tokens_remote"] == 5 * BS and not route.get("load_error"), route
+    assert route["tokens"]["remote"] == 5 * BS and not route.get("load_error"), route

@@ -104,8 +104,10 @@ class FakeRouter(Service):
                              cached_tokens=prompt_tokens // 2),
             timings=wire.Timings(ttft_ms=1.5, total_ms=3.0),
             route=wire.Route(policy="fake", path="cold", prefill_node="pp-0",
-                             decode_node="d-0", tokens_dram=prompt_tokens // 2,
-                             tokens_computed=prompt_tokens - prompt_tokens // 2))
+                             decode_node="d-0",
+                             tokens=wire.PromptTokens(
+                                 dram=prompt_tokens // 2,
+                                 computed=prompt_tokens - prompt_tokens // 2)))
         self.finished.set()
 
     async def _status(self, _: wire.StatusRequest, __: Request) -> wire.StatusReply:

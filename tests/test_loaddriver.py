@@ -56,8 +56,9 @@ class _FakeClient(Client):
                              usage=wire.Usage(prompt_tokens=600, completion_tokens=n,
                                               cached_tokens=512),
                              route=wire.Route(path="warm", prefill_node="p0",
-                                              decode_node="d0", tokens_dram=512,
-                                              tokens_computed=88))
+                                              decode_node="d0",
+                                              tokens=wire.PromptTokens(dram=512,
+                                                                       computed=88)))
         finally:
             self.concurrent -= 1
 
@@ -73,7 +74,7 @@ async def test_client_queue_counts_in_ttft_and_inflight_is_capped() -> None:
     assert ttfts[0] == pytest.approx(0.05, abs=0.04)
     assert ttfts[-1] == pytest.approx(0.15, abs=0.05)
     assert sorted(r.client_queue_s for r in res)[-1] == pytest.approx(0.1, abs=0.05)
-    assert res[0].path == "warm" and res[0].tokens_dram == 512 and res[0].output_tokens == 3
+    assert res[0].path == "warm" and res[0].tokens.dram == 512 and res[0].output_tokens == 3
 
 
 async def test_times_are_simulated_seconds() -> None:
@@ -110,11 +111,14 @@ def _result(rid: str, arrival: float, ttft: float | None, e2e: float | None,
 def test_report_counts_only_good_work_in_the_window() -> None:
     phases = Phases(ramp_s=10.0, steady_s=10.0)
     results = [
-        _result("ramp", 5.0, 0.5, 1.0, tokens_computed=999),          # before the window
-        _result("fast", 11.0, 0.5, 1.0, path="warm", tokens_computed=100, tokens_dram=900),
-        _result("slow", 12.0, 4.0, 5.0, path="cold", tokens_computed=1000),
+        # before the window
+        _result("ramp", 5.0, 0.5, 1.0, tokens=wire.PromptTokens(computed=999)),
+        _result("fast", 11.0, 0.5, 1.0, path="warm",
+                tokens=wire.PromptTokens(computed=100, dram=900)),
+        _result("slow", 12.0, 4.0, 5.0, path="cold", tokens=wire.PromptTokens(computed=1000)),
         _result("shed", 13.0, None, None, error="overloaded", rejected=True),
-        _result("late", 19.5, 0.2, 2.0, path="warm", tokens_computed=100),  # ends after
+        # ends after
+        _result("late", 19.5, 0.2, 2.0, path="warm", tokens=wire.PromptTokens(computed=100)),
     ]
     out = report(results, target_qps=0.5, gpus=2, ttft_slo_s=3.0, phases=phases)
     assert out["requests"] == 4

@@ -232,7 +232,7 @@ def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
     received = fabric.link_bytes(3)[0] - received_before
     assert remote.token_ids == reference["remote"]
     r = remote.route
-    assert (r.path, r.prefill_node, r.remote_node, r.tokens_remote) == (
+    assert (r.path, r.prefill_node, r.remote_node, r.tokens.remote) == (
         "warm", "p0", "pp0", 5 * BS), r.describe()
     # Five blocks left host 2 and reached host 3 over their links (UCX on TCP).
     assert sent >= 5 * slot_bytes and received >= 5 * slot_bytes, (sent, received, slot_bytes)
@@ -244,8 +244,8 @@ def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
     local = s.run(lambda: generate("local"))
     assert local.token_ids == reference["local"]
     r = local.route
-    assert (r.path, r.prefill_node, r.tokens_remote) == ("warm", "p0", 0), r.describe()
-    assert r.tokens_gpu + r.tokens_dram == 5 * BS
+    assert (r.path, r.prefill_node, r.tokens.remote) == ("warm", "p0", 0), r.describe()
+    assert r.tokens.gpu + r.tokens.dram == 5 * BS
 
     # The OpenAI API from another host, through the gateway on host 1.
     async def http_completion() -> dict:
@@ -288,7 +288,7 @@ def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
     visible("after1")  # and those written after it reach kvindex
     again = s.run(lambda: generate("after1"))
     assert again.token_ids == reference["after1"]
-    assert again.route.path == "warm" and again.route.tokens_computed < len(PROMPTS["after1"])
+    assert again.route.path == "warm" and again.route.tokens.computed < len(PROMPTS["after1"])
 
     async def stream_events() -> dict[tuple[str, int], list[int]]:
         bus = await Bus.open(settings, "mh-stream")

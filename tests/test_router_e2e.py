@@ -114,28 +114,28 @@ async def test_three_request_story_cold_then_warm_remote_then_warm_local(
     r = first.route
     assert first.token_ids == reference["story0"][:10]
     assert (r.policy, r.path, r.prefill_node, r.decode_node) == ("cpd", "cold", "pp0", "d0")
-    assert r.tokens_computed == len(STORY["story0"])
+    assert r.tokens.computed == len(STORY["story0"])
     assert first.timings.ttft_ms > 0 and first.timings.total_ms >= first.timings.ttft_ms
     await _wait_visible(vllm_cluster, STORY["story1"], "pp0", 5)
 
     second = await _generate(client, STORY["story1"])
     r = second.route
     assert second.token_ids == reference["story1"][:10]
-    assert (r.path, r.prefill_node, r.tokens_remote) == ("warm", "p0", 5 * BS), r.reason
-    assert r.tokens_computed == len(STORY["story1"]) - 5 * BS
+    assert (r.path, r.prefill_node, r.tokens.remote) == ("warm", "p0", 5 * BS), r.reason
+    assert r.tokens.computed == len(STORY["story1"]) - 5 * BS
     assert second.usage.cached_tokens == 5 * BS
 
     third = await _generate(client, STORY["story2"])
     r = third.route
     assert third.token_ids == reference["story2"][:10]
-    assert (r.path, r.prefill_node, r.tokens_remote) == ("warm", "p0", 0), r.reason
-    assert r.tokens_gpu + r.tokens_dram == 5 * BS  # local: its own GPU cache or DRAM
+    assert (r.path, r.prefill_node, r.tokens.remote) == ("warm", "p0", 0), r.reason
+    assert r.tokens.gpu + r.tokens.dram == 5 * BS  # local: its own GPU cache or DRAM
 
     status = await client.status()
     assert status.kvindex == "ok"
     assert {n.node for n in status.nodes if n.alive} >= {"pp0", "p0", "d0"}
     assert status.router.completed == 3 and status.router.paths == {"cold": 1, "warm": 2}
-    assert status.router.tokens_remote == 5 * BS
+    assert status.router.tokens.remote == 5 * BS
 
 
 async def test_three_request_story_through_the_openai_gateway(
@@ -177,13 +177,13 @@ async def test_three_request_story_through_the_openai_gateway(
         await _wait_visible(vllm_cluster, HTTP["http1"], "pp0", 3)
         text, route = await complete_streaming("http1")
         assert text == router.model.decode(reference["http1"][:8])
-        assert (route["path"], route["prefill_node"], route["tokens_remote"]) == (
+        assert (route["path"], route["prefill_node"], route["tokens"]["remote"]) == (
             "warm", "p0", 3 * BS)
         text, route = await complete("http2")
         assert text == router.model.decode(reference["http2"][:8])
-        assert (route["path"], route["prefill_node"], route["tokens_remote"]) == (
+        assert (route["path"], route["prefill_node"], route["tokens"]["remote"]) == (
             "warm", "p0", 0)
-        assert route["tokens_gpu"] + route["tokens_dram"] == 3 * BS
+        assert route["tokens"]["gpu"] + route["tokens"]["dram"] == 3 * BS
         calls: list[int] = []
         real_encode = ServedModel.encode
 
@@ -236,9 +236,9 @@ async def test_a_cold_prefix_being_computed_is_waited_for_not_computed_twice(
     # either loads pp0's sealed blocks on p0, or (its blocks not visible yet) runs cold on
     # pp0, which finds the prefix in its own GPU cache; the route must say which.
     reused = r.reused_tokens
-    assert reused >= 24 * BS and r.tokens_computed == len(FLIGHT["flight1"]) - reused, r
+    assert reused >= 24 * BS and r.tokens.computed == len(FLIGHT["flight1"]) - reused, r
     if r.path == "warm":
-        assert (r.prefill_node, r.tokens_remote) == ("p0", 24 * BS), r
+        assert (r.prefill_node, r.tokens.remote) == ("p0", 24 * BS), r
     else:
         assert (r.path, r.prefill_node) == ("cold", "pp0"), r
         assert r.planned_reused_tokens < reused, r  # pp0 found more than kvindex showed
@@ -318,7 +318,7 @@ async def test_kvindex_down_means_misses_and_routing_recovers_when_it_returns(
         # pre-prefill looked busy), nothing loaded from any DRAM.
         assert r.path in ("cold", "overflow"), r
         assert r.lookup_missed, r
-        assert r.tokens_dram == r.tokens_remote == 0
+        assert r.tokens.dram == r.tokens.remote == 0
         assert (await client.status()).kvindex == "unavailable"
     finally:
         await vllm_cluster.start_kvindex()
@@ -343,8 +343,8 @@ async def test_a_peer_lost_before_the_load_means_recompute_with_identical_output
         warm = await _generate(client, PEER["peer1"])
         r = warm.route
         assert warm.token_ids == reference["peer1"][:10]
-        assert (r.prefill_node, r.tokens_remote) == ("p0", 0), r.reason
-        assert r.tokens_computed == len(PEER["peer1"]) - r.tokens_gpu - r.tokens_dram
+        assert (r.prefill_node, r.tokens.remote) == ("p0", 0), r.reason
+        assert r.tokens.computed == len(PEER["peer1"]) - r.tokens.gpu - r.tokens.dram
     finally:
         await vllm_cluster.restart("pp0")
 
@@ -386,7 +386,7 @@ async def test_corrupted_dram_blocks_are_detected_invalidated_and_recomputed(
     assert (await _generate(client, BAD["bad0"])).route.prefill_node == "pp0"
     await _wait_visible(vllm_cluster, BAD["bad1"], "pp0", 3)
     warm = await _generate(client, BAD["bad1"])
-    assert (warm.route.prefill_node, warm.route.tokens_remote) == ("p0", 3 * BS)
+    assert (warm.route.prefill_node, warm.route.tokens.remote) == ("p0", 3 * BS)
     await _wait_visible(vllm_cluster, BAD["bad2"], "p0", 3)
     # Only p0's DRAM copy may serve the next request: drop its engine's own cache.
     await vllm_cluster.bus.request(subjects.admin("prefill", "p0"),
@@ -401,8 +401,8 @@ async def test_corrupted_dram_blocks_are_detected_invalidated_and_recomputed(
     done = await _generate(client, BAD["bad2"])
     r = done.route
     assert done.token_ids == reference["bad2"][:10]
-    assert (r.prefill_node, r.tokens_dram, r.tokens_gpu) == ("p0", 0, 0), r.reason
-    assert r.tokens_computed == len(BAD["bad2"])
+    assert (r.prefill_node, r.tokens.dram, r.tokens.gpu) == ("p0", 0, 0), r.reason
+    assert r.tokens.computed == len(BAD["bad2"])
     hashes = block_hashes(vllm_cluster.ns, BAD["bad2"])
     for _ in range(100):
         reply = await vllm_cluster.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(

@@ -139,7 +139,7 @@ def test_load_sources_describe_the_plan() -> None:
     ]
     r = d.route()
     assert (r.policy, r.path, r.prefill_node, r.decode_node) == ("cpd", "warm", "p0", "d0")
-    assert (r.tokens_gpu, r.tokens_dram, r.tokens_remote, r.tokens_computed) == \
+    assert (r.tokens.gpu, r.tokens.dram, r.tokens.remote, r.tokens.computed) == \
         (10 * BS, 10 * BS, 18 * BS, N - 38 * BS)
 
 

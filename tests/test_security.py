@@ -402,7 +402,7 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
                 await asyncio.sleep(0.3)
             assert again.token_ids == done.token_ids
             # ... and pulled over UCX from the pre-prefill node (kvindex's lookup said where).
-            assert again.route.prefill_node == "prefill-0" and again.route.tokens_remote > 0
+            assert again.route.prefill_node == "prefill-0" and again.route.tokens.remote > 0
         # The processes really run as their own identities: each got its own inbox.
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         inboxes = set()

@@ -117,7 +117,7 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
             held.append([(w.new_tokens, w.context_tokens) for w in report.prefills])
         await reports.unsubscribe()
         assert [(len(prompt), 0)] in held and held[-1] == []
-        assert cold.route.tokens_computed == len(prompt) and cold.route.decode_node == "d0"
+        assert cold.route.tokens.computed == len(prompt) and cold.route.decode_node == "d0"
         assert len(cold.token_ids) == 8
         # Like vLLM's KV events, the engine's GPU prefix cache reaches kvindex.
         ns = engine_profile(load_settings(environ={}, overrides=SIM)).namespace()
@@ -133,13 +133,13 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
         await _until(lambda: gpu_blocks(), lambda got: got.get("pp0") == 40)
         warm = await client.generate(prompt, max_tokens=8, ignore_eos=True)
         assert warm.route.path == "warm" and warm.route.prefill_node == "p0"
-        assert warm.route.tokens_remote == 10_240 and warm.route.tokens_computed == 3
+        assert warm.route.tokens.remote == 10_240 and warm.route.tokens.computed == 3
         assert warm.token_ids == cold.token_ids
         await cluster.client.bus.request(subjects.admin("prefill", "p0"),
                                          wire.ResetCache(reason="test"), expect=wire.Accepted)
         await _until(lambda: gpu_blocks(), lambda got: "p0" not in got)  # reset: cleared
         local = await client.generate(prompt, max_tokens=8, ignore_eos=True)
-        assert local.route.prefill_node == "p0" and local.route.tokens_dram == 10_240
+        assert local.route.prefill_node == "p0" and local.route.tokens.dram == 10_240
         assert local.token_ids == cold.token_ids
         # Workers heart-beat and report load like vLLM workers do.
         status = await client.status()

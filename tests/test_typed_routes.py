@@ -87,7 +87,7 @@ def test_every_reason_code_has_words(reason: wire.RouteReason) -> None:
 
 def named_reads(source: str) -> list[int]:
     """Lines that read a field by a name built at run time (``getattr(r, f"tokens_{t}")``):
-    a typed accessor (``wire.tokens_by_source``) says what exists."""
+    a typed accessor (``wire.PromptTokens.by_source``) says what exists."""
     return [node.lineno for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id == "getattr" and len(node.args) >= 2
@@ -97,7 +97,7 @@ def named_reads(source: str) -> list[int]:
 @pytest.mark.parametrize("source, flagged", [
     ('getattr(r, f"tokens_{tier}")', True),
     ("getattr(r, 'tokens_gpu')", False),
-    ("wire.tokens_by_source(r)[wire.TokenSource.GPU]", False),
+    ("r.tokens.by_source()[wire.TokenSource.GPU]", False),
 ])
 def test_the_rule_catches_fields_read_by_built_names(source: str, flagged: bool) -> None:
     assert bool(named_reads(source)) is flagged
@@ -112,7 +112,8 @@ def test_no_module_reads_fields_by_built_names() -> None:
 
 
 def test_tokens_by_source_names_every_source() -> None:
-    r = wire.Route(tokens_gpu=1, tokens_dram=2, tokens_remote=3, tokens_computed=4)
-    assert wire.tokens_by_source(r) == {wire.TokenSource.GPU: 1, wire.TokenSource.DRAM: 2,
+    r = wire.Route(tokens=wire.PromptTokens(gpu=1, dram=2, remote=3, computed=4))
+    assert r.reused_tokens == 6
+    assert r.tokens.by_source() == {wire.TokenSource.GPU: 1, wire.TokenSource.DRAM: 2,
                                         wire.TokenSource.REMOTE: 3,
                                         wire.TokenSource.COMPUTED: 4}

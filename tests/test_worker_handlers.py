@@ -67,12 +67,16 @@ async def test_one_process_prefills_and_decodes_its_own_hand_off(
         final = msgs[-1]
         assert isinstance(final, wire.Final) and len(tokens) == 6
         assert [m.seq for m in msgs] == list(range(len(msgs)))
-        # The first token from prefill, then decode's word that it owns the stream.
-        assert [type(m) for m in msgs[:2]] == [wire.TokenChunk, wire.HandoffAccepted]
-        assert msgs[1].node == NODE
-        r = final.route
-        assert (r.prefill_node, r.decode_node) == (NODE, NODE)
-        assert r.tokens_computed == len(prompt)
+        # The first token and prefill's report, then decode's word that it owns the
+        # stream; decode's report right before the final.
+        assert [type(m) for m in msgs[:3]] == [wire.TokenChunk, wire.PrefillReport,
+                                               wire.HandoffAccepted]
+        prefill, accepted, decode = msgs[1], msgs[2], msgs[-2]
+        assert isinstance(prefill, wire.PrefillReport)
+        assert isinstance(accepted, wire.HandoffAccepted) and accepted.node == NODE
+        assert isinstance(decode, wire.DecodeReport)
+        assert (prefill.node, decode.node) == (NODE, NODE)
+        assert prefill.tokens.computed == len(prompt) and decode.tokens_pulled == 0
         # The hand-off's blocks were this process's own: acked, never pulled from a peer.
         ack = wire.decode((await acks.next_msg(timeout=5)).data, wire.PullAck)
         assert ack.ok and ack.request_id == "r-both"

@@ -14,6 +14,7 @@ import pytest
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import PromptTooLong
 from cpd.protocol.hashing import Namespace, block_hashes
+from services.router.outcome import Reports, RouterTimes, assemble
 from tests.helpers.cluster import VllmCluster, reference_outputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -63,7 +64,12 @@ async def _ask(c: dict, node: str, prompt: list[int],
                                              timeout=300)]
     tokens = [t for m in msgs if isinstance(m, wire.TokenChunk) for t in m.token_ids]
     assert [m.seq for m in msgs] == list(range(len(msgs)))
-    return tokens, msgs[-1]
+    # The final as the router would assemble it from the workers' reports.
+    reports = Reports(
+        prefill=next((m for m in msgs if isinstance(m, wire.PrefillReport)), None),
+        decode=next((m for m in msgs if isinstance(m, wire.DecodeReport)), None))
+    return tokens, assemble(wire.Route(), reports, msgs[-1], prompt_tokens=len(prompt),
+                            completion_tokens=len(tokens), times=RouterTimes(), failovers=0)
 
 
 async def _visible_on(c: dict, prompt: list[int], node: str,
@@ -102,7 +108,7 @@ async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
     tokens, final = await _ask(cluster, "pp0", a)
     assert tokens == reference["a"]
     r = final.route
-    assert (r.prefill_node, r.decode_node, r.tokens_computed) == ("pp0", "d0", len(a))
+    assert (r.prefill_node, r.decode_node, r.tokens.computed) == ("pp0", "d0", len(a))
     assert r.decode_tokens_pulled == 4 * BS  # decode pulled the sealed blocks over UCX
     assert final.usage.completion_tokens == MAX_TOKENS
     # 2. kvindex made pp0's blocks visible; a prompt sharing the prefix loads them
@@ -113,11 +119,11 @@ async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
     src = await _source(cluster, b, "pp0", 4)
     tokens, final = await _ask(cluster, "p0", b, [src])
     assert tokens == reference["b"]
-    assert (final.route.tokens_remote, final.route.tokens_computed) == (4 * BS, len(b) - 4 * BS)
+    assert (final.route.tokens.remote, final.route.tokens.computed) == (4 * BS, len(b) - 4 * BS)
     # 3. The same prompt again on p0: its engine's own prefix cache serves the prefix.
     tokens, final = await _ask(cluster, "p0", b)
     assert tokens == reference["b"]
-    assert final.route.tokens_gpu == 4 * BS and final.route.tokens_remote == 0
+    assert final.route.tokens.gpu == 4 * BS and final.route.tokens.remote == 0
 
 
 async def test_vanished_peer_means_recompute_not_failure(cluster: dict, reference: dict) -> None:
@@ -125,7 +131,7 @@ async def test_vanished_peer_means_recompute_not_failure(cluster: dict, referenc
     src = wire.LoadSource(node="gone-node", tier=wire.Tier.DRAM, first_block=0, num_blocks=2)
     tokens, final = await _ask(cluster, "p0", c, [src])
     assert tokens == reference["c"]
-    assert final.route.tokens_remote == 0
+    assert final.route.tokens.remote == 0
     assert final.route.load_error == wire.LoadError(peer="gone-node", code="unavailable",
                                                     detail="no heartbeat seen")
 
@@ -179,7 +185,7 @@ async def test_a_refused_pull_is_reported_in_the_route_not_hidden(cluster: dict,
     tokens, final = await _ask(cluster, "p0", d, [forged])
     assert tokens == reference["d"]
     assert final.route.load_error == wire.LoadError(peer="pp0", code="capability_denied")
-    assert (final.route.tokens_remote, final.route.tokens_computed) == (0, len(d))
+    assert (final.route.tokens.remote, final.route.tokens.computed) == (0, len(d))
 
 
 async def test_bad_input_gets_typed_errors_and_workers_stay_up(cluster: dict) -> None:
@@ -208,20 +214,20 @@ async def test_crown_every_path_is_token_identical_to_monolithic_vllm(cluster: d
         tokens, final = await _ask(cluster, "pp0", prompt)  # cold
         r = final.route
         assert tokens == want, f"cold, {n} tokens"
-        assert (r.prefill_node, r.tokens_computed, r.tokens_gpu) == ("pp0", n, 0)
+        assert (r.prefill_node, r.tokens.computed, r.tokens.gpu) == ("pp0", n, 0)
         assert r.decode_tokens_pulled == n // BS * BS
         src = await _source(cluster, prompt, "pp0", blocks)
         tokens, final = await _ask(cluster, "p0", prompt, [src])  # warm, peer's DRAM
         r = final.route
         assert tokens == want, f"warm-remote, {n} tokens"
-        assert (r.tokens_remote, r.tokens_dram, r.tokens_computed) == (cached, 0, n - cached)
+        assert (r.tokens.remote, r.tokens.dram, r.tokens.computed) == (cached, 0, n - cached)
         await _reset_gpu_cache(cluster, "p0")
         tokens, final = await _ask(cluster, "p0", prompt)  # warm, own DRAM
         r = final.route
         assert tokens == want, f"warm-local-DRAM, {n} tokens"
-        assert (r.tokens_dram, r.tokens_gpu, r.tokens_remote) == (cached, 0, 0)
+        assert (r.tokens.dram, r.tokens.gpu, r.tokens.remote) == (cached, 0, 0)
         tokens, final = await _ask(cluster, "p0", prompt)  # warm, GPU prefix cache
         r = final.route
         assert tokens == want, f"GPU hit, {n} tokens"
-        assert (r.tokens_gpu, r.tokens_dram, r.tokens_remote) == (cached, 0, 0)
-        assert r.tokens_computed == n - cached
+        assert (r.tokens.gpu, r.tokens.dram, r.tokens.remote) == (cached, 0, 0)
+        assert r.tokens.computed == n - cached

@@ -216,7 +216,7 @@ def format_status(status: wire.StatusReply) -> str:
     total = max(1, r.prompt_tokens)
     lines.append("prompt tokens by source: " + ", ".join(
         f"{source.value} {count / total:.1%}"
-        for source, count in wire.tokens_by_source(r).items())
+        for source, count in r.tokens.by_source().items())
         + f" of {r.prompt_tokens}; paths " + (", ".join(
             f"{k} {v}" for k, v in sorted(r.paths.items())) or "none yet"))
     return "\n".join(lines)

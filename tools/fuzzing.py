@@ -414,7 +414,7 @@ _WORKER_HOSTILE: Hostile = {
     "deadline_unix_ms": lambda c, r: r.choice([-1, (1 << 64) - 1, 1 << 70, NAN, "now"]),
     "request_id": lambda c, r: r.choice(["", "x" * 20_000, BAD_UTF8, 1]),
     "trace": lambda c, r: r.choice([BAD_UTF8, "00-00-00-00", 1]),
-    "route": lambda c, r: r.choice([{"path": "sideways"}, {"tokens_gpu": -1}, [], "r"]),
+    "route": lambda c, r: r.choice([{"path": "sideways"}, {"tokens": {"gpu": -1}}, [], "r"]),
 }
 _PREFILL_HOSTILE: Hostile = {
     **_WORKER_HOSTILE,

@@ -4,7 +4,7 @@ meter; ``python -m services.gateway`` exports them for Prometheus on ``/metrics`
 
 Latencies are the client's view from the gateway: TTFT runs from the request's arrival
 to its first generated token, TPOT is the mean gap between later tokens. Prompt tokens
-are counted per tier they were served from (``route.tokens_gpu`` ...), so that hit
+are counted per tier they were served from (``route.tokens``), so that hit
 ratios per tier are ``rate(tokens{tier=X}) / rate(tokens)``.
 """
 
@@ -90,7 +90,7 @@ class GatewayMetrics:
         self._latency.record(now - progress.started, attrs)
         route = final.route
         path = route.path or "unknown"
-        for source, count in wire.tokens_by_source(route).items():
+        for source, count in route.tokens.by_source().items():
             # Zeros too: every tier's series exists, so ratios never lack a term.
             self._prompt_tokens.add(count, {"tier": source.value, "path": path})
         self._completion_tokens.add(final.usage.completion_tokens, attrs)

@@ -88,15 +88,11 @@ class RouterAccounts:
         if r.load_error is not None:
             s.load_failures += 1
         s.prompt_tokens += final.usage.prompt_tokens
-        by_source = wire.tokens_by_source(r)
-        s.tokens_gpu += r.tokens_gpu
-        s.tokens_dram += r.tokens_dram
-        s.tokens_remote += r.tokens_remote
-        s.tokens_computed += r.tokens_computed
+        s.tokens.add(r.tokens)
         s.paths[path] = s.paths.get(path, 0) + 1
         attrs = {"policy": self.policy, "path": path}
         self._requests.add(1, {**attrs, "outcome": "ok"})
-        for source, count in by_source.items():
+        for source, count in r.tokens.by_source().items():
             self._tokens.add(count, {"tier": source.value})
         if ttft_s is not None:
             self._ttft.record(ttft_s, attrs)

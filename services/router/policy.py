@@ -174,8 +174,9 @@ class Decision:
         p = self.plan
         return wire.Route(policy=self.policy, path=self.path, reason=self.reason,
                           prefill_node=p.node, decode_node=self.decode_node,
-                          tokens_gpu=p.gpu_tokens, tokens_dram=p.dram_tokens,
-                          tokens_remote=p.remote_tokens, tokens_computed=p.computed_tokens,
+                          tokens=wire.PromptTokens(gpu=p.gpu_tokens, dram=p.dram_tokens,
+                                                   remote=p.remote_tokens,
+                                                   computed=p.computed_tokens),
                           reusable_tokens=self.reusable_tokens,
                           planned_reused_tokens=p.reused_tokens,
                           est_ttft_ms=round(p.ttft_ms, 3),

@@ -10,14 +10,14 @@ seen. A retried try continues the client's stream exactly where the last one sto
 from __future__ import annotations
 
 import time
-
-import msgspec
+from dataclasses import replace
 
 from cpd.bus import ReplyStream, StreamReader
 from cpd.engines.servedmodel import Detokenizer
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode, RequestTimeout, Unavailable
 from services.router.nodes import NodeTable
+from services.router.outcome import Reports
 
 
 class AttemptFailed(Exception):
@@ -41,6 +41,7 @@ class Relay:
         self.first_at = 0.0
         self._prefill_node = ""  # the current try's
         self.decode_node = ""  # the node that accepted the current try's hand-off
+        self.reports = Reports()  # the current try's
 
     @property
     def sent(self) -> int:
@@ -58,6 +59,7 @@ class Relay:
         self.seen = 0
         self._prefill_node = prefill_node
         self.decode_node = ""
+        self.reports = Reports()
 
     def accepted(self, msg: wire.HandoffAccepted) -> None:
         """The decode node took the hand-off: it owns the rest of the stream."""
@@ -91,12 +93,17 @@ class Relay:
                         f"no token from {owner} for {idle_s:.0f}s"), {owner})
                 continue
             last = now
-            if isinstance(msg, wire.TokenChunk):
-                await self.tokens(msg.token_ids)
-            elif isinstance(msg, wire.HandoffAccepted):
-                self.accepted(msg)
-            elif isinstance(msg, wire.Final):
-                return msg
+            match msg:
+                case wire.TokenChunk():
+                    await self.tokens(msg.token_ids)
+                case wire.HandoffAccepted():
+                    self.accepted(msg)
+                case wire.PrefillReport():
+                    self.reports = replace(self.reports, prefill=msg)
+                case wire.DecodeReport():
+                    self.reports = replace(self.reports, decode=msg)
+                case wire.Final():
+                    return msg
 
     async def tokens(self, ids: list[int]) -> None:
         """Forward what the client does not have yet of the current try's ``ids``."""
@@ -117,10 +124,10 @@ class Relay:
         await self.out.tokens(new, self.detok.push(new))
 
     async def final(self, final: wire.Final) -> None:
-        """End the client's stream with the text still held back and ``final``."""
+        """End the client's stream with the text still held back and ``final`` (the
+        router's, assembled by :func:`services.router.outcome.assemble`)."""
         rest = self.detok.flush()
         if rest:
             await self.out.tokens([], rest)
-        fields = {f: getattr(final, f) for f in ("finish_reason", "usage", "timings", "route")}
-        fields["usage"] = msgspec.structs.replace(final.usage, completion_tokens=self.sent)
-        await self.out.final(**fields)
+        await self.out.final(finish_reason=final.finish_reason, usage=final.usage,
+                             timings=final.timings, route=final.route)

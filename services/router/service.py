@@ -14,7 +14,8 @@ is re-run elsewhere while nothing, or only reproducible greedy output, reached t
 client); admission slots are held exactly as long as requests run.
 
 Apart from this module: ``relay`` (a request's stream across tries, and which node owns
-it), ``accounting`` (counts and metrics), ``keepalive`` (the client streams' ticker),
+it), ``outcome`` (the client's final message, assembled from the workers' reports),
+``accounting`` (counts and metrics), ``keepalive`` (the client streams' ticker),
 ``policy`` (the pure routing decision), ``nodes`` (the node table), ``admission``,
 ``waiters`` (single-flight wake-ups), ``cost`` and ``queueing`` (the cost model).
 """
@@ -48,6 +49,7 @@ from services.router.admission import Admission
 from services.router.cost import LoadCost, PrefillCost
 from services.router.keepalive import KeepAlives
 from services.router.nodes import NodeTable
+from services.router.outcome import RouterTimes, RoutingCost, assemble
 from services.router.policy import Decision, Hits, NoCapacity, PolicyConfig, Router, Wait
 from services.router.relay import AttemptFailed, Relay
 from services.router.waiters import PrefixWaiters
@@ -247,20 +249,23 @@ class RouterService(Service):
         return self.policy.decide(n, self.block_size, hits, nodes)
 
     async def _route(self, req: wire.GenerateRequest, n: int, ns: Namespace,
-                     hashes: bytes, exclude: set[str]) -> tuple[Decision, float]:
+                     hashes: bytes, exclude: set[str]) -> tuple[Decision, RoutingCost]:
         """Look up, decide, and wait for another node's prefix when single-flight says
-        so; returns the decision and the lookup time (ms)."""
+        so; returns the decision and what it cost."""
         t = time.perf_counter()
         hits = await self._lookup(ns, hashes, req.request_id)
         lookup_ms = (time.perf_counter() - t) * 1000
         decision = self._decide(n, hits, exclude)
+        wait_ms = 0.0
         if decision.wait is not None:
+            t_wait = time.perf_counter()
             await self.await_prefix(decision.wait, ns, hashes, req.request_id)
+            wait_ms = (time.perf_counter() - t_wait) * 1000
             hits = await self._lookup(ns, hashes, req.request_id)
             again = self._decide(n, hits, exclude)
             # Waiting once is the bargain; a prefix still pending now is not waited for.
             decision = replace(again, wait=None, waited_for=decision.wait.node)
-        return decision, lookup_ms
+        return decision, RoutingCost(lookup_ms, wait_ms, (time.perf_counter() - t) * 1000)
 
     async def await_prefix(self, wait: Wait, ns: Namespace, hashes: bytes,
                            request_id: str) -> None:
@@ -298,15 +303,16 @@ class RouterService(Service):
         failed: CpdError | None = None  # the last try's error, once one failed
         for attempt in range(1, self.cfg.max_attempts + 1):
             try:
-                decision, lookup_ms = await self._route(req, len(tokens), ns, hashes, exclude)
+                decision, cost = await self._route(req, len(tokens), ns, hashes, exclude)
             except NoCapacity:
                 if failed is None:
                     raise
                 # Every node that could take it has failed this request already: say why
                 # the last one did (e.g. overloaded), not that none is up.
                 raise failed from None
-            self.accounts.decided((hash_ms + lookup_ms) / 1000, decision.plan.role,
-                                  decision.plan.queue_ms, first_try=attempt == 1)
+            self.accounts.decided((hash_ms + cost.total_ms - cost.wait_ms) / 1000,
+                                  decision.plan.role, decision.plan.queue_ms,
+                                  first_try=attempt == 1)
             try:
                 final = await self._attempt(req, attempt, decision, packed, ns, hashes,
                                             deadline_unix_ms, relay)
@@ -323,8 +329,15 @@ class RouterService(Service):
                 failovers += 1
                 self.accounts.failover()
                 continue
-            self._finish(req, final, relay, decision, t0, waited, lookup_ms + hash_ms,
-                         failovers)
+            now = time.monotonic()
+            times = RouterTimes(
+                admission_ms=waited * 1000, decision_ms=hash_ms + cost.total_ms,
+                lookup_ms=cost.lookup_ms, total_ms=(now - t0) * 1000,
+                ttft_ms=(relay.first_at - t0) * 1000 if relay.first_at else 0.0)
+            final = assemble(decision.route(), relay.reports, final,
+                             prompt_tokens=len(tokens), completion_tokens=relay.sent,
+                             times=times, failovers=failovers)
+            self._finish(final, relay, decision, now)
             await relay.final(final)
             return
 
@@ -342,7 +355,8 @@ class RouterService(Service):
                 request_id=rid, reply_to=inbox, tokens=packed, sampling=req.sampling,
                 namespace=ns.id, block_hashes=hashes, decode_node=decision.decode_node,
                 deadline_unix_ms=deadline_unix_ms, sources=list(plan.sources),
-                route=decision.route(), trace=telemetry.current_traceparent())
+                planned_new_tokens=plan.computed_tokens,
+                trace=telemetry.current_traceparent())
             try:
                 await self.bus.request(subjects.run(plan.role, plan.node), preq,
                                        expect=wire.Accepted,
@@ -357,17 +371,10 @@ class RouterService(Service):
         finally:
             await reader.close()
 
-    def _finish(self, req: wire.GenerateRequest, final: wire.Final, relay: Relay,
-                decision: Decision, t0: float, waited: float, decision_ms: float,
-                failovers: int) -> None:
-        """Complete the final message with the router's view and count it."""
-        now = time.monotonic()
-        ttft_ms = (relay.first_at - t0) * 1000 if relay.first_at else 0.0
-        final.timings = msgspec.structs.replace(
-            final.timings, admission_ms=waited * 1000, lookup_ms=decision_ms,
-            ttft_ms=ttft_ms, total_ms=(now - t0) * 1000)
-        r = final.route
-        r.failovers = failovers
+    def _finish(self, final: wire.Final, relay: Relay, decision: Decision,
+                now: float) -> None:
+        """Count and log the request's assembled ``final``."""
+        r, ttft_ms = final.route, final.timings.ttft_ms
         if r.load_error is not None:
             self.log.warning("router.load_failed", node=r.prefill_node,
                              peer=r.load_error.peer, error=r.load_error.code)
@@ -380,7 +387,7 @@ class RouterService(Service):
                       why=r.describe(), prefill=r.prefill_node,
                       decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
                       cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),
-                      failovers=failovers)
+                      failovers=r.failovers)
 
 
 def make_policy(settings: Settings, profile: EngineProfile) -> Router:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-import msgspec
 import numpy as np
 
 from cpd.bus import ReplyStream, Request, Service
@@ -127,18 +126,10 @@ class DecodeHandler:
     async def _final(self, req: wire.DecodeRequest, out: ReplyStream, last: EngineStep,
                      generated: int, prompt_tokens: int, *, handoff_ms: float,
                      decode_ms: float) -> None:
-        full = prompt_tokens + 1
-        route = msgspec.structs.replace(
-            req.route, decode_node=self.core.node_id,
-            decode_tokens_pulled=last.loaded_blocks * self.core.block_size,
-            decode_tokens_computed=full - last.cached_tokens)
-        timings = msgspec.structs.replace(req.timings, handoff_ms=handoff_ms,
-                                          decode_ms=decode_ms)
-        r = req.route
+        await out.report(wire.DecodeReport, node=self.core.node_id,
+                         tokens_pulled=last.loaded_blocks * self.core.block_size,
+                         tokens_computed=prompt_tokens + 1 - last.cached_tokens,
+                         handoff_ms=handoff_ms, decode_ms=decode_ms)
         await out.final(finish_reason=last.finish_reason or "length",
                         usage=wire.Usage(prompt_tokens=prompt_tokens,
-                                         completion_tokens=generated,
-                                         cached_tokens=r.tokens_gpu + r.tokens_dram
-                                         + r.tokens_remote),
-                        timings=timings, route=route)
-
+                                         completion_tokens=generated))

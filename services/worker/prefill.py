@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import numpy as np
 from nats.aio.msg import Msg
 
@@ -87,7 +86,7 @@ class PrefillHandler:
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
         # New tokens as the router planned them (cached ones cost next to nothing): the
         # router prices the held prefill as it priced the request.
-        pending = req.route.tokens_computed or len(tokens)
+        pending = req.planned_new_tokens or len(tokens)
         with core.load.holding(pending, len(tokens) - pending) as held:
             have, remote, load_error = await self._gather_prefix(req, hashes)
             t_load = held.engine_start = time.perf_counter()
@@ -95,26 +94,28 @@ class PrefillHandler:
         t_done = time.perf_counter()
         core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
                     written=len(saved), loaded=step.loaded_blocks)
-        computed = len(tokens) - step.cached_tokens
-        first = step.token_ids[0]
-        await out.tokens([first])
-        bs = core.block_size
-        # Pulled blocks the engine already held in its own cache were not loaded: the
-        # remote share is at most what was loaded (never a negative DRAM count).
-        remote = min(remote, step.loaded_blocks)
-        route = msgspec.structs.replace(
-            req.route, prefill_node=core.node_id, tokens_gpu=step.gpu_blocks * bs,
-            tokens_dram=(step.loaded_blocks - remote) * bs, tokens_remote=remote * bs,
-            tokens_computed=computed, load_error=load_error)
-        timings = wire.Timings(load_ms=(t_load - t0) * 1e3, prefill_ms=(t_done - t_load) * 1e3,
-                               ttft_ms=(t_done - t0) * 1e3)
+        await out.tokens([step.token_ids[0]])
+        await out.report(wire.PrefillReport, node=core.node_id,
+                         tokens=self._sources(step, remote, len(tokens)),
+                         load_error=load_error, load_ms=(t_load - t0) * 1e3,
+                         prefill_ms=(t_done - t_load) * 1e3)
         if step.finished and (req.sampling.max_tokens <= 1 or step.finish_reason == "stop"):
             await out.final(finish_reason=step.finish_reason or "length",
                             usage=wire.Usage(prompt_tokens=len(tokens), completion_tokens=1,
-                                             cached_tokens=step.cached_tokens),
-                            timings=timings, route=route)
+                                             cached_tokens=step.cached_tokens))
             return
-        await self._handoff(req, hashes, first, route, timings, out)
+        await self._handoff(req, hashes, step.token_ids[0], out)
+
+    def _sources(self, step: EngineStep, remote: int, prompt_tokens: int) -> wire.PromptTokens:
+        """Where the prompt's KV came from: the engine's own cache, blocks loaded from
+        the arena (pulled from peers first, for ``remote`` of them) and computed."""
+        bs = self.core.block_size
+        # Pulled blocks the engine already held in its own cache were not loaded: the
+        # remote share is at most what was loaded (never a negative DRAM count).
+        remote = min(remote, step.loaded_blocks)
+        return wire.PromptTokens(gpu=step.gpu_blocks * bs,
+                                 dram=(step.loaded_blocks - remote) * bs, remote=remote * bs,
+                                 computed=prompt_tokens - step.cached_tokens)
 
     async def _gather_prefix(self, req: wire.PrefillRequest, hashes: list[bytes]
                              ) -> tuple[list[BlockEntry], int, wire.LoadError | None]:
@@ -188,7 +189,7 @@ class PrefillHandler:
         return step
 
     async def _handoff(self, req: wire.PrefillRequest, hashes: list[bytes], first: int,
-                       route: wire.Route, timings: wire.Timings, out: ReplyStream) -> None:
+                       out: ReplyStream) -> None:
         """Pin the request's blocks and give it to its decode node, which owns the rest
         of the stream once it accepts."""
         core = self.core
@@ -198,8 +199,7 @@ class PrefillHandler:
             request_id=req.request_id, reply_to=req.reply_to, tokens=req.tokens,
             first_token=first, sampling=req.sampling, namespace=req.namespace,
             block_hashes=b"".join(held), source_node=core.node_id, lease_id=lease,
-            deadline_unix_ms=req.deadline_unix_ms, seq_start=out.seq,
-            route=route, timings=timings, trace=req.trace,
+            deadline_unix_ms=req.deadline_unix_ms, seq_start=out.seq, trace=req.trace,
             capability=core.keyring.issue(req.namespace))
         try:
             await core.bus.request(subjects.run("decode", req.decode_node), dreq,
@@ -209,7 +209,7 @@ class PrefillHandler:
             core.kv.unpin(lease)
             raise DecodeUnavailable(f"decode node {req.decode_node} did not take the "
                                     f"request: {e.message}") from e
-        out.closed = True  # decode owns the rest of the stream
+        out.hand_over()  # decode owns the rest of the stream
 
     async def _on_pull_ack(self, msg: Msg) -> None:
         assert self._service is not None

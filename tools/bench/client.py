@@ -21,6 +21,10 @@ to the first chunk with text; TPOT is the time from that chunk to the last one o
 generated tokens after the first (``usage.completion_tokens`` - 1; ``ignore_eos`` keeps
 the count fixed). Every request must succeed: an error is a failed request, counted and
 reported, never averaged in.
+
+CPD's TTFT is compared with the monolithic server's, cold (``unique``) and warm
+(``repeat``: CPD's cache against vLLM's own prefix cache), and CPD's warm TTFT is split
+into hops from the timings the gateway returns in its ``cpd`` extension.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +67,14 @@ ITERATIONS_FULL, ITERATIONS_QUICK = 5, 3
 MAX_TOKENS = 32
 QUESTION_TOKENS = 24
 TARGETS = {"cached_over_unique_at_max": 0.15, "cached_over_unique_worst": 1.0,
-           "cached_p90_over_p50": 1.5, "tpot_over_monolithic": 1.5}
+           "cached_p90_over_p50": 1.5, "tpot_over_monolithic": 1.5,
+           "warm_over_monolithic_warm": 1.25, "cold_over_monolithic": 1.1}
+# CPD's warm time to first token, hop by hop (:func:`hops`): the gateway's own share,
+# the router's admission and decision (of which the kvindex lookup), the prefill node's
+# load and prefill, and the rest (dispatch and relaying the first token).
+HOPS = ("gateway", "admission", "decision", "lookup", "load", "prefill", "relay")
+# The gateway's ``cpd.timings`` a sample keeps: ``ttft_ms`` as ``router_ttft_ms``.
+TIMINGS = ("admission_ms", "decision_ms", "lookup_ms", "load_ms", "prefill_ms")
 SEED = 20261202
 START_TIMEOUT_S = 600.0  # three engines on a busy two-core host
 STOP_TIMEOUT_S = 60.0
@@ -88,6 +99,16 @@ class Sample:
     # reused from a cache and how the router routed it.
     reused_tokens: int = 0
     path: str = ""
+    # Its timings (``cpd.timings``, ms; None from a server without them): the router's
+    # TTFT (from the router receiving the request to relaying its first token), time in
+    # admission, deciding (hashing, the kvindex lookup, the policy, any single-flight
+    # wait), the kvindex round trip alone, and the prefill node's load and prefill.
+    router_ttft_ms: float | None = None
+    admission_ms: float | None = None
+    decision_ms: float | None = None
+    lookup_ms: float | None = None
+    load_ms: float | None = None
+    prefill_ms: float | None = None
 
 
 @dataclass
@@ -99,6 +120,9 @@ class Failure:
     context_tokens: int
     case: str
     error: str
+
+
+_Cells = dict[tuple[str, str, int, str], list[Sample]]
 
 
 # ------------------------------------------------------------------- the summary
@@ -119,10 +143,118 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def _worst(xs: Iterable[float | None]) -> float | None:
+    """The largest of ``xs`` but None (None when all are)."""
+    return max((x for x in xs if x is not None), default=None)
+
+
+def _cells(samples: Sequence[Sample]) -> _Cells:
+    """Samples per (server, API, context size, case); an unknown kind is an error."""
+    cells: _Cells = {}
+    for s in samples:
+        if s.case not in CASES or s.server not in SERVERS or s.api not in APIS:
+            raise ValueError(f"unknown sample kind {s.server}/{s.api}/{s.case}")
+        cells.setdefault((s.server, s.api, s.context_tokens, s.case), []).append(s)
+    return cells
+
+
+def _p50(cells: _Cells, server: str, api: str, n: int, case: str) -> float | None:
+    xs = [s.ttft_ms for s in cells.get((server, api, n, case), [])]
+    return _pct(xs, 0.5) if xs else None
+
+
+def _case_stats(server: str, xs: Sequence[Sample]) -> dict[str, Any]:
+    ttft = [s.ttft_ms for s in xs]
+    tpot = [s.tpot_ms for s in xs if s.tpot_ms is not None]
+    return {"ttft_p50_ms": _r(_pct(ttft, 0.5), 1), "ttft_p90_ms": _r(_pct(ttft, 0.9), 1),
+            "ttft_ms_all": [round(x, 1) for x in ttft],
+            "tpot_p50_ms": _r(_pct(tpot, 0.5), 2) if tpot else None,
+            "prompt_tokens": xs[0].prompt_tokens,
+            "reused_tokens": [s.reused_tokens for s in xs] if server == "cpd" else None}
+
+
+def _row(cells: _Cells, server: str, api: str, n: int) -> dict[str, Any] | None:
+    """One server's figures for one API and context size (None: no sample there)."""
+    row: dict[str, Any] = {"server": server, "api": api, "context_tokens": n}
+    for case in CASES:
+        if xs := cells.get((server, api, n, case)):
+            row[case] = _case_stats(server, xs)
+    if len(row) == 3:
+        return None
+    unique = _p50(cells, server, api, n, "unique")
+    for case in WARM_CASES:
+        warm = _p50(cells, server, api, n, case)
+        row[f"{case}_over_unique"] = _r(warm / unique) if unique and warm is not None else None
+    if server == "cpd":
+        for case in CASES:
+            mine, mono = _p50(cells, "cpd", api, n, case), _p50(cells, "monolithic", api, n, case)
+            row[f"{case}_ttft_over_monolithic"] = (_r(mine / mono) if mine is not None and mono
+                                                   else None)
+    return row
+
+
+def _tpot_p50(samples: Sequence[Sample], server: str) -> float | None:
+    xs = [s.tpot_ms for s in samples if s.server == server and s.tpot_ms is not None]
+    return _pct(xs, 0.5) if xs else None
+
+
+def _headline(rows: Sequence[dict[str, Any]], samples: Sequence[Sample],
+              top: int | None) -> dict[str, float | None]:
+    """The figures that have targets (see :func:`summarize`)."""
+    cpd_rows = [r for r in rows if r["server"] == "cpd"]
+    spreads = [r["repeat"]["ttft_p90_ms"] / r["repeat"]["ttft_p50_ms"] for r in cpd_rows
+               if "repeat" in r and r["repeat"]["ttft_p50_ms"]]
+    tpot_cpd, tpot_mono = _tpot_p50(samples, "cpd"), _tpot_p50(samples, "monolithic")
+    return {
+        "cached_over_unique_at_max": _worst(r.get("repeat_over_unique") for r in cpd_rows
+                                            if r["context_tokens"] == top),
+        "cached_over_unique_worst": _worst(r.get(f"{c}_over_unique") for r in cpd_rows
+                                           for c in WARM_CASES),
+        "cached_p90_over_p50": _r(_worst(spreads)),
+        "tpot_over_monolithic": (_r(tpot_cpd / tpot_mono) if tpot_cpd is not None
+                                 and tpot_mono else None),
+        "warm_over_monolithic_warm": _worst(r.get("repeat_ttft_over_monolithic")
+                                            for r in cpd_rows),
+        "cold_over_monolithic": _worst(r.get("unique_ttft_over_monolithic") for r in cpd_rows),
+    }
+
+
+def hops(s: Sample) -> dict[str, float] | None:
+    """Where the time to first token of one CPD request went (ms, see :data:`HOPS`);
+    None without the router's timings (another server's sample)."""
+    if s.router_ttft_ms is None:
+        return None
+    adm, dec, load, pre = (x or 0.0 for x in (s.admission_ms, s.decision_ms, s.load_ms,
+                                              s.prefill_ms))
+    return {"gateway": s.ttft_ms - s.router_ttft_ms, "admission": adm, "decision": dec,
+            "lookup": s.lookup_ms or 0.0, "load": load, "prefill": pre,
+            "relay": s.router_ttft_ms - adm - dec - load - pre}
+
+
+def warm_hops(samples: Sequence[Sample]) -> dict[str, Any]:
+    """The p50 (ms) of each hop of CPD's ``repeat`` requests, per API and context size
+    (``rows``) and over all of them (``overall``; None when no request had timings).
+    Each hop's p50 is taken on its own: they need not add up to the TTFT p50."""
+    per: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for s in samples:
+        h = hops(s) if s.server == "cpd" and s.case == "repeat" else None
+        if h is not None:
+            per.setdefault((s.api, s.context_tokens), []).append(h)
+
+    def p50s(hs: list[dict[str, float]]) -> dict[str, float | None]:
+        return {k: _r(_pct([h[k] for h in hs], 0.5), 2) for k in HOPS}
+
+    rows = [{"api": api, "context_tokens": n, "requests": len(per[api, n]), **p50s(per[api, n])}
+            for api, n in sorted(per, key=lambda k: (APIS.index(k[0]), k[1]))]
+    every = [h for hs in per.values() for h in hs]
+    return {"overall": p50s(every) if every else None, "rows": rows}
+
+
 def summarize(samples: Sequence[Sample], failures: Sequence[Failure] = (),
               targets: dict[str, float] | None = None) -> dict[str, Any]:
     """Percentiles per server, API, context size and case; ratios within CPD (warm ÷
-    unique) and CPD ÷ monolithic; the headline figures against ``targets``.
+    unique) and CPD ÷ monolithic; the breakdown of CPD's warm TTFT by hop
+    (:func:`warm_hops`); the headline figures against ``targets``.
 
     * ``cached_over_unique_at_max``: repeat ÷ unique TTFT p50 at the largest context,
       the worse of the two APIs;
@@ -130,74 +262,22 @@ def summarize(samples: Sequence[Sample], failures: Sequence[Failure] = (),
       ratio at any size and API: warm must never be slower than cold;
     * ``cached_p90_over_p50``: the largest p90 ÷ p50 of the repeat TTFT (a bimodal warm
       path shows here);
-    * ``tpot_over_monolithic``: CPD's TPOT p50 over all requests ÷ monolithic's.
+    * ``tpot_over_monolithic``: CPD's TPOT p50 over all requests ÷ monolithic's;
+    * ``warm_over_monolithic_warm``: CPD's repeat TTFT p50 ÷ monolithic's repeat TTFT
+      p50 (vLLM's own prefix-cache hit), the largest over sizes and APIs;
+    * ``cold_over_monolithic``: the same for the unique request.
+
+    The two ÷ monolithic ratios are taken where both servers have the cell; with none
+    they are None (and missed).
     """
     targets = TARGETS if targets is None else targets
-    cells: dict[tuple[str, str, int, str], list[Sample]] = {}
-    for s in samples:
-        if s.case not in CASES or s.server not in SERVERS or s.api not in APIS:
-            raise ValueError(f"unknown sample kind {s.server}/{s.api}/{s.case}")
-        cells.setdefault((s.server, s.api, s.context_tokens, s.case), []).append(s)
-
-    def p50(server: str, api: str, n: int, case: str) -> float | None:
-        xs = [s.ttft_ms for s in cells.get((server, api, n, case), [])]
-        return _pct(xs, 0.5) if xs else None
-
-    rows = []
+    cells = _cells(samples)
     sizes = sorted({k[2] for k in cells})
-    for server in SERVERS:
-        for api in APIS:
-            for n in sizes:
-                row: dict[str, Any] = {"server": server, "api": api, "context_tokens": n}
-                for case in CASES:
-                    xs = cells.get((server, api, n, case), [])
-                    if not xs:
-                        continue
-                    ttft = [s.ttft_ms for s in xs]
-                    tpot = [s.tpot_ms for s in xs if s.tpot_ms is not None]
-                    row[case] = {
-                        "ttft_p50_ms": _r(_pct(ttft, 0.5), 1),
-                        "ttft_p90_ms": _r(_pct(ttft, 0.9), 1),
-                        "ttft_ms_all": [round(x, 1) for x in ttft],
-                        "tpot_p50_ms": _r(_pct(tpot, 0.5), 2) if tpot else None,
-                        "prompt_tokens": xs[0].prompt_tokens,
-                        "reused_tokens": [s.reused_tokens for s in xs] if server == "cpd"
-                        else None}
-                if len(row) == 3:
-                    continue
-                unique = p50(server, api, n, "unique")
-                for case in WARM_CASES:
-                    warm = p50(server, api, n, case)
-                    row[f"{case}_over_unique"] = (_r(warm / unique) if unique and warm
-                                                  is not None else None)
-                if server == "cpd":
-                    for case in CASES:
-                        mine, mono = p50("cpd", api, n, case), p50("monolithic", api, n, case)
-                        row[f"{case}_ttft_over_monolithic"] = (
-                            _r(mine / mono) if mine is not None and mono else None)
-                rows.append(row)
-
-    cpd_rows = [r for r in rows if r["server"] == "cpd"]
+    rows = [r for server in SERVERS for api in APIS for n in sizes
+            if (r := _row(cells, server, api, n)) is not None]
     top = max(sizes) if sizes else None
-    at_max = [r["repeat_over_unique"] for r in cpd_rows
-              if r["context_tokens"] == top and r.get("repeat_over_unique") is not None]
-    warm_ratios = [r[f"{c}_over_unique"] for r in cpd_rows for c in WARM_CASES
-                   if r.get(f"{c}_over_unique") is not None]
-    spreads = [r["repeat"]["ttft_p90_ms"] / r["repeat"]["ttft_p50_ms"] for r in cpd_rows
-               if "repeat" in r and r["repeat"]["ttft_p50_ms"]]
-
-    def tpot_p50(server: str) -> float | None:
-        xs = [s.tpot_ms for s in samples if s.server == server and s.tpot_ms is not None]
-        return _pct(xs, 0.5) if xs else None
-
-    tpot_cpd, tpot_mono = tpot_p50("cpd"), tpot_p50("monolithic")
-    headline = {
-        "cached_over_unique_at_max": max(at_max) if at_max else None,
-        "cached_over_unique_worst": max(warm_ratios) if warm_ratios else None,
-        "cached_p90_over_p50": _r(max(spreads)) if spreads else None,
-        "tpot_over_monolithic": (_r(tpot_cpd / tpot_mono) if tpot_cpd is not None
-                                 and tpot_mono else None),
-    }
+    headline = _headline(rows, samples, top)
+    tpot_cpd, tpot_mono = _tpot_p50(samples, "cpd"), _tpot_p50(samples, "monolithic")
     met = {k: headline[k] is not None and headline[k] <= v for k, v in targets.items()}
     return {
         **headline,
@@ -209,6 +289,7 @@ def summarize(samples: Sequence[Sample], failures: Sequence[Failure] = (),
         "requests": len(samples) + len(failures),
         "requests_failed": len(failures),
         "failures": [asdict(f) for f in failures],
+        "warm_hops_p50_ms": warm_hops(samples),
         "rows": rows,
     }
 
@@ -424,14 +505,29 @@ async def _drive(server: str, base_url: str, model: str, plan: list[tuple[str, i
             except Exception as e:  # the request failed: counted, never averaged in
                 failures.append(Failure(server, api, n, case, f"{type(e).__name__}: {e}"))
                 continue
-            route = info.get("route") or {}
             samples.append(Sample(
                 server=server, api=api, context_tokens=n, case=case, ttft_ms=ttft,
                 tpot_ms=tpot, prompt_tokens=prompt, completion_tokens=done,
-                reused_tokens=sum(int(route.get(f"tokens_{t}", 0))
-                                  for t in ("gpu", "dram", "remote")),
-                path=str(route.get("path", ""))))
+                **cpd_fields(info)))
     return samples, failures
+
+
+def cpd_fields(info: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`Sample` fields read from the gateway's ``cpd`` extension: prompt
+    tokens reused (``route.tokens``: gpu + dram + remote), the route's path and the
+    timings (a missing one 0; none at all when the reply has no ``timings``)."""
+    route = info.get("route")
+    route = route if isinstance(route, dict) else {}
+    tokens = route.get("tokens")
+    tokens = tokens if isinstance(tokens, dict) else {}
+    out: dict[str, Any] = {
+        "reused_tokens": sum(int(tokens.get(t) or 0) for t in ("gpu", "dram", "remote")),
+        "path": str(route.get("path", ""))}
+    timings = info.get("timings")
+    if isinstance(timings, dict):
+        out["router_ttft_ms"] = float(timings.get("ttft_ms") or 0.0)
+        out.update({k: float(timings.get(k) or 0.0) for k in TIMINGS})
+    return out
 
 
 def make_plan(prompts: _Prompts, sizes: Sequence[int], iterations: int

@@ -428,11 +428,11 @@ async def probe(client: Client, prompts: Prompts, cfg: FaultConfig) -> str | Non
         done = await client.generate([*doc, suffix], max_tokens=2, ignore_eos=True,
                                      timeout_s=timeout)
         r = done.route
-        reused = r.tokens_gpu + r.tokens_dram + r.tokens_remote
+        reused = r.tokens.reused
         # The reuse must come from kvindex's answer (a warm decision, or blocks loaded
         # from the sources it named), not from an engine's own prefix cache by luck: a
         # kvindex whose event feed is stale would pass otherwise.
-        planned = r.path == "warm" or r.tokens_dram + r.tokens_remote > 0
+        planned = r.path == "warm" or r.tokens.dram + r.tokens.remote > 0
         if planned and reused >= len(doc):
             return None
         if time.monotonic() >= end:

@@ -22,7 +22,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import msgspec
 
@@ -83,10 +83,7 @@ class Result:
     path: str = ""
     prefill_node: str = ""
     decode_node: str = ""
-    tokens_gpu: int = 0
-    tokens_dram: int = 0
-    tokens_remote: int = 0
-    tokens_computed: int = 0
+    tokens: wire.PromptTokens = field(default_factory=wire.PromptTokens)
     error: str | None = None
     rejected: bool = False               # shed by admission control (overloaded)
     turn: int = 0                        # the session's turn (0: its cold first request)
@@ -232,8 +229,7 @@ async def _run_one(client: Client, req: WorkloadRequest, res: Result,
             res.finish_s = clock()
             res.cached_tokens = msg.usage.cached_tokens
             res.path, res.prefill_node, res.decode_node = r.path, r.prefill_node, r.decode_node
-            res.tokens_gpu, res.tokens_dram = r.tokens_gpu, r.tokens_dram
-            res.tokens_remote, res.tokens_computed = r.tokens_remote, r.tokens_computed
+            res.tokens = r.tokens
             res.timings = msgspec.structs.asdict(msg.timings)
             return
     res.error = UNFINISHED
@@ -258,7 +254,7 @@ def report(results: Sequence[Result], *, target_qps: float, gpus: int, ttft_slo_
             and start <= r.finish_s < end]
     first = [r for r in results if r.error is None and r.first_token_s is not None
              and start <= r.first_token_s < end]
-    tiers = {s.value: sum(wire.tokens_by_source(r)[s] for r in arrived if r.error is None)
+    tiers = {s.value: sum(r.tokens.by_source()[s] for r in arrived if r.error is None)
              for s in wire.TokenSource}
     queued = [q for r in arrived if (q := r.client_queue_s) is not None]
     out = {k: _finite(v) for k, v in asdict(summary).items()}
@@ -276,7 +272,7 @@ def report(results: Sequence[Result], *, target_qps: float, gpus: int, ttft_slo_
         "prompt_tokens_by_tier": tiers,
         "client_queue_p90_s": _finite(_quantile(queued, 0.9)),
         "prefill_tokens_per_s_per_gpu": round(
-            sum(r.tokens_computed for r in first) / span / gpus, 1),
+            sum(r.tokens.computed for r in first) / span / gpus, 1),
         "decode_tokens_per_s_per_gpu": round(
             sum(r.output_tokens for r in done) / span / gpus, 1),
         "by_path": _by_path(arrived),
@@ -304,7 +300,7 @@ def _by_path(arrived: Sequence[Result]) -> dict[str, dict]:
             "ttft_p50_s": _finite(round(_quantile(ttft, 0.5), 4)),
             "ttft_p90_s": _finite(round(_quantile(ttft, 0.9), 4)),
             "mean_prompt_tokens": round(sum(r.prompt_tokens for r in rs) / len(rs)),
-            "mean_computed_tokens": round(sum(r.tokens_computed for r in rs) / len(rs)),
+            "mean_computed_tokens": round(sum(r.tokens.computed for r in rs) / len(rs)),
             "timings_mean_wall_ms": {k: round(sum(t[k] for t in timed) / len(timed), 1)
                                      for k in (timed[0] if timed else {})},
         }

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.hashing import Namespace, block_hashes
 from services.kvindex import KvIndexService
+from services.router.outcome import Reports
 from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.registry import SettingsFactory
 from tools.supervisor import kill_tree, stop_tree
@@ -160,31 +161,33 @@ def prompt_lengths(quick: bool, max_model_len: int) -> list[int]:
     return sorted({n for n in base if n < longest} | {longest})
 
 
-def check_route(case: str, n: int, block_size: int, route: wire.Route) -> str:
-    """Empty when ``route`` is the path ``case`` forces for an ``n``-token prompt, else
-    what differs. The last prompt token is always computed, so the reusable prefix is
-    the full blocks before it."""
+def route_mismatches(case: str, n: int, block_size: int, reports: Reports
+                     ) -> dict[str, tuple[object, object]]:
+    """What the workers' ``reports`` show differently from the path ``case`` forces for
+    an ``n``-token prompt, as field → (got, wanted); empty when it was that path. The
+    last prompt token is always computed, so the reusable prefix is the full blocks
+    before it."""
+    p = reports.prefill
+    if p is None:
+        return {"prefill_report": (None, "a report")}
     cached = (n - 1) // block_size * block_size
-    node = COLD_NODE if case == "cold" else WARM_NODE
-    want = {
-        "cold": {"tokens_gpu": 0, "tokens_dram": 0, "tokens_remote": 0, "tokens_computed": n},
-        "warm_remote": {"tokens_gpu": 0, "tokens_dram": 0, "tokens_remote": cached,
-                        "tokens_computed": n - cached},
-        "warm_local_dram": {"tokens_gpu": 0, "tokens_dram": cached, "tokens_remote": 0,
-                            "tokens_computed": n - cached},
-        "gpu_hit": {"tokens_gpu": cached, "tokens_dram": 0, "tokens_remote": 0,
-                    "tokens_computed": n - cached},
-    }[case]
-    got = {k: getattr(route, k) for k in want}
-    wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
-    parts = [f"{k}={g} (want {w})" for k, (g, w) in wrong.items()]
-    if route.prefill_node != node:
-        parts.append(f"prefill_node={route.prefill_node!r} (want {node!r})")
-    if route.load_error is not None:
-        parts.append(f"load from {route.load_error.peer} failed ({route.load_error.code})")
-    if route.decode_node != DECODE_NODE:
-        parts.append(f"decode_node={route.decode_node!r} (want {DECODE_NODE!r})")
-    return ", ".join(parts)
+    want: dict[str, object] = {str(k): v for k, v in {
+        "cold": wire.PromptTokens(computed=n),
+        "warm_remote": wire.PromptTokens(remote=cached, computed=n - cached),
+        "warm_local_dram": wire.PromptTokens(dram=cached, computed=n - cached),
+        "gpu_hit": wire.PromptTokens(gpu=cached, computed=n - cached),
+    }[case].by_source().items()}
+    got: dict[str, object] = {str(k): v for k, v in p.tokens.by_source().items()}
+    want["prefill_node"], got["prefill_node"] = COLD_NODE if case == "cold" else WARM_NODE, p.node
+    want["load_error"], got["load_error"] = None, p.load_error
+    want["decode_node"] = DECODE_NODE
+    got["decode_node"] = reports.decode.node if reports.decode else ""
+    return {k: (got[k], w) for k, w in want.items() if got[k] != w}
+
+
+def describe_mismatches(wrong: dict[str, tuple[object, object]]) -> str:
+    """:func:`route_mismatches` in words (for the report)."""
+    return ", ".join(f"{k}={g!r} (want {w!r})" for k, (g, w) in wrong.items())
 
 
 # --------------------------------------------------------------------- the cluster
@@ -284,8 +287,9 @@ class _Cluster:
     # ------------------------------------------------------------------ requests
 
     async def ask(self, node: str, prompt: list[int], hashes: bytes,
-                  sources: Sequence[wire.LoadSource] = ()) -> tuple[float, wire.Final]:
-        """One streamed prefill request; returns the client-side TTFT (ms) and the final."""
+                  sources: Sequence[wire.LoadSource] = ()) -> tuple[float, Reports]:
+        """One streamed prefill request; returns the client-side TTFT (ms) and the
+        workers' reports."""
         assert self.bus is not None and self.ns is not None
         req = wire.PrefillRequest(
             request_id=f"ttft-{time.monotonic_ns()}", reply_to="",
@@ -295,17 +299,19 @@ class _Cluster:
             deadline_unix_ms=int((time.time() + REQUEST_TIMEOUT_S) * 1000),
             sources=list(sources))
         ttft_ms: float | None = None
-        final: wire.Final | None = None
+        reports = Reports()
         t0 = time.perf_counter()
         async for msg in self.bus.stream(subjects.run(NODES[node], node), req,
                                          timeout=REQUEST_TIMEOUT_S):
             if ttft_ms is None and isinstance(msg, wire.TokenChunk):
                 ttft_ms = (time.perf_counter() - t0) * 1e3
-            elif isinstance(msg, wire.Final):
-                final = msg
-        if ttft_ms is None or final is None:
-            raise RuntimeError(f"{node} answered without a token or a final message")
-        return ttft_ms, final
+            elif isinstance(msg, wire.PrefillReport):
+                reports = replace(reports, prefill=msg)
+            elif isinstance(msg, wire.DecodeReport):
+                reports = replace(reports, decode=msg)
+        if ttft_ms is None or reports.prefill is None:
+            raise RuntimeError(f"{node} answered without a token or a prefill report")
+        return ttft_ms, reports
 
     async def visible_blocks(self, hashes: bytes, node: str,
                              want: int) -> tuple[int, bytes]:
@@ -351,13 +357,15 @@ async def _one_prompt(c: _Cluster, prompt: list[int], block_size: int) -> list[S
     blocks = (n - 1) // block_size
     out: list[Sample] = []
 
-    def record(case: str, ttft_ms: float, final: wire.Final, note: str = "") -> None:
-        error = "; ".join(x for x in (check_route(case, n, block_size, final.route), note) if x)
+    def record(case: str, ttft_ms: float, reports: Reports, note: str = "") -> None:
+        wrong = describe_mismatches(route_mismatches(case, n, block_size, reports))
+        error = "; ".join(x for x in (wrong, note) if x)
+        p = reports.prefill
+        assert p is not None  # ask() raises without one
         out.append(Sample(prompt_tokens=n, case=case, ttft_ms=ttft_ms, path_ok=not error,
-                          path_error=error, load_ms=final.timings.load_ms,
-                          prefill_ms=final.timings.prefill_ms,
-                          handoff_ms=final.timings.handoff_ms,
-                          worker_ttft_ms=final.timings.ttft_ms))
+                          path_error=error, load_ms=p.load_ms, prefill_ms=p.prefill_ms,
+                          handoff_ms=reports.decode.handoff_ms if reports.decode else 0.0,
+                          worker_ttft_ms=p.load_ms + p.prefill_ms))
 
     record("cold", *await c.ask(COLD_NODE, prompt, hashes))
     shown, capability = await c.visible_blocks(hashes, COLD_NODE, blocks)

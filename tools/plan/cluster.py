@@ -106,10 +106,7 @@ class _Req:
     # Per node it is on: arena blocks found sealed when it entered the engine.
     dram_have: int = 0
     cached_tokens: int = 0
-    tokens_gpu: int = 0
-    tokens_dram: int = 0
-    tokens_remote: int = 0
-    tokens_computed: int = 0
+    tokens: wire.PromptTokens = field(default_factory=wire.PromptTokens)
 
 
 class _Node:
@@ -150,7 +147,7 @@ class _Node:
         if not self.prefill_role:  # decode: what the client sees was the prefill's
             return Admission(cached_tokens=cached, load_tokens=loaded * bs)
         r.cached_tokens = cached
-        r.tokens_gpu, r.tokens_dram = gpu * bs, loaded * bs
+        r.tokens.gpu, r.tokens.dram = gpu * bs, loaded * bs
         return Admission(cached_tokens=cached, load_tokens=loaded * bs,
                          save_blocks=range(r.dram_have, n))
 
@@ -161,7 +158,7 @@ class SimResult:
 
     results: list[Result]
     paths: Counter[str] = field(default_factory=Counter)
-    tokens_by_tier: Counter[str] = field(default_factory=Counter)
+    tokens: wire.PromptTokens = field(default_factory=wire.PromptTokens)
     busy_s: dict[str, float] = field(default_factory=dict)
     end_s: float = 0.0
     events: int = 0
@@ -300,7 +297,7 @@ class Cluster:
         got = max(0, peer.dram.match(r.blocks, end) - src.first_block)
         start = max(self.now, node.nic_free)
         node.nic_free = start + self.load.ms(got * self.bs, self.cfg.network_gbps) / 1e3
-        r.tokens_remote = got * self.bs
+        r.tokens.remote = got * self.bs
         self._at(node.nic_free, self._pulled, node, r, src.first_block + got)
 
     def _wait_over(self, r: _Req, node: _Node) -> None:
@@ -340,15 +337,12 @@ class Cluster:
             else:
                 w[b] -= 1
         r.first = self.now
-        r.tokens_computed = r.w.prompt_len - r.cached_tokens
+        t = r.tokens
+        t.computed = r.w.prompt_len - r.cached_tokens
         # Pulled blocks the engine held on its GPU were not loaded (the worker's rule).
-        r.tokens_remote = min(r.tokens_remote, r.tokens_dram)
-        r.tokens_dram -= r.tokens_remote
-        tiers = self.result.tokens_by_tier
-        tiers["gpu"] += r.tokens_gpu
-        tiers["dram"] += r.tokens_dram
-        tiers["remote"] += r.tokens_remote
-        tiers["computed"] += r.tokens_computed
+        t.remote = min(t.remote, t.dram)
+        t.dram -= t.remote
+        self.result.tokens.add(t)
         if node.waiters:
             wake = self.now + SINGLE_FLIGHT_WAKE_S
             for q in node.waiters:
@@ -464,8 +458,7 @@ def _result(r: _Req) -> Result:
         output_tokens=r.w.output_len if r.finish is not None else 0,
         cached_tokens=r.cached_tokens, path=d.path if d else "",
         prefill_node=d.plan.node if d else "", decode_node=d.decode_node if d else "",
-        tokens_gpu=r.tokens_gpu, tokens_dram=r.tokens_dram, tokens_remote=r.tokens_remote,
-        tokens_computed=r.tokens_computed, turn=r.w.turn,
+        tokens=r.tokens, turn=r.w.turn,
         error=None if r.finish is not None else UNFINISHED)
 
 

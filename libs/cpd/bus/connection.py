@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 
 import nats
 import nats.errors
-import nats.micro
 import nkeys
 from nats.aio.client import Client as NatsClient
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import nats
-import nats.errors
-import nats.micro
 from nats.aio.msg import Msg
 from opentelemetry.trace import Status, StatusCode
 
@@ -32,6 +30,7 @@ from .connection import (
     permission_denials,
     wait_denied,
 )
+from .micro import MicroService
 from .request import Bus
 from .stream import ReplyStream, error_message
 
@@ -51,10 +50,17 @@ class Request:
         self.subject = msg.subject
         self.reply_to = msg.reply
         self.headers = msg.headers or {}
+        # The error a stream to this request's inbox ended with (the endpoint's stats
+        # count the request as failed even though the handler returned).
+        self.error: wire.Error | None = None
 
     def stream(self, request_id: str, seq_start: int = 0) -> ReplyStream:
         """A reply stream to this request's inbox."""
-        return ReplyStream(self.service.bus, self.reply_to, request_id, seq_start)
+        return ReplyStream(self.service.bus, self.reply_to, request_id, seq_start,
+                           on_error=self._ended_with)
+
+    def _ended_with(self, error: wire.Error) -> None:
+        self.error = error
 
 
 class Service:
@@ -74,7 +80,7 @@ class Service:
         self.node_id = settings.node.node_id
         self.nats_url = nats_url
         self.bus: Bus
-        self._micro: nats.micro.Service | None = None
+        self._micro: MicroService | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
@@ -103,10 +109,10 @@ class Service:
         await self.prepare()
         self.bus = await Bus.open(self.settings, f"cpd-{self.name}-{self.node_id}",
                                   url=self.nats_url)
-        self._micro = await nats.micro.add_service(
-            self.bus.nc, name=f"cpd-{self.name}", version=self.version,
-            description=f"CPD {self.name}", metadata={"node": self.node_id},
-        )
+        self._micro = MicroService(self.bus.nc, name=f"cpd-{self.name}",
+                                   version=self.version, description=f"CPD {self.name}",
+                                   metadata={"node": self.node_id})
+        await self._micro.start()
         # A process holding another identity's credentials is refused rights its job
         # needs: fail at once with a typed error rather than half-work (or wait out a
         # request the server dropped).
@@ -188,28 +194,27 @@ class Service:
 
         Handlers run as tasks so slow ones do not block the subscription; ``inline``
         handlers (fast, CPU-only, e.g. index lookups) run in the subscription callback,
-        which saves a task per message.
+        which saves a task per message. ``$SRV.STATS`` counts each request as it arrives
+        and times it until its handler (the task) ends; a request answered with an error
+        (bad input, a handler's error, a refusal while stopping) counts as an error.
         """
         assert self._micro is not None, "call add_endpoint from setup()"
 
-        async def on_request(req: nats.micro.Request) -> None:
+        async def on_request(msg: Msg) -> str | None:
             if self._stopping.is_set():
-                await self._reply_error(req._msg, CpdError("service is stopping",
-                                                           code=ErrorCode.UNAVAILABLE,
-                                                           retryable=True))
-                return
-            if inline:
-                await self._dispatch(name, req._msg, handler, expect)
-                return
-            task = asyncio.create_task(self._dispatch(name, req._msg, handler, expect))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+                return await self._reply_error(msg, CpdError("service is stopping",
+                                                             code=ErrorCode.UNAVAILABLE,
+                                                             retryable=True))
+            return await self._dispatch(name, msg, handler, expect)
 
-        await self._micro.add_endpoint(name=name, subject=subject, handler=on_request,
-                                       queue_group=queue or f"{self.name}-{self.node_id}")
+        await self._micro.add_endpoint(
+            name, subject, on_request, queue_group=queue or f"{self.name}-{self.node_id}",
+            spawn=None if inline else functools.partial(self.spawn, background=False))
 
     async def _dispatch(self, name: str, msg: Msg, handler: Handler,
-                        expect: type[wire.Message]) -> None:
+                        expect: type[wire.Message]) -> str | None:
+        """Decode ``msg``, run ``handler`` and send its answer; returns ``None``, or the
+        error (``"<code>: <message>"``) the request was answered with."""
         with telemetry.server_span(
             f"{self.name}.{name}", msg.headers,
             {"messaging.destination": msg.subject, "cpd.node": self.node_id},
@@ -219,12 +224,12 @@ class Service:
             except CpdError as e:
                 self.reject(msg.subject, e)
                 span.set_status(Status(StatusCode.ERROR, e.code.value))
-                await self._reply_error(msg, e)
-                return
+                return await self._reply_error(msg, e)
             request_id = getattr(request, "request_id", "")
             with telemetry.bound_request(request_id):
+                r = Request(self, msg)
                 try:
-                    answer = await handler(request, Request(self, msg))
+                    answer = await handler(request, r)
                 except Exception as e:  # every failure becomes a typed reply
                     span.record_exception(e)
                     span.set_status(Status(StatusCode.ERROR, repr(e)))
@@ -232,13 +237,15 @@ class Service:
                         self.log.exception("handler.failed", endpoint=name)
                     elif e.code in BAD_INPUT:  # decodable but refused: bad input too
                         self.reject(msg.subject, e)
-                    await self._reply_error(msg, e, request_id)
-                    return
+                    return await self._reply_error(msg, e, request_id)
                 if answer is not None and msg.reply:
                     try:
                         await self.bus.publish(msg.reply, answer, trace=False)
                     except CpdError as e:
-                        await self._reply_error(msg, e, request_id)
+                        return await self._reply_error(msg, e, request_id)
+                if r.error is not None:  # a stream the handler ended with an error
+                    return f"{r.error.code}: {r.error.message}"
+        return None
 
     def reject(self, subject: str, error: CpdError) -> None:
         """Count and log one message refused as bad input (``cpd_rejected_messages_total``
@@ -259,11 +266,14 @@ class Service:
             self.reject(msg.subject, e)
             return None
 
-    async def _reply_error(self, msg: Msg, exc: BaseException, request_id: str = "") -> None:
-        if not msg.reply:
-            return
-        with contextlib.suppress(Exception):
-            await self.bus.publish(msg.reply, error_message(exc, request_id), trace=False)
+    async def _reply_error(self, msg: Msg, exc: BaseException, request_id: str = "") -> str:
+        """Answer ``msg`` (when it has a reply subject) with ``exc`` as a typed
+        ``wire.Error``; returns ``"<code>: <message>"`` for the endpoint's stats."""
+        error = error_message(exc, request_id)
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await self.bus.publish(msg.reply, error, trace=False)
+        return f"{error.code}: {error.message}"
 
     def spawn(self, coro: Awaitable[None], name: str = "", *,
               background: bool = True) -> asyncio.Task[None]:

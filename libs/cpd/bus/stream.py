@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import nats
 import nats.errors
-import nats.micro
 
 from cpd.bus.replymux import is_no_responders
 from cpd.ops import telemetry
@@ -147,8 +147,10 @@ class StreamReader:
 class ReplyStream:
     """The sending half of one streamed reply (to ``reply_to``)."""
 
-    def __init__(self, bus: Bus, reply_to: str, request_id: str, seq_start: int = 0) -> None:
+    def __init__(self, bus: Bus, reply_to: str, request_id: str, seq_start: int = 0, *,
+                 on_error: Callable[[wire.Error], None] | None = None) -> None:
         self.bus = bus
+        self._on_error = on_error  # told of the error the stream ends with
         self.reply_to = reply_to
         self.request_id = request_id
         self.seq = seq_start
@@ -191,6 +193,17 @@ class ReplyStream:
         await self._send(wire.HandoffAccepted(request_id=self.request_id, seq=self.seq,
                                               node=node))
 
+    async def report(self, kind: type[wire.PrefillReport] | type[wire.DecodeReport],
+                     **fields: Any) -> None:
+        """Send this sender's report of its part of the request (its fields)."""
+        await self._send(kind(request_id=self.request_id, seq=self.seq, **fields))
+
+    def hand_over(self) -> None:
+        """This sender's part ended without a final message: another node took the
+        request and continues the stream (from :attr:`seq`); nothing more goes out here,
+        not even an error."""
+        self.closed = True
+
     async def final(self, **fields: Any) -> None:
         """End the stream successfully (usage, timings, route...)."""
         await self._send(wire.Final(request_id=self.request_id, seq=self.seq, **fields))
@@ -202,6 +215,8 @@ class ReplyStream:
             return
         err = error_message(exc, self.request_id, self.seq)
         self.closed = True
+        if self._on_error is not None:
+            self._on_error(err)
         with contextlib.suppress(Exception):
             await self.bus.publish(self.reply_to, err)
 

@@ -17,7 +17,7 @@ Rules, so that old and new processes keep talking:
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -60,20 +60,31 @@ class TokenSource(enum.StrEnum):
     COMPUTED = "computed"  # computed by the prefill
 
 
-class PerSourceTokens(Protocol):
-    """Anything that counts prompt tokens per :class:`TokenSource`."""
+class PromptTokens(msgspec.Struct, kw_only=True):
+    """A prompt's tokens by where their KV came from (:class:`TokenSource`): one request's
+    (a route's), or the sum over many (the router's totals, a benchmark's results)."""
 
-    tokens_gpu: int
-    tokens_dram: int
-    tokens_remote: int
-    tokens_computed: int
+    gpu: NonNegInt = 0       # the engine's own prefix cache
+    dram: NonNegInt = 0      # the prefill node's arena
+    remote: NonNegInt = 0    # a peer's arena, over UCX
+    computed: NonNegInt = 0  # computed by the prefill
 
+    @property
+    def reused(self) -> int:
+        """Tokens not computed: from the GPU, local DRAM and peers."""
+        return self.gpu + self.dram + self.remote
 
-def tokens_by_source(counts: PerSourceTokens) -> dict[TokenSource, int]:
-    """``counts``' prompt tokens by source, every source present."""
-    return {TokenSource.GPU: counts.tokens_gpu, TokenSource.DRAM: counts.tokens_dram,
-            TokenSource.REMOTE: counts.tokens_remote,
-            TokenSource.COMPUTED: counts.tokens_computed}
+    def by_source(self) -> dict[TokenSource, int]:
+        """The counts by source, every source present."""
+        return {TokenSource.GPU: self.gpu, TokenSource.DRAM: self.dram,
+                TokenSource.REMOTE: self.remote, TokenSource.COMPUTED: self.computed}
+
+    def add(self, other: PromptTokens) -> None:
+        """Add ``other``'s counts to these."""
+        self.gpu += other.gpu
+        self.dram += other.dram
+        self.remote += other.remote
+        self.computed += other.computed
 
 
 class Message(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=False):
@@ -139,8 +150,10 @@ class Timings(msgspec.Struct, kw_only=True):
     """Milliseconds per phase of one request, as seen by the services."""
 
     admission_ms: NonNegFloat = 0.0
-    lookup_ms: NonNegFloat = 0.0
-    queue_ms: NonNegFloat = 0.0
+    # Hashing, the kvindex lookup and the policy, with any single-flight wait: the time
+    # from admission to dispatch (of the try that succeeded).
+    decision_ms: NonNegFloat = 0.0
+    lookup_ms: NonNegFloat = 0.0  # the kvindex round trip alone
     load_ms: NonNegFloat = 0.0
     prefill_ms: NonNegFloat = 0.0
     handoff_ms: NonNegFloat = 0.0
@@ -179,10 +192,9 @@ class Route(msgspec.Struct, kw_only=True):
     reason: RouteReason | None = None
     prefill_node: str = ""
     decode_node: str = ""
-    tokens_gpu: NonNegInt = 0
-    tokens_dram: NonNegInt = 0
-    tokens_remote: NonNegInt = 0
-    tokens_computed: NonNegInt = 0
+    # Where the prompt's KV came from: planned by the router, then as the prefill node
+    # reported it.
+    tokens: PromptTokens = msgspec.field(default_factory=PromptTokens)
     # The router's view when it decided: the most any prefill node could reuse (what it
     # classed warm or cold on), what the chosen plan reuses, the chosen node's estimated
     # TTFT and, on overflow, the busier tier's.
@@ -203,7 +215,7 @@ class Route(msgspec.Struct, kw_only=True):
     @property
     def reused_tokens(self) -> int:
         """Prompt tokens not computed: from the GPU, local DRAM and peers."""
-        return self.tokens_gpu + self.tokens_dram + self.tokens_remote
+        return self.tokens.reused
 
     def describe(self) -> str:
         """The route in words (logs, ``cpd generate``); derived from the fields, never
@@ -241,14 +253,16 @@ class Route(msgspec.Struct, kw_only=True):
             case RouteReason.NO_PREPREFILL:
                 return f"cold: {self.reusable_tokens} tokens reusable; no pre-prefill node"
             case RouteReason.LEAST_COST:
-                return f"least cost: {self.tokens_computed} new tokens"
+                return f"least cost: {self.tokens.computed} new tokens"
             case RouteReason.ROUND_ROBIN:
                 return "round-robin"
         return ""
 
 
 class Final(Message, tag="final", kw_only=True):
-    """The last message of a successful stream."""
+    """The last message of a successful stream. A worker's says how the generation
+    ended (its reports precede it); the router's, to the client, adds the usage,
+    timings and route it assembled."""
 
     request_id: str
     seq: NonNegInt
@@ -502,7 +516,9 @@ class PrefillRequest(Message, tag="prefill", kw_only=True):
     decode_node: str
     deadline_unix_ms: NonNegInt
     sources: list[LoadSource] = msgspec.field(default_factory=list)
-    route: Route = msgspec.field(default_factory=Route)
+    # The prompt tokens the router planned to compute (the rest is loaded): the node
+    # reports its held prefill at this size, as the router priced it. 0: all of them.
+    planned_new_tokens: NonNegInt = 0
     trace: str = ""
 
 
@@ -520,8 +536,6 @@ class DecodeRequest(Message, tag="decode", kw_only=True):
     lease_id: str
     deadline_unix_ms: NonNegInt
     seq_start: NonNegInt = 1
-    route: Route = msgspec.field(default_factory=Route)
-    timings: Timings = msgspec.field(default_factory=Timings)
     trace: str = ""
     capability: bytes = b""  # source_node's read capability for ``namespace``
 
@@ -541,6 +555,33 @@ class HandoffAccepted(Message, tag="handoff_accepted", kw_only=True):
     request_id: str
     seq: NonNegInt
     node: str
+
+
+class PrefillReport(Message, tag="prefill_report", kw_only=True):
+    """On a request's stream, from its prefill node right after the first token: what
+    the node did (the router assembles the client's route and timings from it)."""
+
+    request_id: str
+    seq: NonNegInt
+    node: str
+    tokens: PromptTokens
+    # A planned load that failed: the prefix was recomputed from there on.
+    load_error: LoadError | None = None
+    load_ms: NonNegFloat = 0.0
+    prefill_ms: NonNegFloat = 0.0
+
+
+class DecodeReport(Message, tag="decode_report", kw_only=True):
+    """On a request's stream, from its decode node right before the final message: the
+    hand-off's prompt tokens it pulled and recomputed, and how long each phase took."""
+
+    request_id: str
+    seq: NonNegInt
+    node: str
+    tokens_pulled: NonNegInt = 0
+    tokens_computed: NonNegInt = 0
+    handoff_ms: NonNegFloat = 0.0
+    decode_ms: NonNegFloat = 0.0
 
 
 class ResetCache(Message, tag="reset_cache", kw_only=True):
@@ -600,10 +641,7 @@ class RouterStats(msgspec.Struct, kw_only=True):
     # Completed requests whose planned load failed on the node (recomputed instead).
     load_failures: NonNegInt = 0
     prompt_tokens: NonNegInt = 0
-    tokens_gpu: NonNegInt = 0
-    tokens_dram: NonNegInt = 0
-    tokens_remote: NonNegInt = 0
-    tokens_computed: NonNegInt = 0
+    tokens: PromptTokens = msgspec.field(default_factory=PromptTokens)
     paths: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -677,7 +715,8 @@ AnyMessage = (
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
-    | PrefillRequest | DecodeRequest | Accepted | HandoffAccepted | ResetCache | PullAck
+    | PrefillRequest | DecodeRequest | Accepted | HandoffAccepted | PrefillReport
+    | DecodeReport | ResetCache | PullAck
     | StatusRequest | StatusReply
     | BlockGet | BlockPut | BlockReply
 )
