@@ -13,12 +13,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 from nats.micro.service import ServiceInfo, ServicePing, ServiceStats
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cpd.bus import Bus, Request, Service, encoded_size
+from cpd.bus import Bus, Request, Service, StreamReader, encoded_size
 from cpd.ops import telemetry
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
@@ -140,6 +141,32 @@ async def test_concurrent_requests_each_get_their_own_reply(settings: Settings,
         assert len(reply_subs) == 1
     finally:
         await client.close()
+
+
+async def test_reply_subjects_cannot_be_guessed_from_another(bus: Bus) -> None:
+    """A peer that sees one request's reply subject (every worker the router dispatches
+    to does) cannot derive another's: reply tokens and stream inboxes carry 64 random
+    bits each, not a counter."""
+    seen: list[str] = []
+
+    async def note(msg: Msg) -> None:
+        seen.append(msg.reply)
+        await msg.respond(wire.encode(wire.Accepted(request_id="x")))
+
+    sub = await bus.nc.subscribe("test.reply-tokens", cb=note)
+    for _ in range(3):
+        await bus.request("test.reply-tokens", wire.StatusRequest(), expect=wire.Accepted)
+    prefix = await bus.reply_prefix()
+    tokens = [s.removeprefix(prefix) for s in seen]
+    assert all(s.startswith(prefix) for s in seen) and len(set(tokens)) == 3
+    assert all(len(t) == 16 and int(t, 16) >= 0 for t in tokens)
+    inboxes = []
+    for _ in range(3):
+        reader = StreamReader(bus, idle_timeout=1)
+        inboxes.append((await reader.open()).rsplit(".", 1)[-1])
+        await reader.close()
+    assert len(set(inboxes)) == 3 and all(len(t) == 16 for t in inboxes)
+    await sub.unsubscribe()
 
 
 async def test_timed_out_and_cancelled_requests_leave_nothing_behind(

@@ -8,7 +8,7 @@ import pytest
 
 from cpd.ops.config import Settings, env_var_names, load_settings
 from cpd.protocol import subjects
-from cpd.protocol.errors import ConfigError
+from cpd.protocol.errors import ConfigError, ForgedSender
 
 
 def test_defaults() -> None:
@@ -89,10 +89,41 @@ def test_env_var_names_cover_every_field() -> None:
     assert isinstance(Settings(), Settings)
 
 
+@pytest.mark.parametrize(("subject", "sender"), [
+    (subjects.heartbeat("n7"), subjects.Sender("n7")),
+    (subjects.kv_events("n1"), subjects.Sender("n1")),
+    (subjects.kv_events(subjects.KVINDEX_EVENTS_NODE), subjects.Sender("_kvindex")),
+    (subjects.load("prefill", "p0"), subjects.Sender("p0", "prefill")),
+    ("cpd.v1.node.heartbeat.a.b", None),   # not one token: no node's subject
+    ("cpd.v1.load.p0", None),
+    (subjects.GENERATE, None),
+    (subjects.pull_ack("p0"), None),       # addressed to p0, not published by it
+])
+def test_sender_is_whose_per_node_subject_a_message_came_on(
+        subject: str, sender: subjects.Sender | None) -> None:
+    assert subjects.sender(subject) == sender
+
+
+@pytest.mark.parametrize(("subject", "node", "role", "forged"), [
+    (subjects.heartbeat("n7"), "n7", "", False),
+    (subjects.heartbeat("n7"), "n8", "", True),
+    (subjects.load("prefill", "p0"), "p0", "prefill", False),
+    (subjects.load("prefill", "p0"), "p0", "decode", True),
+    (subjects.load("prefill", "p0"), "p1", "prefill", True),
+    (subjects.GENERATE, "p0", "", True),
+])
+def test_check_sender_refuses_a_message_naming_another_node(
+        subject: str, node: str, role: str, forged: bool) -> None:
+    if forged:
+        with pytest.raises(ForgedSender):
+            subjects.check_sender(subject, node, role)
+    else:
+        subjects.check_sender(subject, node, role)
+
+
 def test_subjects_validate_tokens() -> None:
     assert subjects.run("prefill", "node-1") == "cpd.v1.prefill.node-1.run"
     assert subjects.kv_events("n1") == "cpd.v1.kv.events.n1"
-    assert subjects.node_of(subjects.heartbeat("n7")) == "n7"
     for bad in ("a.b", "*", ">", "", "x" * 65, "sp ace"):
         with pytest.raises(ValueError):
             subjects.kv_events(bad)

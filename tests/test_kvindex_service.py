@@ -390,3 +390,40 @@ async def test_sigterm_with_nats_gone_still_exits(fresh_nats: NatsServer, tmp_pa
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("kvindex did not exit after SIGTERM with NATS gone")
+
+
+async def test_events_and_heartbeats_naming_another_node_are_refused(env: tuple) -> None:
+    """A node may only speak for itself: a block event or heartbeat naming another node
+    than the one whose subject it came on (each node's credentials cover only its own
+    subjects) is refused and counted, and changes nothing the index shows."""
+    svc, bus, js = env
+    hb = Heartbeats(bus, "w5", epoch=5)
+    # Other epochs than w5's own below: JetStream drops a repeated message id.
+    forger = kvevents.KvEventPublisher(js, "w5", epoch=50)
+    forger.subject = subjects.kv_events("w6")  # w6's credentials, w5's name
+    hs, refs = _chain(4, seed=5)
+    before = svc.rejected
+    await _write(forger, refs)
+    # A heartbeat for w7 on w6's subject: no lease for w7.
+    await bus.publish(subjects.heartbeat("w6"), wire.Heartbeat(
+        node="w7", role="prefill", started_unix_ms=1, lease_ttl_ms=2000, namespace=NS.id,
+        namespace_spec=NS.to_spec()))
+
+    async def rejected(n: int) -> bool:
+        return svc.rejected >= before + n
+    await _until(lambda: rejected(3))  # allocated, sealed, heartbeat
+    assert (await _lookup(bus, hs)).num_blocks == 0
+    assert "w7" not in svc.index.nodes
+    # Only kvindex's own lease expiries may come on its pseudo node's subject.
+    kvi = kvevents.KvEventPublisher(js, "w5", epoch=60)
+    kvi.subject = subjects.kv_events(subjects.KVINDEX_EVENTS_NODE)
+    await _write(kvi, refs)
+    await _until(lambda: rejected(5))
+    assert (await _lookup(bus, hs)).num_blocks == 0
+    # The same events on w5's own subject are taken.
+    await _write(kvevents.KvEventPublisher(js, "w5", epoch=5), refs)
+
+    async def taken() -> bool:
+        return (await _lookup(bus, hs)).num_blocks == 4
+    await _until(taken)
+    await hb.stop()

@@ -85,3 +85,36 @@ async def test_the_only_prefill_node_overloaded_is_reported_as_overloaded(
         await asyncio.sleep(0.1)
     with pytest.raises(Unavailable):
         await Client(bus, default_timeout_s=30).generate(list(range(10, 310)), max_tokens=4)
+
+
+async def test_heartbeats_and_load_reports_naming_another_node_are_refused(
+        router: RouterService, bus: Bus) -> None:
+    """A worker may only speak for itself: what it publishes on its own subjects (the only
+    ones its credentials cover) naming another node, or another role, is refused and
+    counted, and never enters the router's node table."""
+    ns, started = router.model.namespace.id, int(time.time() * 1000)
+    before = router.rejected
+
+    def beat(node: str) -> wire.Heartbeat:
+        return wire.Heartbeat(node=node, role="prefill", started_unix_ms=started,
+                              lease_ttl_ms=5000, namespace=ns)
+
+    await bus.publish(subjects.heartbeat("p7"), beat("p7"))  # genuine
+    await bus.publish(subjects.heartbeat("p7"), beat("ghost"))  # p7 speaking for ghost
+    for _ in range(50):
+        if router.nodes.epoch("p7") and router.rejected > before:
+            break
+        await asyncio.sleep(0.1)
+    # p7's load: as another node, or under another role than its subject names.
+    await bus.publish(subjects.load("prefill", "p7"), wire.LoadReport(
+        node="p8", role="prefill", in_flight=9))
+    await bus.publish(subjects.load("prefill", "p7"), wire.LoadReport(
+        node="p7", role="decode", in_flight=9))
+    for _ in range(50):
+        if router.rejected >= before + 3:
+            break
+        await asyncio.sleep(0.1)
+    assert router.rejected == before + 3
+    live = {n.node: n for n in router.nodes.live(time.monotonic())}
+    assert "p7" in live and "ghost" not in live and "p8" not in live
+    assert live["p7"].in_flight == 0

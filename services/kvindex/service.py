@@ -31,7 +31,7 @@ from cpd.kvstore import events as kvevents
 from cpd.ops import metrics, telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import CpdError, InvalidRequest
+from cpd.protocol.errors import CpdError, ForgedSender, InvalidRequest
 from services.kvindex.index import Changes, Index, valid_namespace
 
 
@@ -211,6 +211,10 @@ class KvIndexService(Service):
         seq = msg.metadata.sequence.stream
         try:
             ev = wire.decode(msg.data, wire.KvEvent)
+            _check_event_sender(msg.subject, ev)
+        except ForgedSender as e:  # durable, so refused again on every replay
+            self.reject(msg.subject, e)
+            ch = Changes()
         except CpdError as e:
             self.dead_letters += 1
             self.reject(msg.subject, e)
@@ -233,7 +237,7 @@ class KvIndexService(Service):
         await self._publish(ch)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = self.decode_or_reject(msg, wire.Heartbeat)
+        hb = self.decode_from_sender(msg, wire.Heartbeat)
         if hb is None:
             return
         ch = self.index.heartbeat(hb, time.monotonic())
@@ -327,3 +331,14 @@ def serve(settings: Settings) -> None:
     ``cpd serve kvindex``)."""
     telemetry.setup("kvindex", settings.telemetry)
     run_service(KvIndexService(settings))
+
+
+def _check_event_sender(subject: str, ev: wire.KvEvent) -> None:
+    """A node publishes only its own blocks' events; kvindex's pseudo node (whose
+    subject only kvindex may publish on) only lease expiries, naming the node whose
+    lease ran out."""
+    if subject == subjects.kv_events(subjects.KVINDEX_EVENTS_NODE):
+        if not isinstance(ev, wire.LeaseExpired):
+            raise ForgedSender(f"a {type(ev).__name__} came on kvindex's own subject")
+        return
+    subjects.check_sender(subject, ev.node)

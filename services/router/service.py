@@ -115,12 +115,12 @@ class RouterService(Service):
     # --------------------------------------------------------------- node table
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = self.decode_or_reject(msg, wire.Heartbeat)
+        hb = self.decode_from_sender(msg, wire.Heartbeat)
         if hb is not None:
             self.nodes.heartbeat(hb, time.monotonic())
 
     async def _on_load(self, msg: Msg) -> None:
-        report = self.decode_or_reject(msg, wire.LoadReport)
+        report = self.decode_from_sender(msg, wire.LoadReport)
         if report is not None:
             self.nodes.load_report(report, time.monotonic())
 

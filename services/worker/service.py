@@ -196,7 +196,7 @@ class WorkerService(Service):
             self.spawn(self._publish_load(), "load-report")
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = self.decode_or_reject(msg, wire.Heartbeat)
+        hb = self.decode_from_sender(msg, wire.Heartbeat)
         if hb is None or not hb.ucx_address:
             return
         try:  # an address no pull could use must not replace a peer's good one

@@ -17,6 +17,7 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
 from cpd.transfer import framing
 from tools import fuzzing
+from tools.bench.fuzz import expected_rejection
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,3 +125,21 @@ def test_packed_arrays_are_typed(data: bytes) -> None:
     for fn in (wire.unpack_tokens, wire.split_hashes):
         with contextlib.suppress(CpdError):
             fn(data)
+
+
+def _hb(node: str) -> bytes:
+    return wire.encode(wire.Heartbeat(node=node, role="prefill", started_unix_ms=1,
+                                      lease_ttl_ms=1000))
+
+
+@pytest.mark.parametrize(("data", "kind", "subject", "code"), [
+    (_hb("fz0"), wire.Heartbeat, subjects.heartbeat("fz0"), None),
+    (_hb("fz1"), wire.Heartbeat, subjects.heartbeat("fz0"), "forged_sender"),
+    (wire.encode(wire.LoadReport(node="fz0", role="decode")), wire.LoadReport,
+     subjects.load("prefill", "fz0"), "forged_sender"),
+    (_hb("fz1"), wire.Heartbeat, subjects.GENERATE, None),  # not a node's own subject
+    (b"\xc1", wire.Heartbeat, subjects.heartbeat("fz0"), "malformed"),
+])
+def test_the_fuzzer_expects_what_a_receiver_refuses(data: bytes, kind: type[wire.Message],
+                                                    subject: str, code: str | None) -> None:
+    assert expected_rejection(data, kind, subject) == code

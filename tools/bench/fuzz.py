@@ -162,10 +162,16 @@ class Outcome:
         return self.crashes + self.hangs + self.untyped + self.uncounted
 
 
-def expected_rejection(data: bytes, kind: type[wire.Message]) -> ErrorCode | None:
-    """The code a receiver's decoder refuses ``data`` with (``None``: it decodes)."""
+def expected_rejection(data: bytes, kind: type[wire.Message],
+                       subject: str = "") -> ErrorCode | None:
+    """The code a receiver refuses ``data`` on ``subject`` with (``None``: it takes it):
+    its decoder's, or, on a node's own subject, ``forged_sender`` for a message naming
+    another node (or, on a load subject, another role)."""
     try:
-        wire.decode(data, kind)
+        msg = wire.decode(data, kind)
+        if subjects.sender(subject) is not None:
+            role = msg.role if isinstance(msg, wire.LoadReport) else ""
+            subjects.check_sender(subject, getattr(msg, "node", ""), role)
     except CpdError as e:
         return e.code
     return None
@@ -442,7 +448,7 @@ async def _publish_cases(cluster: FuzzCluster, target: Target, cases: list[fuzzi
                 out.hangs += 1
                 out.problems.append(f"publish failed: {e!r}")
                 return
-        code = expected_rejection(data, kind)
+        code = expected_rejection(data, kind, target.subject)
         if code is not None:
             out.rejected += 1
             out.typed_errors += 1

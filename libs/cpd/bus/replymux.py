@@ -5,12 +5,15 @@ future per request), but spends about 30 µs more of CPU on each call: a NUID pl
 random bytes from the OS per token, the subjects validated twice, ``asyncio.wait_for``.
 On the hottest request of the system, the router's kvindex lookup, that was a third of
 the caller's CPU (docs/benchmarks/kvindex.md: 85 → 57 µs per request at 5,000/s).
-Here a token is a counter, and the deadline is one timer handle.
+Here a token is 64 random bits (about 1 µs: a peer that sees one reply subject, as
+every worker the router dispatches to does, cannot guess another request's and answer
+it), and the deadline is one timer handle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
@@ -45,7 +48,6 @@ class ReplyMux:
         self._prefix = ""
         self._starting = asyncio.Lock()
         self._pending: dict[str, asyncio.Future[Msg]] = {}
-        self._next = 0
 
     async def inbox_prefix(self) -> str:
         """The subject prefix of this connection's replies (subscribed on first use)."""
@@ -80,8 +82,7 @@ class ReplyMux:
         came within ``timeout`` seconds."""
         if not self._prefix:
             await self._start()
-        self._next += 1
-        token = str(self._next)
+        token = secrets.token_hex(8)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = fut

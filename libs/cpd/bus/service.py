@@ -35,6 +35,7 @@ from .request import Bus
 from .stream import ReplyStream, error_message
 
 T = TypeVar("T", bound=wire.Message)
+S = TypeVar("S", wire.Heartbeat, wire.LoadReport, wire.KvEvent)  # messages naming a node
 
 log = telemetry.get_logger("cpd.bus")
 
@@ -265,6 +266,21 @@ class Service:
         except CpdError as e:
             self.reject(msg.subject, e)
             return None
+
+    def decode_from_sender(self, msg: Msg, expect: type[S]) -> S | None:
+        """``msg`` decoded as ``expect`` when the node it names is the node whose subject
+        it came on (heartbeats, load reports, KV events: only that node may publish
+        there), else ``None`` after :meth:`reject` (``forged_sender`` for a mismatch)."""
+        m = self.decode_or_reject(msg, expect)
+        if m is None:
+            return None
+        try:
+            role = m.role if isinstance(m, wire.LoadReport) else ""
+            subjects.check_sender(msg.subject, m.node, role)
+        except CpdError as e:
+            self.reject(msg.subject, e)
+            return None
+        return m
 
     async def _reply_error(self, msg: Msg, exc: BaseException, request_id: str = "") -> str:
         """Answer ``msg`` (when it has a reply subject) with ``exc`` as a typed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -67,7 +68,9 @@ class StreamReader:
 
     async def open(self) -> str:
         """Subscribe; returns the inbox to name as the stream's destination."""
-        self.inbox = self.bus.nc.new_inbox()
+        # The NUID of new_inbox() counts up from a per-connection prefix; 64 random bits
+        # more make the inbox unguessable to a peer that has seen another stream's.
+        self.inbox = f"{self.bus.nc.new_inbox()}.{secrets.token_hex(8)}"
         self._sub = await self.bus.nc.subscribe(self.inbox)
         self._heard = time.monotonic()
         return self.inbox

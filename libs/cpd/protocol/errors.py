@@ -33,6 +33,7 @@ class ErrorCode(enum.StrEnum):
     CONFIG = "config"
     NATS_REFUSED = "nats_refused"
     CAPABILITY_DENIED = "capability_denied"
+    FORGED_SENDER = "forged_sender"
 
 
 class CpdError(Exception):
@@ -211,6 +212,14 @@ class CapabilityDenied(CpdError):
     code = ErrorCode.CAPABILITY_DENIED
 
 
+class ForgedSender(CpdError):
+    """A message names another node than the one whose subject it was published on
+    (only that node's credentials may publish there): it is dropped and counted, never
+    applied."""
+
+    code = ErrorCode.FORGED_SENDER
+
+
 class NatsRefused(CpdError):
     """NATS refused this process (cpd.ops.security): retrying with the same settings cannot
     help, so services exit instead of restarting in a loop."""
@@ -241,7 +250,7 @@ _BY_CODE: dict[ErrorCode, type[CpdError]] = {
                 NoResponders, RequestTimeout, Overloaded, StreamGap, ConfigError,
                 PromptTooLong, UnknownNamespace, InvalidRequest, PeerGone, BlockEvicted,
                 ChecksumMismatch, Unavailable, DeadlineExceeded, Cancelled,
-                CapabilityDenied)
+                CapabilityDenied, ForgedSender)
 }
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
+from .errors import ForgedSender
 from .roles import WORKER_ROLES
 
 PREFIX: Final = "cpd.v1"
@@ -74,6 +75,45 @@ def load(role: str, node: str) -> str:
     return f"{PREFIX}.load.{_role(role)}.{check_token(node, 'node id')}"
 
 
+class Sender(NamedTuple):
+    """Whose per-node subject a message came on: the node, and for a load report the
+    role its subject names."""
+
+    node: str
+    role: str = ""
+
+
+def sender(subject: str) -> Sender | None:
+    """The node (and role) a heartbeat, load report or KV event subject belongs to;
+    ``None`` for any other subject. Only that node's credentials may publish there
+    (:mod:`cpd.ops.security`), so a message naming another node is forged."""
+    for pattern in (HEARTBEAT_ALL, KV_EVENTS_ALL):
+        rest = _after(subject, pattern)
+        if rest is not None:
+            return Sender(rest) if _TOKEN.fullmatch(rest) else None
+    rest = _after(subject, LOAD_ALL)
+    if rest is not None:
+        role, _, node = rest.partition(".")
+        if _TOKEN.fullmatch(role) and _TOKEN.fullmatch(node):
+            return Sender(node, role)
+    return None
+
+
+def check_sender(subject: str, node: str, role: str = "") -> None:
+    """Raise :class:`~cpd.protocol.errors.ForgedSender` unless ``node`` (and ``role``,
+    where the subject names one) is whose per-node ``subject`` this is."""
+    s = sender(subject)
+    if s is None or s.node != node or (s.role and s.role != role):
+        raise ForgedSender(f"a message naming {node!r}{f' as {role}' if role else ''} "
+                           f"came on {subject[:200]!r}")
+
+
+def _after(subject: str, wildcard: str) -> str | None:
+    """What follows ``wildcard``'s fixed part (``a.b.>`` → ``a.b.``) in ``subject``."""
+    head = wildcard[:-1]
+    return subject[len(head):] if subject.startswith(head) else None
+
+
 def run(role: str, node: str) -> str:
     """Per-instance work subject: the router picks the node, not a queue group."""
     return f"{PREFIX}.{_role(role)}.{check_token(node, 'node id')}.run"
@@ -82,11 +122,6 @@ def run(role: str, node: str) -> str:
 def admin(role: str, node: str) -> str:
     """Per-instance operator subject (cache resets)."""
     return f"{PREFIX}.{_role(role)}.{check_token(node, 'node id')}.admin"
-
-
-def node_of(subject: str) -> str:
-    """The last token of a per-node subject (events, heartbeats, load reports)."""
-    return subject.rsplit(".", 1)[-1]
 
 
 def _role(role: str) -> str:
