@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from cpd.modelbuild.runtime import engine_thread_env
@@ -92,3 +96,41 @@ def test_cpd_up_places_workers_unless_the_settings_name_their_cpus() -> None:
 def test_a_bad_engine_cpu_list_fails_when_the_settings_load() -> None:
     with pytest.raises(ConfigError):
         load_settings(environ={}, overrides=["worker.engine_cpus=0-"])
+
+
+_NICE_PROBE = r"""
+import os, subprocess, sys, time
+from cpd.ops.cpuset import lower_descendants
+# A child with a second thread, and a grandchild: an engine core and its model process.
+code = ("import subprocess, sys, threading, time; "
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+        "print(g.pid, flush=True); time.sleep(30)")
+child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+grandchild = int(child.stdout.readline())
+time.sleep(0.2)
+nice = int(sys.argv[1])
+changed = lower_descendants(nice)
+tids = [int(t) for p in (child.pid, grandchild) for t in os.listdir(f"/proc/{p}/task")]
+print(changed, len(tids), sorted({os.getpriority(os.PRIO_PROCESS, t) for t in tids}),
+      os.getpriority(os.PRIO_PROCESS, 0))
+again = lower_descendants(nice)
+print(again)
+child.kill(); os.kill(grandchild, 9)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_engine_processes_run_at_a_lower_priority_than_their_worker() -> None:
+    """Every thread of every descendant (an engine's core and model processes) gets the
+    niceness; the calling process keeps its own; a second call changes nothing."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if own >= 19:
+        pytest.skip("this process already runs at the lowest priority")
+    nice = min(19, own + 5)
+    out = subprocess.run([sys.executable, "-c", _NICE_PROBE, str(nice)], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split("\n")
+    changed, threads, nices, probe = out[0].split(" ", 3)
+    assert int(changed) == int(threads) >= 3
+    assert nices == f"[{nice}]" and int(probe) == own
+    assert out[1] == "0"

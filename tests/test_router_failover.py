@@ -78,6 +78,8 @@ async def test_the_only_prefill_node_overloaded_is_reported_as_overloaded(
             await client.generate(list(range(10, 310)), max_tokens=4)
         assert exc.value.retryable and "queue full" in str(exc.value)
         assert refusals == ["p0"]  # tried once, then nothing else could take it
+        # No kvindex runs here: the decision was made without its answer, and counted.
+        assert router.stats.lookup_misses == 1
     # With no prefill node at all the router still says exactly that.
     for _ in range(100):
         if not any(n.role == "prefill" for n in router.nodes.live(time.monotonic())):

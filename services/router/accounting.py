@@ -30,6 +30,7 @@ class RouterAccounts:
         self._tpot = metrics.histogram(m, metrics.ROUTER_TPOT)
         self._admission = metrics.histogram(m, metrics.ROUTER_ADMISSION_WAIT)
         self._decision = metrics.histogram(m, metrics.ROUTER_DECISION)
+        self._lookup_misses = metrics.counter(m, metrics.ROUTER_LOOKUP_MISSES)
         self._queue = metrics.histogram(m, metrics.ROUTER_ESTIMATED_QUEUE)
         self._in_flight = metrics.up_down_counter(m, metrics.ROUTER_IN_FLIGHT)
         self._keepalives = metrics.counter(m, metrics.ROUTER_KEEPALIVES)
@@ -47,10 +48,14 @@ class RouterAccounts:
         self._in_flight.add(-1)
 
     def decided(self, seconds: float, plan_role: str, queue_ms: float, *,
-                first_try: bool) -> None:
-        """A routing decision took ``seconds`` (hashing and lookup included); the first
-        try's plan estimated ``queue_ms`` of queueing on a ``plan_role`` node."""
+                first_try: bool, lookup_missed: bool) -> None:
+        """A routing decision took ``seconds`` (hashing and lookup included), with or
+        without kvindex's answer; the first try's plan estimated ``queue_ms`` of
+        queueing on a ``plan_role`` node."""
         self._decision.record(seconds, {"policy": self.policy})
+        if lookup_missed:
+            self.stats.lookup_misses += 1
+            self._lookup_misses.add(1)
         if first_try:
             self._queue.record(queue_ms / 1000, {"role": plan_role})
 

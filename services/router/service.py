@@ -312,7 +312,8 @@ class RouterService(Service):
                 raise failed from None
             self.accounts.decided((hash_ms + cost.total_ms - cost.wait_ms) / 1000,
                                   decision.plan.role, decision.plan.queue_ms,
-                                  first_try=attempt == 1)
+                                  first_try=attempt == 1,
+                                  lookup_missed=decision.lookup_missed)
             try:
                 final = await self._attempt(req, attempt, decision, packed, ns, hashes,
                                             deadline_unix_ms, relay)

@@ -29,6 +29,7 @@ from cpd.bus import Request, Service
 from cpd.engines.profile import CacheEventBridge, engine_profile
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
+from cpd.ops.cpuset import lower_descendants
 from cpd.protocol import subjects, wire
 from cpd.protocol.capability import Keyring
 from cpd.protocol.errors import CpdError, ErrorCode
@@ -100,6 +101,10 @@ class WorkerService(Service):
             self.role, model, arena.spec, kv_events_endpoint=arena.kv_events_endpoint)
         self._parts = EngineParts(model=model, arena=arena, engine=engine)
         await engine.start()
+        if s.worker.engine_nice:
+            lowered = lower_descendants(s.worker.engine_nice)
+            self.log.info("worker.engine_niceness", nice=s.worker.engine_nice,
+                          threads=lowered)
 
     async def setup(self) -> None:
         assert self._parts is not None

@@ -413,6 +413,11 @@ class WorkerSettings(_Section):
     engine_threads: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     # CPUs the engine's OpenMP threads are bound to, as "0-3" or "0,2,4" (empty: unbound).
     engine_cpus: str = ""
+    # Scheduling niceness of the engine's processes (0: as this process). CPU engines'
+    # OpenMP threads spin while they wait; at a lower priority they yield their cores to
+    # control work on the same host (kvindex lookups, the router, this worker's NATS and
+    # data plane), which otherwise misses its deadlines whenever the engines are busy.
+    engine_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
 
     def __post_init__(self) -> None:
         if self.role and self.role not in WORKER_ROLES:

@@ -18,6 +18,51 @@ from cpd.protocol.roles import Role
 _MAX_CPU = 1 << 16
 
 
+def lower_descendants(nice: int, root: int | None = None) -> int:
+    """Give every thread of ``root``'s descendant processes (default: this process's,
+    e.g. an engine's) a niceness of at least ``nice``; returns how many threads changed.
+    Threads they create later inherit it from their creators. A no-op where ``/proc``
+    does not list processes (not Linux)."""
+    if nice <= 0 or not os.path.isdir("/proc/self/task"):
+        return 0
+    changed = 0
+    for pid in _descendants(os.getpid() if root is None else root):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # exited meanwhile
+            continue
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    changed += 1
+            except OSError:
+                continue
+    return changed
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes below ``root`` in the process tree (from ``/proc/<pid>/stat``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def usable_cpus() -> list[int]:
     """The CPUs this process may run on (its affinity where the platform has one)."""
     if hasattr(os, "sched_getaffinity"):

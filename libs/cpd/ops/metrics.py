@@ -147,6 +147,10 @@ ROUTER_ADMISSION_WAIT = _m(
 ROUTER_DECISION = _m(
     "cpd_router_decision_duration", "histogram",
     "hashing + kvindex lookup + policy, per request", "s", ("policy",), STEP_BUCKETS_S)
+ROUTER_LOOKUP_MISSES = _m(
+    "cpd_router_kvindex_lookup_misses", "counter",
+    "routing decisions made without kvindex's answer (past router.lookup_timeout_ms, an "
+    "error, or kvindex recovering): the prompt was treated as uncached")
 ROUTER_ESTIMATED_QUEUE = _m(
     "cpd_router_estimated_queue_time", "histogram",
     "the chosen node's queue time as the router estimated it, by role (warm prefill, "

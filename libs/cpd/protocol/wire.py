@@ -640,6 +640,8 @@ class RouterStats(msgspec.Struct, kw_only=True):
     failovers: NonNegInt = 0
     # Completed requests whose planned load failed on the node (recomputed instead).
     load_failures: NonNegInt = 0
+    # Decisions made without kvindex's answer (the prompt treated as uncached).
+    lookup_misses: NonNegInt = 0
     prompt_tokens: NonNegInt = 0
     tokens: PromptTokens = msgspec.field(default_factory=PromptTokens)
     paths: dict[str, int] = msgspec.field(default_factory=dict)
