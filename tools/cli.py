@@ -227,7 +227,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     containers' health check."""
     import asyncio
 
-    from tools.supervisor import wait_ready
+    from tools.cluster import wait_ready
 
     s = _settings(args)
     node = args.node or s.node.node_id

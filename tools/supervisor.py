@@ -14,144 +14,45 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgspec
-import nats.errors
 
-from cpd.bus import EXIT_REFUSED, connect
+from cpd.bus import EXIT_REFUSED
 from cpd.engines.profile import engine_profile
 from cpd.ops import telemetry
 from cpd.ops.config import ENV_PREFIX, NatsSettings, Settings
-from cpd.ops.cpuset import EnginePlacement, place_engines, usable_cpus
 from cpd.ops.natsserver import NatsServer
-from cpd.protocol import subjects
-from cpd.protocol.errors import CpdError
-from cpd.protocol.roles import WORKER_ROLES
+from tools.cluster import (
+    METRICS_PORT_ENV,
+    SERVICE_ORDER,
+    Proc,
+    engine_placements,
+    kill_tree,
+    log_tail,
+    override_env,
+    plan_nodes,
+    restart_proc,
+    stop_tree,
+    until_ready,
+    wait_ready,
+)
 
-# Start order: the index before anything that publishes to it.
-SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gateway")
 # How often `cpd up` names the services still starting (engines take tens of seconds).
 PROGRESS_EVERY_S = 10.0
 # The line `cpd up` prints once every service answers (tools watch for it).
 UP_BANNER = "CPD is up."
 CLUSTER_LOG = "cluster.log"
-METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
 SCRAPE_TARGETS_FILE = "prometheus-targets.json"
 
 log = telemetry.get_logger("cpd.cluster")
 
 
-@dataclass
-class Proc:
-    """One supervised service process."""
-
-    service: str
-    node_id: str
-    log_path: Path
-    env: dict[str, str]
-    popen: subprocess.Popen[bytes] | None = None
-    restarts: list[float] = field(default_factory=list)
-    # Where this start's output begins in the (appended) log file.
-    log_offset: int = 0
-
-    def open_log(self) -> BinaryIO:
-        """The log file, opened to append this start's output (noting where it begins)."""
-        out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.log_offset = out.tell()
-        return out
-
-    def start(self) -> None:
-        out = self.open_log()
-        try:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", f"services.{self.service}"],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            out.close()
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def terminate(self, timeout: float) -> None:
-        if self.popen is not None:
-            stop_tree(self.popen, timeout)
-
-
-def kill_tree(popen: subprocess.Popen[Any]) -> None:
-    """SIGKILL a service process started in its own session (``start_new_session``) and
-    everything it started: vLLM's engine processes outlive a killed parent otherwise,
-    each holding its KV cache memory."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
-    popen.wait()
-
-
-def stop_tree(popen: subprocess.Popen[Any], timeout: float) -> None:
-    """SIGTERM (a graceful stop), wait up to ``timeout``, then :func:`kill_tree`, which
-    also sweeps children a crashed or slow process left behind."""
-    if popen.poll() is None:
-        popen.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            popen.wait(timeout)
-    kill_tree(popen)
-
-
-def override_env(overrides: list[str]) -> dict[str, str]:
-    """``section.field=value`` overrides as the ``CPD_<SECTION>__<FIELD>`` variables a
-    child process reads (later ones win, as on the command line)."""
-    env = {}
-    for item in overrides:
-        name, _, value = item.partition("=")
-        section, _, field = name.strip().partition(".")
-        env[f"{ENV_PREFIX}{section.upper()}__{field.upper()}"] = value.strip()
-    return env
-
-
 def available_services() -> list[str]:
     """Services this build can run (those with a ``__main__`` module), in start order."""
     return [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__")]
-
-
-async def wait_ready(url: str | None, service: str, node_id: str, timeout: float,
-                     nats_settings: NatsSettings | None = None) -> None:
-    """Wait until ``node_id`` of ``service`` answers a NATS micro PING; connects as the
-    identity ``nats_settings`` names (secure set-ups), anonymously by default."""
-    nc = await connect(nats_settings or NatsSettings(), f"cpd-ready-{node_id}", url=url)
-    try:
-        deadline = time.monotonic() + timeout
-        # A fresh reply subject per ping: with least-privilege NATS a service may answer
-        # each reply subject once (allow_responses), so a reused one would be refused.
-        base = nc.new_inbox()
-        sub = await nc.subscribe(f"{base}.*")
-        n = 0
-        while time.monotonic() < deadline:
-            n += 1
-            await nc.publish(subjects.micro_ping(service), b"", reply=f"{base}.{n}")
-            end = time.monotonic() + 0.5
-            while (left := end - time.monotonic()) > 0:
-                try:
-                    msg = await sub.next_msg(timeout=left)
-                except nats.errors.TimeoutError:
-                    break
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    if json.loads(msg.data)["metadata"]["node"] == node_id:
-                        return
-        raise CpdError(f"{service} ({node_id}) not ready within {timeout}s")
-    finally:
-        await nc.close()
-
-
-def plan_nodes(wanted: list[str], counts: dict[str, int] | None) -> dict[str, str]:
-    """``node id -> service`` of every process ``cpd up`` starts, in start order."""
-    return {f"{service}-{i}": service for service in wanted
-            for i in range((counts or {}).get(service, 1))}
 
 
 def run_cluster(settings: Settings, port: int | None = None, *,
@@ -259,20 +160,6 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     return 0
 
 
-def engine_placements(settings: Settings, nodes: dict[str, str]) -> dict[str, EnginePlacement]:
-    """Cores and OpenMP threads of each vLLM worker ``cpd up`` starts on this host
-    (cpd.ops.cpuset.place_engines), unless the settings name them (``worker.engine_cpus``
-    or ``worker.engine_threads``, for every worker alike), or the engine is simulated."""
-    w = settings.worker
-    if w.engine != "vllm" or w.engine_cpus or w.engine_threads:
-        return {}
-    workers = [n for n, svc in nodes.items() if svc in WORKER_ROLES]
-    if not workers:
-        return {}
-    placed = place_engines(usable_cpus(), [nodes[n] for n in workers])
-    return dict(zip(workers, placed, strict=True))
-
-
 def _progress(line: str) -> None:
     """A start-up line on the terminal (the services' own logs go to their files)."""
     print(f"cpd: {line}", flush=True)
@@ -281,12 +168,7 @@ def _progress(line: str) -> None:
 def _last_log_line(path: Path, width: int = 100, since: int = 0) -> str:
     """The last line a process logged since byte ``since`` of its log (its current
     start: the file keeps earlier runs), without vLLM's prefix (what it is doing now)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(since, f.seek(0, os.SEEK_END) - 4096))
-            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return ""
+    lines = [x for x in log_tail(path, 4096, since).splitlines() if x.strip()]
     line = lines[-1] if lines else "(nothing logged yet)"
     head, sep, rest = line.partition("] ")
     return (rest if sep and len(head) < 120 else line).strip()[:width]
@@ -334,46 +216,9 @@ async def _ready_or_refused(procs: list[Proc], ready: asyncio.Future[Any]) -> No
     await until_ready(ready, procs, refused)
 
 
-async def until_ready(ready: asyncio.Future[Any], procs: list[Proc],
-                      failed: Callable[[Proc], str | None]) -> None:
-    """Await ``ready`` (e.g. a gather of :func:`wait_ready`) while watching ``procs``:
-    the first process for which ``failed`` returns a message ends the wait with a
-    :class:`CpdError` of that message, instead of waiting out the timeout."""
-    try:
-        while not ready.done():
-            for p in procs:
-                if (why := failed(p)) is not None:
-                    raise CpdError(why)
-            await asyncio.wait([ready], timeout=0.25)
-        ready.result()
-    finally:
-        ready.cancel()
-        with contextlib.suppress(BaseException):
-            await ready
-
-
 def _restart(proc: Proc) -> None:
-    now = time.monotonic()
-    code = proc.popen.returncode if proc.popen else None
-    if code == EXIT_REFUSED:
-        if not proc.restarts or proc.restarts[-1] != -1.0:
-            log.error("service.refused_by_nats", node=proc.node_id, log=str(proc.log_path))
-            _progress(f"{proc.node_id} was refused by NATS (its credentials); not restarted: "
-                      f"{proc.log_path}")
-            proc.restarts.append(-1.0)  # logged once; its credentials need fixing first
-        return
-    proc.restarts = [t for t in proc.restarts if now - t < 60] + [now]
-    if len(proc.restarts) > 5:
-        log.error("service.crash_loop", node=proc.node_id, exit_code=code)
-        _progress(f"{proc.node_id} keeps exiting (code {code}); backing off: "
-                  f"{proc.log_path}")
-        if len(proc.restarts) < 8:
-            return  # back off: try again once the window slides
-    log.warning("service.restart", node=proc.node_id, exit_code=code)
-    _progress(f"{proc.node_id} exited (code {code}); restarting")
-    if proc.popen is not None:
-        kill_tree(proc.popen)  # what the dead process started (engines) dies with it
-    proc.start()
+    """Restart a process that exited, under the shared crash policy, on the terminal."""
+    restart_proc(proc, _progress)
 
 
 def _write_scrape_targets(path: Path, procs: list[Proc]) -> None:
@@ -423,3 +268,10 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
         lines += ["Try:", *tries]
     lines += ["Stop: Ctrl-C", ""]
     print("\n".join(lines), flush=True)
+
+
+# The process machinery lives in tools.cluster; these names stay importable from here.
+__all__ = ["CLUSTER_LOG", "METRICS_PORT_ENV", "SCRAPE_TARGETS_FILE", "SERVICE_ORDER",
+           "UP_BANNER", "Proc", "available_services", "engine_placements", "kill_tree",
+           "override_env", "plan_nodes", "run_cluster", "stop_tree", "until_ready",
+           "wait_ready"]

@@ -54,7 +54,8 @@ from cpd.modelbuild.tokenizer import CORPUS
 from cpd.ops.config import Settings, load_settings
 from tools.bench.hostinfo import free_port, load_average, machine_info
 from tools.bench.registry import SettingsFactory
-from tools.supervisor import UP_BANNER, stop_tree
+from tools.cluster import stop_tree
+from tools.supervisor import UP_BANNER
 
 PRESET = "tiny"
 SERVERS = ("cpd", "monolithic")

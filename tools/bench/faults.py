@@ -472,7 +472,7 @@ def _kill(node: str) -> Inject:
 
 
 async def _nats_restart(ctx: Ctx) -> None:
-    server = ctx.cluster.server
+    server = ctx.cluster.nats
     assert server is not None and server.proc is not None
     before = server.proc.pid
     await asyncio.to_thread(ctx.cluster.restart_nats)

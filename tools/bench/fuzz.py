@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
+import dataclasses
 import re
 import shutil
 import sys
@@ -42,8 +42,7 @@ from cpd.bus import BAD_INPUT, Bus
 from cpd.client import Client
 from cpd.engines.profile import served_model
 from cpd.engines.servedmodel import ServedModel
-from cpd.ops.config import Settings, load_settings
-from cpd.ops.natsserver import NatsServer
+from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode, NoResponders, RequestTimeout
 from cpd.protocol.hashing import block_hashes
@@ -52,7 +51,7 @@ from cpd.transfer import framing
 from tools import fuzzing
 from tools.bench.hostinfo import free_port
 from tools.bench.registry import SettingsFactory
-from tools.supervisor import Proc, until_ready, wait_ready
+from tools.cluster import Cluster, ClusterSpec, NatsSpec, nodes_of
 
 # The cluster: node id -> service.
 NODES = {"kvi": "kvindex", "p0": "prefill", "d0": "decode", "router": "router"}
@@ -181,15 +180,22 @@ def expected_rejection(data: bytes, kind: type[wire.Message],
 
 
 class FuzzCluster:
-    """NATS (with its monitoring port) and the services, as processes."""
+    """NATS (with its monitoring port) and the services as processes
+    (:class:`tools.cluster.Cluster`, each node with its Prometheus endpoint), and what the
+    fuzzer checks them by."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.server: NatsServer | None = None
-        self.procs: dict[str, Proc] = {}
-        self.metrics_ports: dict[str, int] = {}
-        self.monitor_port = 0
-        self.client: Client | None = None
+        self.monitor_port = free_port()
+        self.metrics_ports = {node: free_port() for node in NODES}
+        self.cluster = Cluster(ClusterSpec(
+            nodes=tuple(dataclasses.replace(n, metrics_port=self.metrics_ports[n.node_id])
+                        for n in nodes_of(NODES)),
+            nats=NatsSpec(extra_args=("-m", str(self.monitor_port))),
+            overrides=(f"sim.max_model_len={MAX_MODEL_LEN}", "sim.time_scale=50",
+                       f"dataplane.arena_bytes={64 << 20}"),
+            workdir=tmp, label="fuzz", ready_timeout_s=READY_TIMEOUT_S,
+            stop_timeout_s=STOP_TIMEOUT_S))
         self.settings: Settings
         self.model: ServedModel
         self.ctx: fuzzing.FuzzContext
@@ -198,43 +204,19 @@ class FuzzCluster:
         self.baseline: wire.LookupReply | None = None
 
     @property
+    def client(self) -> Client | None:
+        return self.cluster.client
+
+    @property
     def bus(self) -> Bus:
-        assert self.client is not None
-        return self.client.bus
+        return self.cluster.bus
 
     async def start(self) -> None:
-        self.monitor_port = free_port()
-        self.server = NatsServer(store_dir=self.tmp / "nats",
-                                 extra_args=("-m", str(self.monitor_port))).start()
-        url = self.server.url
-        env = {**os.environ, "CPD_NATS__SERVERS": url, "CPD_WORKER__ENGINE": "sim",
-               "CPD_SIM__MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-               "CPD_SIM__TIME_SCALE": "50",
-               "CPD_DATAPLANE__ARENA_BYTES": str(64 << 20),
-               "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "snap"),
-               "CPD_TELEMETRY__LOG_LEVEL": "warning", "CPD_TELEMETRY__LOG_JSON": "false",
-               "PYTHONUNBUFFERED": "1"}
-        env.pop("CPD_CONFIG", None)
-        self.settings = load_settings(environ={k: v for k, v in env.items()
-                                               if k.startswith("CPD_")})
-        for stage in ({"kvi": "kvindex"}, WORKERS, {"router": "router"}):
-            started = []
-            for node, service in stage.items():
-                port = self.metrics_ports[node] = free_port()
-                proc = Proc(service, node, self.tmp / f"{node}.log",
-                            {**env, "CPD_NODE__NODE_ID": node,
-                             "CPD_TELEMETRY__PROMETHEUS_PORT": str(port)})
-                proc.start()
-                self.procs[node] = proc
-                started.append(proc)
-            await until_ready(
-                asyncio.gather(*(wait_ready(url, p.service, p.node_id, READY_TIMEOUT_S)
-                                 for p in started)),
-                started, lambda p: None if p.alive() else (
-                    f"{p.node_id} exited during start-up:\n{self.log_tail(p.node_id)}"))
-        self.client = await Client.connect(settings=self.settings, name="cpd-fuzz")
+        """The cluster serving (the router sees both workers), then the fuzz context, a
+        real generate of the health prompt and its baseline lookup."""
+        await self.cluster.start()
+        self.settings = self.cluster.settings()
         self.model = served_model(self.settings)
-        await self._until_router_sees(set(WORKERS))
         self.ctx = fuzzing.FuzzContext(
             vocab_size=self.model.vocab_size, max_model_len=self.model.max_model_len,
             block_size=self.settings.cache.block_size, namespace=self.model.namespace.id,
@@ -249,30 +231,11 @@ class FuzzCluster:
         await self._generate_ok()
         self.baseline = await self._settled_lookup(None)
 
-    async def _until_router_sees(self, nodes: set[str]) -> None:
-        assert self.client is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            with contextlib.suppress(CpdError):
-                status = await self.client.status()
-                if nodes <= {n.node for n in status.nodes if n.alive}:
-                    return
-            await asyncio.sleep(0.2)
-        raise CpdError(f"the router did not see {sorted(nodes)}")
-
     def log_tail(self, node: str, chars: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return (self.tmp / f"{node}.log").read_text(errors="replace")[-chars:]
-        return ""
+        return self.cluster.log_tail(node, chars)
 
     async def stop(self) -> None:
-        if self.client is not None:
-            with contextlib.suppress(Exception):
-                await self.client.close()
-        for proc in reversed(list(self.procs.values())):
-            await asyncio.to_thread(proc.terminate, STOP_TIMEOUT_S)
-        if self.server is not None:
-            self.server.cleanup()
+        await self.cluster.stop()
         await self.http.aclose()
 
     # ---------------------------------------------------------------- observation
@@ -312,7 +275,7 @@ class FuzzCluster:
     # -------------------------------------------------------------------- health
 
     def dead(self) -> list[str]:
-        return [n for n, p in self.procs.items() if not p.alive()]
+        return self.cluster.dead()
 
     async def _generate_ok(self) -> None:
         """A real generate completes. Requests a flood got accepted may still hold the

@@ -57,8 +57,6 @@ import gc
 import math
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter, deque
@@ -72,10 +70,8 @@ import numpy as np
 from cpd.bus import Bus
 from cpd.engines.profile import engine_profile
 from cpd.engines.servedmodel import ServedModel
-from cpd.kvstore import events as kvevents
 from cpd.ops import telemetry
 from cpd.ops.config import RouterSettings, Settings, load_settings
-from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import BlockHasher, Namespace, block_hashes
@@ -86,6 +82,7 @@ from services.router.service import prefill_cost
 from tools.bench.kvindex import CHAIN, _run_loop
 from tools.bench.proccpu import cpu_seconds_all, cpu_used_since
 from tools.bench.registry import SettingsFactory
+from tools.cluster import Cluster, ClusterSpec, NodeSpec
 
 PROMPT_TOKENS = 100_000
 MAX_MODEL_LEN = 131_072
@@ -123,7 +120,7 @@ WARMUP_DECISIONS = 30
 READY_TIMEOUT_S = 60.0
 VISIBLE_TIMEOUT_S = 300.0
 KVINDEX_STOP_TIMEOUT_S = 30.0
-LOG_TAIL_CHARS = 3000
+KVINDEX_NODE = "bench-kvi"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,35 +361,15 @@ async def _all_visible(bus: Bus, ns: Namespace, chains: list[tuple[str, bytes, i
     return True
 
 
-class _KvIndex:
-    """``python -m services.kvindex`` on the bench's NATS, with its log kept aside."""
-
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.log_path = tmp / "kvindex.log"
-        env = {**os.environ, "CPD_NATS__SERVERS": url, "CPD_NODE__NODE_ID": "bench-kvi",
-               "CPD_KVINDEX__SNAPSHOT_DIR": str(tmp / "snap"),
-               # A background snapshot is a forked child competing for two cores: none
-               # during the run (recovery is `cpd bench kvindex`'s business).
-               "CPD_KVINDEX__SNAPSHOT_INTERVAL_S": "86400",
-               "CPD_TELEMETRY__LOG_LEVEL": "warning"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "services.kvindex"], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT)
-
-    def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(KVINDEX_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def _kvindex(tmp: Path) -> Cluster:
+    """``python -m services.kvindex`` on an embedded NATS server, logs and state in ``tmp``
+    (a cluster of one: its own process group, ready once it answers lookups)."""
+    return Cluster(ClusterSpec(
+        nodes=(NodeSpec(KVINDEX_NODE, "kvindex"),), workdir=tmp, label="bench-router",
+        # A background snapshot is a forked child competing for two cores: none during
+        # the run (recovery is `cpd bench kvindex`'s business).
+        overrides=("kvindex.snapshot_interval_s=86400",),
+        ready_timeout_s=READY_TIMEOUT_S, stop_timeout_s=KVINDEX_STOP_TIMEOUT_S))
 
 
 # ------------------------------------------------------------------------ measure
@@ -406,24 +383,17 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
               + [(a.node, a.first_hashes, len(a.first_hashes) // wire.HASH_BYTES)
                  for a in sessions])
     epoch = int(time.time() * 1000)
-    server = NatsServer(store_dir=tmp / "nats").start()
-    kvi: _KvIndex | None = None
+    kvi = _kvindex(tmp)
     bus: Bus | None = None
     workers: asyncio.Task[None] | None = None
     router: RouterService | None = None
     try:
+        await kvi.start()  # kvindex (the CPD_KV stream's owner) created the stream
         s = msgspec.structs.replace(
-            settings, nats=msgspec.structs.replace(settings.nats, servers=[server.url]),
+            settings, nats=msgspec.structs.replace(settings.nats, servers=[kvi.url]),
             node=msgspec.structs.replace(settings.node, node_id="bench-router"))
         bus = await Bus.open(s, "bench-router-load")
         js = bus.nc.jetstream()
-        await kvevents.ensure_stream(js)
-        kvi = _KvIndex(server.url, tmp)
-        probe = prompts[0].hashes[:wire.HASH_BYTES]
-        try:
-            await _until("kvindex start", READY_TIMEOUT_S, lambda: _ready(bus, ns, probe, kvi))
-        except TimeoutError as e:
-            raise RuntimeError(f"{e}; its log:\n{kvi.log_tail()}") from None
         profile = engine_profile(s)
         workers = asyncio.create_task(_fake_workers(bus, s, ns, epoch, prefill_cost(profile)))
         writers = {n: _Writer(n, ns, epoch, profile.slot_bytes) for n in WORKERS}
@@ -439,12 +409,12 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
             await _until("every block visible", VISIBLE_TIMEOUT_S,
                          lambda: _all_visible(bus, ns, expect))
         except TimeoutError as e:
-            raise RuntimeError(f"{e}; kvindex log:\n{kvi.log_tail()}") from None
+            raise RuntimeError(f"{e}; kvindex log:\n{kvi.log_tail(KVINDEX_NODE)}") from None
         ingest_s = time.perf_counter() - t0
         # The memo off: these few prompts repeat, and every one must count as new.
         off = msgspec.structs.replace(s, router=msgspec.structs.replace(s.router,
                                                                       hash_memo_bytes=0))
-        router = RouterService(off, nats_url=server.url, model=model)
+        router = RouterService(off, nats_url=kvi.url, model=model)
         await router.start()
         r = router
         await _until("router sees every worker", READY_TIMEOUT_S,
@@ -468,9 +438,9 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
                       "ingest_until_visible_s": round(ingest_s, 2)},
             "timer_resolution_ns": time.get_clock_info("perf_counter").resolution * 1e9,
         }
-        pids = {"router": os.getpid(), "kvindex": kvi.proc.pid}
-        if server.proc is not None:
-            pids["nats_server"] = server.proc.pid
+        pids = {"router": os.getpid(), "kvindex": kvi.pid(KVINDEX_NODE)}
+        if kvi.nats is not None and kvi.nats.proc is not None:
+            pids["nats_server"] = kvi.nats.proc.pid
         cpu0 = cpu_seconds_all(pids)
         result.update(await _sequential(router, prompts, sizes.decisions))
         result["sequential_cpu_ms_per_decision"] = _cpu_per(cpu0, pids, sizes.decisions)
@@ -515,17 +485,7 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
         if bus is not None:
             with contextlib.suppress(Exception):
                 await bus.close()
-        if kvi is not None:
-            kvi.stop()
-        server.cleanup()
-
-
-async def _ready(bus: Bus, ns: Namespace, probe: bytes, kvi: _KvIndex) -> bool:
-    if kvi.proc.poll() is not None:
-        raise RuntimeError(f"kvindex exited with code {kvi.proc.returncode}:\n"
-                           f"{kvi.log_tail()}")
-    reply = await _lookup(bus, ns, probe)
-    return reply is not None and reply.status != "recovering"
+        await kvi.stop()
 
 
 async def _sees_workers(router: RouterService) -> bool:

@@ -49,7 +49,7 @@ from services.kvindex import KvIndexService
 from services.router.outcome import Reports
 from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.registry import SettingsFactory
-from tools.supervisor import kill_tree, stop_tree
+from tools.cluster import kill_tree, stop_tree
 
 PRESET = "tiny"
 NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}

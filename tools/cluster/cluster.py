@@ -1,0 +1,390 @@
+"""A running :class:`~tools.cluster.spec.ClusterSpec`: embedded NATS and every node as a
+process in its own session, started in stages and stopped by process group.
+
+Start: NATS, then kvindex, the workers, the router and the gateway, each stage serving
+(:mod:`tools.cluster.ready`) before the next; a process that exits fails the start at
+once with its log. Stop: the supervisor, the client, the nodes in reverse stages
+(SIGTERM, then SIGKILL of the group), NATS, the temporary folder; safe to call twice,
+and whatever a cancelled stop did not reach is killed anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+from cpd.bus import Bus
+from cpd.client import Client
+from cpd.engines.profile import engine_profile
+from cpd.ops.config import ENV_PREFIX, Settings, load_settings
+from cpd.ops.natsserver import NatsServer
+from cpd.protocol.errors import CpdError
+from cpd.protocol.roles import WORKER_ROLES
+from tools.bench.proccpu import cpu_seconds
+from tools.cluster.procs import (
+    Proc,
+    engine_placements,
+    kill_tree,
+    log_tail,
+    override_env,
+    restart_proc,
+    settings_env,
+)
+from tools.cluster.ready import (
+    heartbeat_since,
+    kvindex_serving,
+    router_sees,
+    until_ready,
+    wait_ready,
+)
+from tools.cluster.spec import ClusterSpec, NodeSpec
+
+T = TypeVar("T")
+METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
+# How often the supervisor looks for dead processes.
+SUPERVISE_INTERVAL_S = 0.2
+# Before NATS runs its URL is unknown; settings are validated with this one meanwhile.
+_PLACEHOLDER_URL = "nats://127.0.0.1:4222"
+
+
+class Cluster:
+    """The processes of ``spec``; an async context manager (start, then stop)."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.nats: NatsServer | None = None
+        self.procs: dict[str, Proc] = {}
+        # (monotonic time, node or "nats") of every restart the supervisor made.
+        self.restarts: list[tuple[float, str]] = []
+        self._workdir = spec.workdir
+        self._own_workdir = spec.workdir is None
+        self._env: dict[str, str] = {}
+        self._settings: dict[str | None, Settings] = {}
+        self._client: Client | None = None
+        self._connecting = asyncio.Lock()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._paused: set[str] = set()
+        self._down: set[str] = set()  # stopped on purpose: not restarted
+        # A deliberate NATS restart in progress: the supervisor must not start a second
+        # server on the same port between its stop and its start.
+        self._nats_restarting = False
+        self._stopped = False
+
+    async def __aenter__(self) -> Cluster:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
+    # ---------------------------------------------------------------- start, stop
+
+    async def start(self) -> Cluster:
+        """Validate every node's settings, start NATS, build the model (vLLM), then the
+        nodes stage by stage, each stage serving before the next. A start that fails
+        stops whatever it started."""
+        if self.nats is not None or self._stopped:
+            raise CpdError(f"{self.spec.label}: a cluster starts once")
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"cpd-{self.spec.label}-"))
+        try:
+            for node in self.spec.nodes:  # a typo fails here, not as a child crashing
+                self._load_settings(self._node_env(node, self._base_env(_PLACEHOLDER_URL)))
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        nats = self.spec.nats
+        self.nats = NatsServer(port=nats.port, store_dir=nats.store_dir or self.workdir / "nats",
+                               log_file=str(self.workdir / "nats.log"),
+                               extra_args=nats.extra_args)
+        await asyncio.to_thread(self.nats.start)
+        self._env = self._base_env(self.nats.url)
+        if self.spec.build_model and self.settings().worker.engine == "vllm" and self.workers:
+            # Once, before the workers (each would build it otherwise, all at once).
+            await asyncio.to_thread(lambda: engine_profile(self.settings()).served_model())
+        for stage in sorted({n.stage for n in self.spec.nodes}):
+            nodes = [n for n in self.spec.nodes if n.stage == stage]
+            groups = [[n] for n in nodes] if self.spec.serial_start and stage == 1 else [nodes]
+            for group in groups:
+                await self._launch([n.node_id for n in group])
+
+    async def stop(self) -> None:
+        """Stop everything (supervisor, client, nodes in reverse stages, NATS) and remove
+        a temporary workdir; a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            await self.stop_supervising()
+            for node in list(self._paused):
+                self.resume(node)
+            if self._client is not None:
+                with contextlib.suppress(Exception):
+                    await self._client.close()
+            for stage in sorted({n.stage for n in self.spec.nodes}, reverse=True):
+                await asyncio.gather(*(
+                    asyncio.to_thread(p.terminate, self.spec.stop_timeout_s)
+                    for p in self.procs.values() if self.spec.node(p.node_id).stage == stage))
+            if self.nats is not None:
+                await asyncio.to_thread(self.nats.stop)
+        finally:
+            self.kill_all()  # what a cancelled or failed stop did not reach
+
+    def kill_all(self) -> None:
+        """SIGKILL every node's process group and NATS, remove a temporary workdir
+        (synchronous: for use after Ctrl-C, when no event loop runs)."""
+        self._stopped = True
+        for p in self.procs.values():
+            if p.popen is not None:
+                p.signal_group(signal.SIGCONT)  # a paused group dies only once resumed
+                kill_tree(p.popen)
+        if self.nats is not None:
+            self.nats.kill()
+        if self._own_workdir and self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    # ---------------------------------------------------------------- environment
+
+    def _base_env(self, url: str) -> dict[str, str]:
+        """What every child starts with: this environment (its ``CPD_*`` variables only
+        with ``inherit_cpd_env``), the harness defaults, the spec's overrides, NATS."""
+        spec = self.spec
+        env = {k: v for k, v in os.environ.items()
+               if spec.inherit_cpd_env or not k.startswith(ENV_PREFIX)}
+        env = {"CPD_WORKER__ENGINE": spec.engine, "CPD_TELEMETRY__LOG_LEVEL": "warning",
+               "CPD_TELEMETRY__LOG_JSON": "false",
+               "CPD_KVINDEX__SNAPSHOT_DIR": str(self.workdir / "snap"),
+               "PYTHONUNBUFFERED": "1", **env, **override_env(spec.overrides),
+               "CPD_NATS__SERVERS": url}
+        if spec.config_file:
+            env["CPD_CONFIG"] = str(Path(spec.config_file).resolve())
+        return env
+
+    def _node_env(self, node: NodeSpec, base: dict[str, str]) -> dict[str, str]:
+        env = {**base, "CPD_NODE__NODE_ID": node.node_id, **override_env(node.overrides)}
+        if node.metrics_port:
+            env[METRICS_PORT_ENV] = str(node.metrics_port)
+        return {**env, **node.env}
+
+    @staticmethod
+    def _load_settings(env: dict[str, str]) -> Settings:
+        return load_settings(environ=settings_env(env))
+
+    def settings(self, node: str | None = None) -> Settings:
+        """The settings ``node`` runs with (``None``: a client of this cluster's)."""
+        self._need(self._env or None)
+        if node not in self._settings:
+            env = self._env if node is None else self._node_env(self.spec.node(node), self._env)
+            self._settings[node] = self._load_settings(env)
+        return self._settings[node]
+
+    # ---------------------------------------------------------------- nodes
+
+    async def _launch(self, nodes: list[str]) -> None:
+        """Start ``nodes`` (again) and wait until each serves."""
+        since_ms = int(time.time() * 1000)
+        placements = (engine_placements(self.settings(), self.spec.services())
+                      if self.spec.placement else {})
+        started = []
+        for node in nodes:
+            env = self._node_env(self.spec.node(node), self._env)
+            if (placed := placements.get(node)) is not None:
+                env.setdefault("CPD_WORKER__ENGINE_CPUS", placed.cpu_list)
+                env.setdefault("CPD_WORKER__ENGINE_THREADS", str(placed.threads))
+            proc = self.procs.get(node)
+            if proc is None:
+                spec = self.spec.node(node)
+                proc = self.procs[node] = Proc(spec.service, node, self.log_path(node), env)
+            proc.env = env
+            self._down.discard(node)
+            proc.start()
+            started.append(proc)
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        await until_ready(asyncio.gather(*(self._serving(p, since_ms, deadline)
+                                           for p in started)), started, self._exited)
+
+    def _exited(self, p: Proc) -> str | None:
+        if p.alive():
+            return None
+        code = p.popen.returncode if p.popen is not None else None
+        return (f"{self.spec.label}: {p.node_id} exited (code {code}) during start-up:\n"
+                f"{self.log_tail(p.node_id)}")
+
+    async def _serving(self, p: Proc, since_ms: int, deadline: float) -> None:
+        """PING, then the role's own probe (:mod:`tools.cluster.ready`)."""
+        await wait_ready(self.url, p.service, p.node_id, deadline - time.monotonic())
+        left = max(deadline - time.monotonic(), 1.0)
+        if p.service == "kvindex":
+            await kvindex_serving((await self.connect()).bus, left)
+        elif p.service in WORKER_ROLES:
+            await heartbeat_since((await self.connect()).bus, p.node_id, since_ms, left)
+        elif p.service == "router":
+            await router_sees(await self.connect(),
+                              [n for n in self.workers if n not in self._down], left)
+
+    async def restart(self, node: str) -> None:
+        """Stop ``node`` if it runs, start it again (also after :meth:`stop_node` or a
+        kill) and wait until the new incarnation serves."""
+        p = self.procs[node]
+        self._down.add(node)  # the supervisor must not start it meanwhile
+        self.resume(node)
+        if p.popen is not None:
+            await asyncio.to_thread(p.terminate, self.spec.stop_timeout_s)
+        await self._launch([node])
+
+    async def stop_node(self, node: str) -> None:
+        """Stop ``node`` gracefully; the supervisor leaves it down."""
+        self._down.add(node)
+        self.resume(node)
+        await asyncio.to_thread(self.procs[node].terminate, self.spec.stop_timeout_s)
+
+    def kill(self, node: str) -> None:
+        """``kill -9`` the node's process group (the supervisor, if on, restarts it)."""
+        p = self.procs[node]
+        if p.popen is not None:
+            kill_tree(p.popen)
+        self._paused.discard(node)
+
+    def pause(self, node: str) -> None:
+        """SIGSTOP the node's process group (a hung host: sockets open, nothing moves)."""
+        self.procs[node].signal_group(signal.SIGSTOP)
+        self._paused.add(node)
+
+    def resume(self, node: str) -> None:
+        """SIGCONT the node's process group."""
+        self.procs[node].signal_group(signal.SIGCONT)
+        self._paused.discard(node)
+
+    def restart_nats(self) -> None:
+        """Stop NATS gracefully and start it again on the same port and store."""
+        nats = self._need(self.nats)
+        self._nats_restarting = True
+        try:
+            nats.restart()
+        finally:
+            self._nats_restarting = False
+
+    def kill_nats(self) -> None:
+        """``kill -9`` NATS (the supervisor, if on, restarts it)."""
+        self._need(self.nats).kill()
+
+    # ---------------------------------------------------------------- supervision
+
+    def supervise(self, on_event: Callable[[str], None] | None = None) -> None:
+        """Restart any node that exits, and NATS, as ``cpd up`` does
+        (:func:`tools.cluster.procs.restart_proc`), in the background until
+        :meth:`stop_supervising`; ``on_event`` gets a line per decision."""
+        if self._supervisor is None or self._supervisor.done():
+            self._supervisor = asyncio.create_task(
+                self._supervise(on_event or (lambda _: None)), name="supervisor")
+
+    async def stop_supervising(self) -> None:
+        """End :meth:`supervise`."""
+        task, self._supervisor = self._supervisor, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _supervise(self, report: Callable[[str], None]) -> None:
+        while True:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            nats = self.nats
+            if nats is not None and not self._nats_restarting and (
+                    nats.proc is None or nats.proc.poll() is not None):
+                report("NATS exited; restarting it")
+                await asyncio.to_thread(nats.start)
+                self.restarts.append((time.monotonic(), "nats"))
+            for node, p in self.procs.items():
+                if node not in self._down and not p.alive() and restart_proc(p, report):
+                    self.restarts.append((time.monotonic(), node))
+
+    # ---------------------------------------------------------------- access
+
+    @property
+    def workdir(self) -> Path:
+        """Logs (``<node>.log``, ``nats.log``), ``nats/`` and ``snap/``."""
+        return self._need(self._workdir)
+
+    @property
+    def url(self) -> str:
+        """NATS's URL."""
+        return self._need(self.nats).url
+
+    @property
+    def workers(self) -> dict[str, str]:
+        """``node id -> role`` of every worker."""
+        return {n.node_id: n.service for n in self.spec.nodes if n.service in WORKER_ROLES}
+
+    async def connect(self) -> Client:
+        """The cluster's client (one connection, opened on first use)."""
+        async with self._connecting:
+            if self._client is None:
+                self._client = await Client.connect(settings=self.settings(),
+                                                    name=f"cpd-{self.spec.label}")
+        return self._client
+
+    @property
+    def client(self) -> Client | None:
+        """The client once :meth:`connect` (or a start that needed it) opened it."""
+        return self._client
+
+    @property
+    def bus(self) -> Bus:
+        """The client's NATS connection (after :meth:`connect`)."""
+        return self._need(self._client, "no client yet (await connect())").bus
+
+    async def until_router_sees(self, nodes: Collection[str], timeout_s: float = 30.0) -> None:
+        """Wait until the router's status lists every one of ``nodes`` as alive."""
+        await router_sees(await self.connect(), nodes, timeout_s)
+
+    def pid(self, node: str) -> int:
+        """The node's process id (of its current incarnation)."""
+        return self._need(self.procs[node].popen, f"{node} has not started").pid
+
+    def _need(self, value: T | None, why: str = "not started") -> T:
+        """``value``, which exists once the cluster (or that part of it) started."""
+        if value is None:
+            raise CpdError(f"{self.spec.label}: {why}")
+        return value
+
+    def alive(self, node: str) -> bool:
+        """Whether the node's process runs."""
+        return self.procs[node].alive()
+
+    def dead(self) -> list[str]:
+        """Nodes whose process is not running."""
+        return [n for n, p in self.procs.items() if not p.alive()]
+
+    def log_path(self, node: str) -> Path:
+        """The node's log (every start of it appended)."""
+        return self.workdir / f"{node}.log"
+
+    def log_tail(self, node: str, chars: int = 3000) -> str:
+        """The last ``chars`` characters of the node's log."""
+        return log_tail(self.log_path(node), chars)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each node's process has used so far."""
+        out = {}
+        for node, p in self.procs.items():
+            if p.popen is not None and (s := cpu_seconds(p.popen.pid)) is not None:
+                out[node] = round(s, 2)
+        return out
+
+
+__all__ = ["Cluster"]
