@@ -1,9 +1,10 @@
 """The prefill handler of pre-prefill and prefill workers.
 
 Pull the planned prefix blocks from peers, pin what will be loaded, give every new full
-block an arena slot (write-through), run the engine for the first token, seal the new
-blocks, send the first token to the client, then hand the request to its decode node
-with the blocks pinned under a lease until decode acks the pull (or the lease runs out).
+block an arena slot (write-through), run the engine for the first token, send it to the
+client, seal the new blocks (their event's ack is not on the client's path), then hand
+the request to its decode node with the blocks pinned under a lease until decode acks
+the pull (or the lease runs out).
 """
 
 from __future__ import annotations
@@ -90,11 +91,15 @@ class PrefillHandler:
         with core.load.holding(pending, len(tokens) - pending) as held:
             have, remote, load_error = await self._gather_prefix(req, hashes)
             t_load = held.engine_start = time.perf_counter()
-            step, saved = await self._run(req, tokens, hashes, have)
+            step, fresh = await self._run(req, tokens, hashes, have)
         t_done = time.perf_counter()
+        try:
+            await out.tokens([step.token_ids[0]])
+        finally:  # after the first token left: the client never waits for the event's ack
+            if fresh:
+                await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
         core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
-                    written=len(saved), loaded=step.loaded_blocks)
-        await out.tokens([step.token_ids[0]])
+                    written=len(fresh), loaded=step.loaded_blocks)
         await out.report(wire.PrefillReport, node=core.node_id,
                          tokens=self._sources(step, remote, len(tokens)),
                          load_error=load_error, load_ms=(t_load - t0) * 1e3,
@@ -145,7 +150,8 @@ class PrefillHandler:
     async def _run(self, req: wire.PrefillRequest, tokens: np.ndarray, hashes: list[bytes],
                    have: list[BlockEntry]) -> tuple[EngineStep, list[bytes]]:
         """One engine run for the first token: the loaded prefix pinned, the new full
-        blocks written through to fresh slots and sealed after (failed on error)."""
+        blocks written through to fresh slots (failed on error; the caller seals them,
+        returned, once the first token is out)."""
         core = self.core
         kv, store = core.kv, core.kv.store
         # Pinned before new slots are allocated: allocation may evict, never these.
@@ -172,8 +178,6 @@ class PrefillHandler:
                 raise
         if step.failed_blocks:
             await core.drop_corrupt([e.hash for e in have])
-        if fresh:
-            await kv.seal([(h, store.slot_bytes) for h in fresh])
         return step, fresh
 
     async def _first_token(self, ereq: EngineRequest) -> EngineStep:
