@@ -4,10 +4,15 @@ hand-off (never guessed from the tokens seen)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from cpd.engines.servedmodel import ServedModel
+from cpd.ops.config import load_settings
 from cpd.protocol import wire
-from services.router.relay import Relay
+from cpd.protocol.errors import InvalidRequest
+from services.router.relay import Relay, resumed_tokens
 
 
 def _relay() -> Relay:
@@ -31,3 +36,78 @@ def test_the_stream_owner_follows_restarts_and_acceptances(
         else:
             relay.accepted(wire.HandoffAccepted(request_id="r", seq=1, node=node))
     assert (relay.owner, relay.decode_node) == (owner, decode_node)
+
+
+class _Recorder:
+    """The client's side of a relayed stream: the ids and text it was sent."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.text = ""
+
+    async def tokens(self, ids: list[int], text: str = "") -> None:
+        self.ids += ids
+        self.text += text
+
+    async def final(self, **_: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def model(model_cache: Path) -> ServedModel:
+    return ServedModel.load(load_settings(environ={}, overrides=[
+        f"model.cache_dir={model_cache}"]))
+
+
+async def _stream(model: ServedModel, ids: list[int], chunk: int) -> str:
+    """The text a client gets from one router relaying ``ids`` in chunks of ``chunk``."""
+    out = _Recorder()
+    relay = Relay(out, model.detokenizer())  # type: ignore[arg-type]
+    relay.restart("p0")
+    for i in range(0, len(ids), chunk):
+        await relay.tokens(ids[i:i + chunk])
+    await relay.final(wire.Final(request_id="r", seq=1))
+    return out.text
+
+
+async def test_a_resumed_stream_continues_the_text_exactly(model: ServedModel) -> None:
+    """A router died after ``k`` tokens (sent in chunks of 3, multi-byte characters
+    split across tokens); another resumes from the client's tokens and text and
+    regenerates from the start: the client's text, old and new, is the whole text once,
+    at every point the first router could have died."""
+    ids = model.encode("héllo wörld — ✓ naïve café ≠ 東京 done")
+    whole = await _stream(model, ids, 3)
+    assert whole == model.tokenizer.decode(ids)
+    for k in range(1, len(ids)):
+        before = _Recorder()
+        first = Relay(before, model.detokenizer())  # type: ignore[arg-type]
+        first.restart("p0")
+        for i in range(0, k, 3):
+            await first.tokens(ids[i:min(i + 3, k)])
+        after = _Recorder()
+        second = Relay(after, model.detokenizer())  # type: ignore[arg-type]
+        second.resume(before.ids, len(before.text))
+        second.restart("p1")
+        await second.tokens(ids)  # the try regenerates every token
+        await second.final(wire.Final(request_id="r", seq=1))
+        assert before.ids + after.ids == ids, k
+        assert before.text + after.text == whole, k
+        assert second.sent == len(ids)
+
+
+@pytest.mark.parametrize(("sampling", "resume", "refused"), [
+    (wire.SamplingParams(max_tokens=8), [1, 2], False),
+    (wire.SamplingParams(max_tokens=8, temperature=0.7, seed=3), [1, 2], False),
+    (wire.SamplingParams(max_tokens=8, temperature=0.7), [1, 2], True),  # not reproducible
+    (wire.SamplingParams(max_tokens=2), [1, 2], True),  # nothing left to generate
+    (wire.SamplingParams(max_tokens=8), [], False),
+])
+def test_only_a_reproducible_request_resumes(sampling: wire.SamplingParams,
+                                             resume: list[int], refused: bool) -> None:
+    req = wire.GenerateRequest(request_id="r", tokens=wire.pack_tokens([5]), sampling=sampling,
+                               resume_tokens=wire.pack_tokens(resume) if resume else b"")
+    if refused:
+        with pytest.raises(InvalidRequest):
+            resumed_tokens(req, lambda _: None)
+    else:
+        assert resumed_tokens(req, lambda _: None) == resume

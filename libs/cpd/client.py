@@ -15,7 +15,9 @@ keep-alives).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
@@ -25,11 +27,15 @@ import msgspec
 from cpd.bus import Bus
 from cpd.ops.config import RouterSettings, Settings, load_settings
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import InvalidRequest
+from cpd.protocol.errors import InvalidRequest, NoResponders, RouterGone, StreamGap
 
 # Past the request's own deadline, how long the client waits for the router's typed
 # deadline error before giving up on its own.
 _GRACE_S = 5.0
+# Before resuming a lost stream: lets NATS notice a dead router's subscription.
+_RESUME_PAUSE_S = 0.2
+# Lost streams a deterministic request is resumed after, by default.
+RESUME_ATTEMPTS = 2
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -49,8 +55,10 @@ class Client:
 
     def __init__(self, bus: Bus, *, default_timeout_s: float = 300.0,
                  owns_bus: bool = False, keepalive_interval_s: float | None = None,
-                 keepalive_misses: int | None = None) -> None:
+                 keepalive_misses: int | None = None,
+                 resume_attempts: int = RESUME_ATTEMPTS) -> None:
         self.bus = bus
+        self.resume_attempts = resume_attempts
         self.default_timeout_s = default_timeout_s
         self._owns_bus = owns_bus
         defaults = RouterSettings()
@@ -117,11 +125,18 @@ class Client:
         async for msg in self.stream_request(req):
             yield msg
 
-    async def stream_request(self, req: wire.GenerateRequest
+    async def stream_request(self, req: wire.GenerateRequest, *,
+                             resume_attempts: int | None = None
                              ) -> AsyncGenerator[wire.TokenChunk | wire.Final, None]:
         """Stream a prepared :class:`~cpd.protocol.wire.GenerateRequest`.
 
-        Raises :class:`~cpd.protocol.errors.RouterGone` (retryable) when nothing at all comes
+        A deterministic request (temperature 0, or a seed) whose router dies or loses a
+        message mid-stream is sent again, with the same request id and the tokens and
+        text it already has, up to ``resume_attempts`` times (default
+        :attr:`resume_attempts`): another router replica regenerates them and streams
+        only what follows, so the caller sees one stream, nothing repeated. Otherwise,
+        or once the attempts are spent, the error is raised:
+        :class:`~cpd.protocol.errors.RouterGone` (retryable) when nothing at all comes
         from the router, its keep-alives included, for ``keepalive_misses`` keep-alive
         intervals: it died mid-request (or before it began handling the request) or is
         cut off; and :class:`~cpd.protocol.errors.StreamGap` (retryable) when a message of the
@@ -129,6 +144,36 @@ class Client:
         limit. The interval is this client's ``router.keepalive_interval_s`` until the
         router announces its own (every keep-alive does), so a router must send
         keep-alives: every router since they were added does, once a request is valid."""
+        attempts = self.resume_attempts if resume_attempts is None else resume_attempts
+        s = req.sampling
+        if s.temperature != 0 and s.seed is None:
+            attempts = 0  # another run would not give the same tokens
+        end = time.monotonic() + req.timeout_ms / 1000
+        ids = [int(i) for i in wire.unpack_tokens(req.resume_tokens or b"")]
+        chars = req.resume_text_chars
+        for attempt in range(attempts + 1):
+            try:
+                async with contextlib.aclosing(self._stream_once(req)) as stream:
+                    async for msg in stream:
+                        if isinstance(msg, wire.TokenChunk):
+                            ids.extend(msg.token_ids)
+                            chars += len(msg.text)
+                        yield msg
+                return
+            except (RouterGone, StreamGap, NoResponders) as e:
+                left = end - time.monotonic()
+                # No router at all is a refusal, not a lost stream, until one was lost.
+                if (attempt == attempts or left <= 0
+                        or (isinstance(e, NoResponders) and attempt == 0)):
+                    raise
+                await asyncio.sleep(min(_RESUME_PAUSE_S, left))
+                req = msgspec.structs.replace(
+                    req, resume_tokens=wire.pack_tokens(ids), resume_text_chars=chars,
+                    timeout_ms=max(1, int((end - time.monotonic()) * 1000)))
+
+    async def _stream_once(self, req: wire.GenerateRequest
+                           ) -> AsyncGenerator[wire.TokenChunk | wire.Final, None]:
+        """One try of :meth:`stream_request`: one router's stream."""
         timeout = req.timeout_ms / 1000 + _GRACE_S
         # The router bounds every request by its deadline and watches the nodes, so the
         # client need not guess an idle limit for the work: a long prefill is silent but

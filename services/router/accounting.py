@@ -31,6 +31,7 @@ class RouterAccounts:
         self._admission = metrics.histogram(m, metrics.ROUTER_ADMISSION_WAIT)
         self._decision = metrics.histogram(m, metrics.ROUTER_DECISION)
         self._lookup_misses = metrics.counter(m, metrics.ROUTER_LOOKUP_MISSES)
+        self._resumed = metrics.counter(m, metrics.ROUTER_RESUMED)
         self._queue = metrics.histogram(m, metrics.ROUTER_ESTIMATED_QUEUE)
         self._in_flight = metrics.up_down_counter(m, metrics.ROUTER_IN_FLIGHT)
         self._keepalives = metrics.counter(m, metrics.ROUTER_KEEPALIVES)
@@ -42,6 +43,11 @@ class RouterAccounts:
         self.stats.admitted += 1
         self._in_flight.add(1)
         self._admission.record(waited_s)
+
+    def resumed(self) -> None:
+        """An admitted request resumes a stream whose router died."""
+        self.stats.resumed += 1
+        self._resumed.add(1)
 
     def released(self) -> None:
         """An admitted request let go of its slot."""

@@ -4,20 +4,58 @@ the tokens forwarded to the client.
 The prefill node owns a try's stream until its decode node accepts the hand-off; the
 decode node says so on the stream itself (``wire.HandoffAccepted``), so the router
 watches the liveness of the node that really streams, never a guess from the tokens
-seen. A retried try continues the client's stream exactly where the last one stopped.
+seen. A retried try continues the client's stream exactly where the last one stopped,
+and so does a request a client resumes here after its router died
+(``GenerateRequest.resume_tokens``): the client's tokens count as forwarded.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import replace
+
+import msgspec
+import numpy as np
 
 from cpd.bus import ReplyStream, StreamReader
 from cpd.engines.servedmodel import Detokenizer
 from cpd.protocol import wire
-from cpd.protocol.errors import CpdError, ErrorCode, RequestTimeout, Unavailable
+from cpd.protocol.errors import (
+    CpdError,
+    ErrorCode,
+    InvalidRequest,
+    RequestTimeout,
+    Unavailable,
+)
 from services.router.nodes import NodeTable
 from services.router.outcome import Reports
+
+
+def resumed_tokens(req: wire.GenerateRequest,
+                   check_vocab: Callable[[np.ndarray], None]) -> list[int]:
+    """The tokens a resuming client already has (``req.resume_tokens``), checked: only a
+    deterministic request can be regenerated exactly, and some tokens must be left."""
+    if not req.resume_tokens:
+        return []
+    ids = wire.unpack_tokens(req.resume_tokens)
+    s = req.sampling
+    if s.temperature != 0 and s.seed is None:
+        raise InvalidRequest("only a deterministic request (temperature 0, or a seed) "
+                             "can resume")
+    if len(ids) >= s.max_tokens:
+        raise InvalidRequest(f"resuming after {len(ids)} tokens of max_tokens "
+                             f"{s.max_tokens}: nothing is left to generate")
+    check_vocab(ids)
+    return [int(i) for i in ids]
+
+
+def fresh_engine_id(req: wire.GenerateRequest) -> wire.GenerateRequest:
+    """``req`` under a request id of its own for the engines: a resumed request's dead
+    router may have left its try running on the nodes (they stream into an inbox nobody
+    reads until they finish), which refuse a second request of the same id."""
+    return msgspec.structs.replace(req, request_id=f"{req.request_id}~{secrets.token_hex(4)}")
 
 
 class AttemptFailed(Exception):
@@ -42,6 +80,9 @@ class Relay:
         self._prefill_node = ""  # the current try's
         self.decode_node = ""  # the node that accepted the current try's hand-off
         self.reports = Reports()  # the current try's
+        # Text owed to, or already held by, a resuming client (see resume()).
+        self._owed = ""
+        self._skip = 0
 
     @property
     def sent(self) -> int:
@@ -53,6 +94,23 @@ class Relay:
         """The node streaming the current try: its prefill node until a decode node
         accepts the hand-off."""
         return self.decode_node or self._prefill_node
+
+    def resume(self, ids: list[int], text_chars: int) -> None:
+        """The client already has ``ids`` and ``text_chars`` characters of their text
+        from a router that died: they count as forwarded (a try must regenerate them
+        exactly), and text goes on from where the client's stops. Decoded at once, the
+        ids' text may end elsewhere than the dead router's chunks did: what is missing
+        is sent first, what the client has is not sent again."""
+        self.forwarded = list(ids)
+        text = self.detok.push(self.forwarded)
+        self._owed, self._skip = text[text_chars:], max(0, text_chars - len(text))
+
+    def _text(self, text: str) -> str:
+        """``text`` as the client still needs it."""
+        text, self._owed = self._owed + text, ""
+        cut = min(self._skip, len(text))
+        self._skip -= cut
+        return text[cut:]
 
     def restart(self, prefill_node: str) -> None:
         """A new try, dispatched to ``prefill_node``, which owns its stream."""
@@ -121,12 +179,12 @@ class Relay:
         if not self.first_at:
             self.first_at = time.monotonic()
         self.forwarded.extend(new)
-        await self.out.tokens(new, self.detok.push(new))
+        await self.out.tokens(new, self._text(self.detok.push(new)))
 
     async def final(self, final: wire.Final) -> None:
         """End the client's stream with the text still held back and ``final`` (the
         router's, assembled by :func:`services.router.outcome.assemble`)."""
-        rest = self.detok.flush()
+        rest = self._text(self.detok.flush())
         if rest:
             await self.out.tokens([], rest)
         await self.out.final(finish_reason=final.finish_reason, usage=final.usage,

@@ -51,7 +51,7 @@ from services.router.keepalive import KeepAlives
 from services.router.nodes import NodeTable
 from services.router.outcome import RouterTimes, RoutingCost, assemble
 from services.router.policy import Decision, Hits, NoCapacity, PolicyConfig, Router, Wait
-from services.router.relay import AttemptFailed, Relay
+from services.router.relay import AttemptFailed, Relay, fresh_engine_id, resumed_tokens
 from services.router.waiters import PrefixWaiters
 
 # A single-flight waiter is woken by kvindex's visibility events; it also looks itself
@@ -174,6 +174,7 @@ class RouterService(Service):
         deadline = t0 + timeout_s
         deadline_unix_ms = int((time.time() + timeout_s) * 1000)
         tokens = await self._prompt_tokens(req)
+        resumed = resumed_tokens(req, self.model.check_vocab)
         ns = self._namespace(req)
         # The first keep-alive as soon as the request is valid (a bad one is answered
         # with its error first, as before): it arms the client's watchdog, so a router
@@ -183,7 +184,8 @@ class RouterService(Service):
             self.accounts.admitted(waited)
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    await self._serve(req, tokens, ns, out, t0, waited, deadline_unix_ms)
+                    await self._serve(req, tokens, ns, out, t0, waited, deadline_unix_ms,
+                                      resumed)
             except TimeoutError:
                 raise DeadlineExceeded(
                     f"request did not finish within its {timeout_s:.1f}s deadline") from None
@@ -291,12 +293,16 @@ class RouterService(Service):
 
     async def _serve(self, req: wire.GenerateRequest, tokens: np.ndarray, ns: Namespace,
                      out: ReplyStream, t0: float, waited: float,
-                     deadline_unix_ms: int) -> None:
+                     deadline_unix_ms: int, resumed: list[int]) -> None:
         t = time.perf_counter()
         hashes = self._hashes(ns, tokens)
         hash_ms = (time.perf_counter() - t) * 1000
         packed = wire.pack_tokens(tokens)
         relay = Relay(out, self.model.detokenizer())
+        if resumed:
+            relay.resume(resumed, req.resume_text_chars)
+            self.accounts.resumed()
+            req = fresh_engine_id(req)
         deterministic = req.sampling.temperature == 0 or req.sampling.seed is not None
         exclude: set[str] = set()
         failovers = 0

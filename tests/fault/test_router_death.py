@@ -1,5 +1,7 @@
-"""A client whose router dies mid-stream gets a typed, retryable ``RouterGone`` within a
-few keep-alive intervals, not a timeout at its deadline (docs/reliability.md).
+"""A client whose router dies mid-stream notices within a few keep-alive intervals, not
+at its deadline (docs/reliability.md): it resumes a deterministic request on another
+router replica (the stream goes on, nothing repeated), else gets a typed, retryable
+``RouterGone``.
 
 The router sends a keep-alive (an empty ``TokenChunk`` with ``keepalive_ms``) on every
 client stream silent for ``router.keepalive_interval_s``; the client skips them and fails
@@ -82,8 +84,9 @@ async def scripted(fresh_nats: NatsServer) -> AsyncIterator[tuple[Client, dict]]
             await asyncio.sleep(0.05)
         except nats.errors.TimeoutError:
             break  # it reached the router, which ignores probes
+    # No resuming: what the client notices, and how fast, is under test here.
     client = Client(client_bus, keepalive_interval_s=INTERVAL_MS / 1000,
-                    keepalive_misses=MISSES, owns_bus=True)
+                    keepalive_misses=MISSES, owns_bus=True, resume_attempts=0)
     yield client, script
     for t in list(tasks):
         t.cancel()
@@ -160,6 +163,7 @@ async def test_clients_of_a_killed_router_process_get_router_gone_promptly(tmp_p
     try:
         client = cluster.client
         assert client is not None
+        client.resume_attempts = 0  # the typed error itself is under test here
         limit = RouterSettings().keepalive_interval_s * client.keepalive_misses
         streaming = [asyncio.Event() for _ in range(6)]
 
@@ -188,6 +192,52 @@ async def test_clients_of_a_killed_router_process_get_router_gone_promptly(tmp_p
             assert t_end - t_kill < limit + 3.0, t_end - t_kill
         with pytest.raises(NoResponders):
             await client.generate([1, 2, 3], max_tokens=1, timeout_s=30)
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_streams_of_a_killed_router_resume_on_the_other_replica(tmp_path) -> None:
+    """Two router replicas; the one serving every stream is SIGKILLed mid-stream. Every
+    stream ends as if nothing happened: the client resumes it on the other router with
+    the tokens and text it has, and gets exactly the tokens and text of an undisturbed
+    run, none twice."""
+    cluster = SimCluster({"p0": "prefill", "d0": "decode", "router-b": "router"}, tmp_path,
+                         label="router-resume", env={"CPD_SIM__TIME_SCALE": "0.1"})
+    await cluster.start()
+    try:
+        client = cluster.client
+        assert client is not None
+        prompts = [[3000 + i, *range(1, 600)] for i in range(6)]
+        options = {"max_tokens": 300, "ignore_eos": True, "timeout_s": 180}
+        streaming = [asyncio.Event() for _ in prompts]
+        await cluster.stop_node("router-b")  # every stream starts on the other router
+
+        async def one(i: int) -> tuple[list[int], str, wire.Final]:
+            ids: list[int] = []
+            text = ""
+            async with contextlib.aclosing(client.stream(prompts[i], **options)) as stream:
+                async for msg in stream:
+                    if isinstance(msg, wire.Final):
+                        return ids, text, msg
+                    ids += msg.token_ids
+                    text += msg.text
+                    if len(ids) >= 5:
+                        streaming[i].set()
+            raise AssertionError("no final message")
+
+        runs = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 90)
+        await cluster.restart("router-b")
+        assert not any(r.done() for r in runs)  # killed mid-stream, each of them
+        cluster.kill(cluster.router_node)
+        results = await asyncio.wait_for(asyncio.gather(*runs), 120)
+        assert (await client.status()).router.resumed == len(prompts)
+        undisturbed = await asyncio.gather(*(client.generate(p, **options) for p in prompts))
+        for (ids, text, final), want in zip(results, undisturbed, strict=True):
+            assert (ids, text) == (want.token_ids, want.text)
+            assert final.usage.completion_tokens == options["max_tokens"]
     finally:
         await cluster.stop()
 

@@ -147,6 +147,9 @@ ROUTER_ADMISSION_WAIT = _m(
 ROUTER_DECISION = _m(
     "cpd_router_decision_duration", "histogram",
     "hashing + kvindex lookup + policy, per request", "s", ("policy",), STEP_BUCKETS_S)
+ROUTER_RESUMED = _m(
+    "cpd_router_resumed_requests", "counter",
+    "streams resumed here after the router serving them died (the client's resume_tokens)")
 ROUTER_LOOKUP_MISSES = _m(
     "cpd_router_kvindex_lookup_misses", "counter",
     "routing decisions made without kvindex's answer (past router.lookup_timeout_ms, an "

@@ -123,6 +123,11 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     # 0 = the router's default deadline; bounded (~35 years) so deadlines derived from it
     # stay within the uint64 milliseconds of the messages the router sends on.
     timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    # A retry of a stream whose router died (same request_id): the tokens (packed uint32)
+    # and the characters of text the client already has. The router regenerates them
+    # (deterministic sampling only) and sends only what follows.
+    resume_tokens: bytes = b""
+    resume_text_chars: NonNegInt = 0
 
 
 class TokenChunk(Message, tag="token", kw_only=True):
@@ -642,6 +647,8 @@ class RouterStats(msgspec.Struct, kw_only=True):
     load_failures: NonNegInt = 0
     # Decisions made without kvindex's answer (the prompt treated as uncached).
     lookup_misses: NonNegInt = 0
+    # Requests taken over from a router that died mid-stream (``resume_tokens``).
+    resumed: NonNegInt = 0
     prompt_tokens: NonNegInt = 0
     tokens: PromptTokens = msgspec.field(default_factory=PromptTokens)
     paths: dict[str, int] = msgspec.field(default_factory=dict)
