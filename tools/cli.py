@@ -204,7 +204,8 @@ def format_status(status: wire.StatusReply) -> str:
     r = status.router
     lines = [f"router {r.node} (policy {r.policy}): {r.in_flight}/{r.max_inflight} in flight, "
              f"{r.queued} queued; {r.completed} done, {r.failed} failed, {r.rejected} "
-             f"rejected, {r.failovers} failovers; kvindex {status.kvindex}",
+             f"rejected, {r.failovers} failovers, {r.resumed} resumed; kvindex "
+             f"{status.kvindex} ({r.lookup_misses} decisions without its answer)",
              f"{'node':<16} {'role':<10} {'alive':<5} {'queue':>6} {'queued tok':>10} "
              f"{'est ms':>8} {'running':>7} {'DRAM used':>16} {'GB/s':>6}"]
     for n in status.nodes:
