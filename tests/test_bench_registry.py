@@ -32,6 +32,7 @@ FLAGS: dict[str, set[str]] = {
               "--ramp-s", "--steady-s", "--settle-s", "--topologies", "--stop-after",
               "--out"},
     "faults": {"--quick", "--scenarios", "--concurrency", "--duration-s"},
+    "plan": {"--quick", "--jobs"},
     "fuzz": {"--cases", "--seed"},
 }
 

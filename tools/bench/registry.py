@@ -66,6 +66,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "routing decisions for 100K-token prompts with a large kvindex"),
     Benchmark("sweep", "tools.bench.sweep",
               "CPD against P/D on simulated engines: sustainable QPS/GPU"),
+    Benchmark("plan", "tools.bench.plan",
+              "planner speed: the paper's protocol and a 256-node cluster, simulated"),
     Benchmark("faults", "tools.bench.faults",
               "fault scenarios under load: lost requests, wrong tokens, recovery"),
     Benchmark("fuzz", "tools.bench.fuzz",
