@@ -4,6 +4,7 @@ handles (kvindex unavailable → miss; pre-prefill queue too long → overflow).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -273,3 +274,20 @@ def test_every_configurable_policy_is_a_class_behind_one_protocol() -> None:
         router = Router(PolicyConfig(name=name), COST, LOAD)  # type: ignore[arg-type]
         assert isinstance(router.policy, cls)
         assert router.decide(N, BS, Hits(), nodes()).policy == name
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_each_node_plans_from_its_best_peer_as_a_scan_of_every_peer_would(seed: int) -> None:
+    """The router finds the two longest DRAM hits once per decision; every node's plan
+    uses the best peer that is not itself, ties to the larger name, exactly as scanning
+    every peer for every node does."""
+    rng = random.Random(seed)
+    peers = [f"n{i}" for i in range(rng.randint(0, 12))]
+    hits = Hits(dram={p: rng.choice([0, 3, 10, 40, 41, 60]) for p in peers})
+    router = Router(PolicyConfig(), COST, LOAD)
+    router.decide(N, BS, hits, nodes())  # a decision starts its own memo
+    cap = (N - 1) // BS * BS
+    for node in [*peers, "other"]:
+        want = max(((min(b * BS, cap), p) for p, b in hits.dram.items() if p != node),
+                   default=(0, ""))
+        assert router._best_peer(hits, cap, BS, node) == want, node

@@ -20,10 +20,11 @@ Decode goes to the least-loaded decode node for every policy.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 from cpd.ops.config import RouterSettings
@@ -32,6 +33,7 @@ from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.roles import PREFILL_ROLES, Role
 from cpd.protocol.wire import RouteReason
 from services.router.cost import LoadCost, PrefillCost
+from services.router.hits import Hits
 from services.router.queueing import ahead_ms, wait_ms
 
 PolicyName = Literal["cpd", "pd-kv", "pd-rr"]
@@ -59,31 +61,6 @@ class NodeLoad:
     prefills: tuple[wire.PrefillWork, ...] = ()
     dispatched_ms: tuple[float, ...] = ()
     shares_steps: bool = False
-
-
-@dataclass(frozen=True)
-class Hits:
-    """kvindex's answer in the router's terms (blocks per node)."""
-
-    ok: bool = True
-    gpu: Mapping[str, int] = field(default_factory=dict)
-    dram: Mapping[str, int] = field(default_factory=dict)
-    pending: Mapping[str, int] = field(default_factory=dict)
-    # node → its read capability of the request's namespace (DRAM locations): copied
-    # into the LoadSource, without it the node's data plane refuses the pull.
-    caps: Mapping[str, bytes] = field(default_factory=dict)
-
-    @classmethod
-    def from_reply(cls, reply: wire.LookupReply | None) -> Hits:
-        """A lookup reply; ``None`` (timeout, error) and ``recovering`` are misses."""
-        if reply is None or reply.status == "recovering":
-            return cls(ok=False)
-        gpu = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.GPU}
-        dram = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DRAM}
-        caps = {m.node: m.capability for m in reply.matches
-                if m.tier is wire.Tier.DRAM and m.capability}
-        return cls(gpu=gpu, dram=dram, pending={p.node: p.num_blocks for p in reply.pending},
-                   caps=caps)
 
 
 @dataclass(frozen=True)
@@ -195,8 +172,10 @@ class Router:
         self.load = load
         self.policy: RoutingPolicy = POLICIES[config.name]()
         # Per decision: the priced work each node holds (a decision plans every node
-        # several times; the held work does not depend on the request).
+        # several times; the held work does not depend on the request), and the two
+        # peers with the longest DRAM hits (the best remote source of any node is one).
         self._ahead: dict[int, tuple[NodeLoad, list[float]]] = {}
+        self._top: tuple[Hits, int, int, list[tuple[int, str]]] | None = None
 
     def decide(self, prompt_tokens: int, block_size: int, hits: Hits,
                nodes: Iterable[NodeLoad]) -> Decision:
@@ -205,6 +184,7 @@ class Router:
             raise ValueError("a prompt has at least one token")
         nodes = list(nodes)
         self._ahead.clear()
+        self._top = None
         decode = choose_decode(nodes)
         if not hits.ok:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
@@ -235,8 +215,7 @@ class Router:
                 dram, load_ms, base = local_dram - base, load_ms + t, local_dram
         remote_tokens, remote_node = 0, ""
         if remote:
-            best = max(((min(b * block_size, cap), peer) for peer, b in hits.dram.items()
-                        if peer != node.node), default=(0, ""))
+            best = self._best_peer(hits, cap, block_size, node.node)
             if best[0] > base:
                 bw = self._bandwidth(best[1], node)
                 t = self.load.ms(best[0] - base, bw)
@@ -254,6 +233,16 @@ class Router:
                     remote_tokens=remote_tokens, remote_node=remote_node,
                     computed_tokens=computed, queue_ms=self.queue_ms(node, compute_ms),
                     load_ms=load_ms, compute_ms=compute_ms, sources=tuple(sources))
+
+    def _best_peer(self, hits: Hits, cap: int, bs: int, node: str) -> tuple[int, str]:
+        """The peer of ``node`` with the longest DRAM hit (tokens up to ``cap``; ties to
+        the larger name) and that hit: one of the two best overall, found once per
+        decision instead of once per node (hundreds of prefill nodes, hundreds of peers)."""
+        top = self._top
+        if top is None or top[0] is not hits or top[1:3] != (cap, bs):
+            top = self._top = (hits, cap, bs, heapq.nlargest(
+                2, ((min(b * bs, cap), peer) for peer, b in hits.dram.items())))
+        return next((best for best in top[3] if best[1] != node), (0, ""))
 
     def queue_ms(self, node: NodeLoad, own_ms: float) -> float:
         """How long a prefill of ``own_ms`` waits on ``node`` behind what it holds."""
