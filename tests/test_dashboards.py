@@ -239,7 +239,12 @@ def test_a_running_system_exports_every_series_the_dashboard_and_alerts_read(
     asyncio.run(_junk_to_the_router(live["nats"]))
     exported: set[str] = set()
     for t in targets:
-        exported |= _scrape(f"http://{t['targets'][0]}/metrics")
+        series = _scrape(f"http://{t['targets'][0]}/metrics")
+        exported |= series
+        if t["labels"]["service"] in ("preprefill", "prefill", "decode"):
+            # Each engine's own series, next to the worker's: what a vLLM dashboard reads.
+            assert {"vllm:num_requests_running", "vllm:prompt_tokens_total",
+                    "vllm:time_to_first_token_seconds_bucket"} <= series, t
     cpd_names = {n for n in exported if n.startswith("cpd_")}
     doubled = {n for n in cpd_names
                if re.search(r"_(ms|milliseconds|seconds|bytes)_(milliseconds|seconds|bytes)"

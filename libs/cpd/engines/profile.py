@@ -122,7 +122,8 @@ class VllmProfile(EngineProfile):
                           async_kv_load=s.worker.loads_async(role),
                           executor=s.worker.engine_executor, threads=s.worker.engine_threads,
                           cpus=parse_cpu_list(s.worker.engine_cpus),
-                          engine=s.engine_for(role))
+                          engine=s.engine_for(role),
+                          metrics=bool(s.telemetry.prometheus_port))
 
     def cache_event_bridge(self, engine: Engine, publisher: KvEventPublisher,
                            namespace: Namespace, *, kv_events_endpoint: str

