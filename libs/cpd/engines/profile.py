@@ -123,7 +123,8 @@ class VllmProfile(EngineProfile):
                           executor=s.worker.engine_executor, threads=s.worker.engine_threads,
                           cpus=parse_cpu_list(s.worker.engine_cpus),
                           engine=s.engine_for(role),
-                          metrics=bool(s.telemetry.prometheus_port))
+                          metrics=bool(s.telemetry.prometheus_port),
+                          allow_untested_vllm=s.worker.allow_untested_vllm)
 
     def cache_event_bridge(self, engine: Engine, publisher: KvEventPublisher,
                            namespace: Namespace, *, kv_events_endpoint: str

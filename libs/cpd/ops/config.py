@@ -418,6 +418,9 @@ class WorkerSettings(_Section):
     # control work on the same host (kvindex lookups, the router, this worker's NATS and
     # data plane), which otherwise misses its deadlines whenever the engines are busy.
     engine_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
+    # Start on a vLLM other than the minor version CPD's connector is tested against
+    # (cpd.engines.vllm.version): its internals may differ, so this is at your own risk.
+    allow_untested_vllm: bool = False
 
     def __post_init__(self) -> None:
         if self.role and self.role not in WORKER_ROLES:

