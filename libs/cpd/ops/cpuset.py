@@ -55,11 +55,11 @@ def _descendants(root: int) -> list[int]:
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
+    out, pending = [], [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
             out.append(child)
-            todo.append(child)
+            pending.append(child)
     return out
 
 
