@@ -12,8 +12,7 @@ import pytest
 from cpd.bus import Bus
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
-from cpd.protocol.hashing import Namespace
-from tests.helpers.cluster import WORKERS, VllmCluster, run_engine_helper
+from tests.helpers.cluster import VllmCluster, run_engine_helper
 
 
 @pytest.fixture(scope="session")
@@ -71,16 +70,7 @@ async def vllm_cluster(model_cache: Path,
     restarts it before it ends."""
     c = VllmCluster(tmp_path_factory.mktemp("cluster"), model_cache)
     try:
-        await c.start_kvindex()
-        c.bus = await Bus.open(c.settings, "cluster-test")
-        for node, role in WORKERS.items():
-            c.start_worker(node, role)
-        seen = await c.wait_heartbeats(list(WORKERS))
-        c.ns = Namespace.from_spec(seen["pp0"].namespace_spec)
+        await c.start()
         yield c
     finally:
-        c.stop_all()
-        if hasattr(c, "bus"):
-            await c.bus.close()
-        await c.stop_kvindex()
-        c.server.cleanup()
+        await c.stop()

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from cpd.protocol.errors import ConfigError, CpdError
-from tools.cluster import Cluster, ClusterSpec, NodeSpec, env_overrides, override_env
+from tools.cluster import (
+    Cluster,
+    ClusterSpec,
+    NatsSpec,
+    NodeSpec,
+    env_overrides,
+    override_env,
+)
 
 
 def test_specs_name_nodes_as_cpd_up_and_refuse_repeats() -> None:
@@ -28,6 +35,33 @@ def test_env_settings_round_trip_as_overrides() -> None:
     assert override_env(env_overrides(env)) == env
     with pytest.raises(ConfigError):
         env_overrides({"PATH": "/bin"})
+
+
+def test_cpd_ups_environment_keeps_the_callers_settings_but_no_inherited_identity(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CPD_SIM__TIME_SCALE", "7")
+    monkeypatch.setenv("CPD_NATS__NKEY_SEED_FILE", "/caller/seed")
+    spec = ClusterSpec(nodes=(), inherit_cpd_env=True, harness_defaults=False,
+                       nats=NatsSpec(config_file="/secrets/nats.conf"))
+    env = spec.base_env(Path("/w"), "nats://127.0.0.1:1")
+    assert env["CPD_SIM__TIME_SCALE"] == "7" and env["CPD_NATS__SERVERS"] == "nats://127.0.0.1:1"
+    assert "CPD_NATS__NKEY_SEED_FILE" not in env  # secured: identities come per node
+    assert "CPD_WORKER__ENGINE" not in env and "CPD_KVINDEX__SNAPSHOT_DIR" not in env
+    node = NodeSpec("kvindex-0", "kvindex", env={"CPD_NATS__NKEY_SEED_FILE": "/own"},
+                    start_stage=1)
+    assert node.child_env(env)["CPD_NATS__NKEY_SEED_FILE"] == "/own" and node.stage == 1
+
+
+async def test_a_node_added_without_waiting_runs_and_a_removed_one_is_gone() -> None:
+    async with Cluster(ClusterSpec(nodes=(), label="t")) as cluster:
+        await cluster.add(NodeSpec("kvi", "kvindex"), wait=False)
+        assert cluster.alive("kvi") and cluster.spec.services() == {"kvi": "kvindex"}
+        with pytest.raises(ConfigError, match="repeat"):
+            await cluster.add(NodeSpec("kvi", "kvindex"))
+        pid = cluster.pid("kvi")
+        await cluster.remove("kvi")
+        assert not cluster.procs and not cluster.spec.nodes
+        assert not Path(f"/proc/{pid}").exists()
 
 
 async def test_a_bad_setting_fails_before_anything_starts() -> None:

@@ -352,7 +352,7 @@ async def test_a_peer_lost_before_the_load_means_recompute_with_identical_output
 async def test_decode_killed_mid_stream_fails_over_with_identical_output(
         vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
         reference: dict) -> None:
-    vllm_cluster.start_worker("d1", "decode")
+    await vllm_cluster.start_worker("d1", "decode")
     try:
         await vllm_cluster.wait_heartbeats(["d1"])
         await make_router()

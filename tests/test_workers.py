@@ -49,7 +49,7 @@ async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture
 def cluster(vllm_cluster: VllmCluster) -> dict:
     c = vllm_cluster
-    return {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp, "kvindex": c.kvindex}
+    return {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp}
 
 
 async def _ask(c: dict, node: str, prompt: list[int],

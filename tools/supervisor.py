@@ -2,8 +2,11 @@
 
 Embedded NATS (JetStream) first, then every service that this build ships a
 ``services/<name>/__main__.py`` for, each with its own node id, log file and restart on
-crash; readiness is a NATS micro PING answered by that very process. Ctrl-C (or SIGTERM)
-stops services first, then NATS.
+crash: a :class:`tools.cluster.Cluster` with ``cpd up``'s settings (the caller's
+environment, persistent NATS store and logs, kvindex first, then everything else at
+once). Readiness is each role's probe (:mod:`tools.cluster.ready`) of that very process.
+Ctrl-C (or SIGTERM) stops services first, then NATS. This module is the front end:
+progress lines, banner, scrape targets.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -20,32 +22,33 @@ from typing import Any
 
 import msgspec
 
-from cpd.bus import EXIT_REFUSED
-from cpd.engines.profile import engine_profile
 from cpd.ops import telemetry
-from cpd.ops.config import ENV_PREFIX, NatsSettings, Settings
-from cpd.ops.natsserver import NatsServer
+from cpd.ops.config import Settings
 from tools.cluster import (
     METRICS_PORT_ENV,
     SERVICE_ORDER,
+    Cluster,
+    ClusterSpec,
+    NatsSpec,
+    NodeSpec,
     Proc,
     engine_placements,
     kill_tree,
-    log_tail,
+    last_log_line,
     override_env,
     plan_nodes,
     restart_proc,
+    start_failure,
     stop_tree,
     until_ready,
     wait_ready,
 )
 
-# How often `cpd up` names the services still starting (engines take tens of seconds).
-PROGRESS_EVERY_S = 10.0
 # The line `cpd up` prints once every service answers (tools watch for it).
 UP_BANNER = "CPD is up."
 CLUSTER_LOG = "cluster.log"
 SCRAPE_TARGETS_FILE = "prometheus-targets.json"
+_LABEL = "cpd up"
 
 log = telemetry.get_logger("cpd.cluster")
 
@@ -74,90 +77,79 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     # to a file: the terminal shows progress lines and the banner only.
     telemetry.setup("cluster", msgspec.structs.replace(settings.telemetry, prometheus_port=0),
                     log_file=logs / CLUSTER_LOG)
-    wanted = [x for x in available_services() if not only or x in only]
-    nodes = plan_nodes(wanted, counts)
+    nodes = plan_nodes([x for x in available_services() if not only or x in only], counts)
     secrets = None
-    admin_nats: NatsSettings | None = None
     if secure:
         from cpd.ops import security
 
         secrets = security.SecretsDir.ensure(secrets_dir or settings.nats.secrets_dir,
                                              security.identities_for(nodes))
-        admin_nats = security.nats_settings_for(secrets, security.ADMIN, settings.nats)
-    server = NatsServer(port=settings.nats.embedded_port if port is None else port,
-                        store_dir=settings.nats.embedded_store_dir,
-                        log_file=str(logs / "nats.log"),
-                        config_file=str(secrets.config_file) if secrets else None)
-    server.start()
-    if any(x != "kvindex" for x in wanted):
-        # Builds the local model once, before the workers (the sim engine has none).
-        engine_profile(settings).served_model()
-    procs: list[Proc] = []
-    stop = asyncio.Event()
-
-    async def supervise() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        base_env = {**os.environ, **override_env(overrides or []),
-                    "CPD_NATS__SERVERS": server.url}
-        if secrets is not None:
-            # Each process gets only its own identity, never one inherited from here.
-            base_env = {k: v for k, v in base_env.items()
-                        if not k.startswith(f"{ENV_PREFIX}NATS__") or k == "CPD_NATS__SERVERS"}
-        if config_file:
-            base_env["CPD_CONFIG"] = str(Path(config_file).resolve())
-        # kvindex first (it replays the stream); then every worker at once: their
-        # engines take the longest to start and do not depend on each other.
-        stages = [[x for x in wanted if x == "kvindex"], [x for x in wanted if x != "kvindex"]]
-        placements = engine_placements(settings, nodes)
-        t_up = time.monotonic()
-        # With telemetry.prometheus_port set, it is the first of consecutive scrape ports,
-        # one per process (printed in the banner).
-        metrics_port = settings.telemetry.prometheus_port
-        for stage in stages:
-            started = []
-            for service in stage:
-                for node_id in (n for n, svc in nodes.items() if svc == service):
-                    env = {**base_env, "CPD_NODE__NODE_ID": node_id,
-                           **(secrets.env(node_id) if secrets else {})}
-                    if metrics_port:
-                        env[METRICS_PORT_ENV] = str(metrics_port + len(procs))
-                    where = ""
-                    if (placed := placements.get(node_id)) is not None:
-                        env["CPD_WORKER__ENGINE_CPUS"] = placed.cpu_list
-                        env["CPD_WORKER__ENGINE_THREADS"] = str(placed.threads)
-                        where = f" (engine on CPUs {placed.cpu_list}, {placed.threads} threads)"
-                    proc = Proc(service, node_id, logs / f"{node_id}.log", env)
-                    proc.start()
-                    _progress(f"starting {node_id}{where}")
-                    procs.append(proc)
-                    started.append(proc)
-            await _ready_or_refused(started, asyncio.ensure_future(_each_ready(
-                started, server.url, ready_timeout, admin_nats, time.monotonic())))
-        _progress(f"ready in {time.monotonic() - t_up:.0f} s")
-        if metrics_port:
-            _write_scrape_targets(logs / SCRAPE_TARGETS_FILE, procs)
-        _banner(server.url, procs, logs, settings, secrets)
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-            if server.proc is None or server.proc.poll() is not None:
-                log.warning("nats.restarting")
-                _progress("NATS exited; restarting it")
-                server.start()
-            for proc in procs:
-                if not stop.is_set() and not proc.alive():
-                    _restart(proc)
-
+    spec = _spec(settings, nodes, logs, secrets, port=port, ready_timeout=ready_timeout,
+                 overrides=overrides or [], config_file=config_file)
+    cluster = Cluster(spec, progress=_progress)
     try:
-        asyncio.run(supervise())
+        asyncio.run(_up(cluster, settings, secrets))
     finally:
-        for proc in reversed(procs):
-            proc.terminate(settings.nats.drain_timeout_s)
-        server.stop()
+        cluster.kill_all()  # a no-op after a clean stop; after an interrupted one, a sweep
         print("cpd: stopped", flush=True)
     return 0
+
+
+def _spec(settings: Settings, nodes: dict[str, str], logs: Path, secrets: Any, *,
+          port: int | None, ready_timeout: float, overrides: list[str],
+          config_file: str | None) -> ClusterSpec:
+    """``cpd up``'s cluster: the caller's settings as they are (no harness defaults),
+    consecutive scrape ports from ``telemetry.prometheus_port`` on, each service with its
+    own identity on secured NATS, and kvindex first (it replays the stream), then every
+    other service at once (engines take the longest and do not depend on each other)."""
+    first = settings.telemetry.prometheus_port
+    admin = {}
+    if secrets is not None:
+        from cpd.ops.security import ADMIN
+
+        admin = secrets.env(ADMIN)  # how readiness probes connect
+    return ClusterSpec(
+        nodes=tuple(NodeSpec(node, service,  # type: ignore[arg-type]
+                             env=secrets.env(node) if secrets is not None else {},
+                             metrics_port=first + i if first else None,
+                             start_stage=0 if service == "kvindex" else 1)
+                    for i, (node, service) in enumerate(nodes.items())),
+        nats=NatsSpec(port=settings.nats.embedded_port if port is None else port,
+                      store_dir=Path(settings.nats.embedded_store_dir),
+                      config_file=str(secrets.config_file) if secrets is not None else None),
+        overrides=tuple(overrides), config_file=config_file, workdir=logs,
+        inherit_cpd_env=True, harness_defaults=False, client_env=admin, label=_LABEL,
+        ready_timeout_s=ready_timeout, stop_timeout_s=settings.nats.drain_timeout_s)
+
+
+async def _up(cluster: Cluster, settings: Settings, secrets: Any) -> None:
+    """Start ``cluster`` (Ctrl-C meanwhile stops it), say so, supervise it until Ctrl-C
+    or SIGTERM, then stop it."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    t_up = time.monotonic()
+    start = asyncio.ensure_future(cluster.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([start, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # interrupted while starting: what started stops
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+            return
+        start.result()
+        _progress(f"ready in {time.monotonic() - t_up:.0f} s")
+        procs = list(cluster.procs.values())
+        if settings.telemetry.prometheus_port:
+            _write_scrape_targets(cluster.workdir / SCRAPE_TARGETS_FILE, procs)
+        _banner(cluster.url, procs, cluster.workdir, settings, secrets)
+        cluster.supervise(_progress)
+        await stopping
+    finally:
+        stopping.cancel()
+        await cluster.stop()
 
 
 def _progress(line: str) -> None:
@@ -165,59 +157,20 @@ def _progress(line: str) -> None:
     print(f"cpd: {line}", flush=True)
 
 
-def _last_log_line(path: Path, width: int = 100, since: int = 0) -> str:
-    """The last line a process logged since byte ``since`` of its log (its current
-    start: the file keeps earlier runs), without vLLM's prefix (what it is doing now)."""
-    lines = [x for x in log_tail(path, 4096, since).splitlines() if x.strip()]
-    line = lines[-1] if lines else "(nothing logged yet)"
-    head, sep, rest = line.partition("] ")
-    return (rest if sep and len(head) < 120 else line).strip()[:width]
-
-
-async def _each_ready(procs: list[Proc], url: str, timeout: float,
-                      admin: NatsSettings | None, t0: float) -> None:
-    """Wait for every process of ``procs`` to answer, saying each one's readiness as it
-    comes and, while some are still starting, which ones every ``PROGRESS_EVERY_S``."""
-
-    async def one(p: Proc) -> None:
-        await wait_ready(url, p.service, p.node_id, timeout, admin)
-        pending.discard(p.node_id)
-        log.info("service.ready", service=p.service, node=p.node_id)
-        _progress(f"{p.node_id} ready ({time.monotonic() - t0:.0f} s)")
-
-    pending = {p.node_id for p in procs}
-    waits = asyncio.gather(*(one(p) for p in procs))
-    try:
-        while not waits.done():
-            await asyncio.wait([waits], timeout=PROGRESS_EVERY_S)
-            if pending and not waits.done():
-                elapsed = time.monotonic() - t0
-                for p in procs:
-                    if p.node_id in pending:
-                        _progress(f"{p.node_id} starting ({elapsed:.0f} s): "
-                                  f"{_last_log_line(p.log_path, since=p.log_offset)}")
-        waits.result()
-    finally:
-        waits.cancel()
-        with contextlib.suppress(BaseException):
-            await waits
+# What a starting process's progress line quotes (white-box tests read it from here).
+_last_log_line = last_log_line
 
 
 async def _ready_or_refused(procs: list[Proc], ready: asyncio.Future[Any]) -> None:
-    """Await ``ready``, failing fast when a process exits because NATS refused it
-    (wrong credentials or permissions: waiting or restarting cannot fix that)."""
-
-    def refused(p: Proc) -> str | None:
-        if p.popen is None or p.popen.poll() != EXIT_REFUSED:
-            return None
-        return (f"NATS refused {p.node_id}; see {p.log_path}:\n"
-                + p.log_path.read_text(errors="replace")[-2000:])
-
-    await until_ready(ready, procs, refused)
+    """Await ``ready``, failing fast with its log when a process exits during the start,
+    by name when NATS refused it (its credentials: waiting or restarting cannot fix
+    that): the start-up check :class:`tools.cluster.Cluster` makes."""
+    await until_ready(ready, procs, lambda p: start_failure(p, _LABEL))
 
 
 def _restart(proc: Proc) -> None:
-    """Restart a process that exited, under the shared crash policy, on the terminal."""
+    """Restart a process that exited, under the shared crash policy, on the terminal (what
+    :meth:`tools.cluster.Cluster.supervise` does for every node)."""
     restart_proc(proc, _progress)
 
 

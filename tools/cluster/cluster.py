@@ -3,69 +3,78 @@ process in its own session, started in stages and stopped by process group.
 
 Start: NATS, then kvindex, the workers, the router and the gateway, each stage serving
 (:mod:`tools.cluster.ready`) before the next; a process that exits fails the start at
-once with its log. Stop: the supervisor, the client, the nodes in reverse stages
-(SIGTERM, then SIGKILL of the group), NATS, the temporary folder; safe to call twice,
-and whatever a cancelled stop did not reach is killed anyway.
+once with its log (one NATS refused, as such). Stop: the supervisor, the client, the
+nodes in reverse stages (SIGTERM, then SIGKILL of the group), NATS, the temporary
+folder; safe to call twice, and whatever a cancelled stop did not reach is killed anyway.
+:mod:`tools.cluster.state` holds the parts and their reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import signal
 import tempfile
 import time
 from collections.abc import Callable, Collection
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
 
 from cpd.bus import Bus
 from cpd.client import Client
 from cpd.engines.profile import engine_profile
-from cpd.ops.config import ENV_PREFIX, Settings, load_settings
+from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
+from cpd.protocol import wire
 from cpd.protocol.errors import CpdError
+from cpd.protocol.hashing import Namespace
 from cpd.protocol.roles import WORKER_ROLES
-from tools.bench.proccpu import cpu_seconds
 from tools.cluster.procs import (
     Proc,
     engine_placements,
     kill_tree,
-    log_tail,
-    override_env,
+    log,
     restart_proc,
     settings_env,
+    start_failure,
 )
 from tools.cluster.ready import (
     heartbeat_since,
     kvindex_serving,
+    report_starting,
     router_sees,
     until_ready,
     wait_ready,
 )
 from tools.cluster.spec import ClusterSpec, NodeSpec
+from tools.cluster.state import ClusterState
 
-T = TypeVar("T")
-METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
 # How often the supervisor looks for dead processes.
 SUPERVISE_INTERVAL_S = 0.2
 # Before NATS runs its URL is unknown; settings are validated with this one meanwhile.
 _PLACEHOLDER_URL = "nats://127.0.0.1:4222"
 
 
-class Cluster:
+def _quiet(line: str) -> None:
+    """No progress lines (a harness's default)."""
+
+
+class Cluster(ClusterState):
     """The processes of ``spec``; an async context manager (start, then stop)."""
 
-    def __init__(self, spec: ClusterSpec) -> None:
-        self.spec = spec
-        self.nats: NatsServer | None = None
-        self.procs: dict[str, Proc] = {}
+    def __init__(self, spec: ClusterSpec,
+                 progress: Callable[[str], None] | None = None) -> None:
+        """``progress`` gets a line as each node starts and serves, and every few seconds
+        while some are still starting (``cpd up``'s terminal)."""
+        super().__init__(spec)
+        self._report = progress or _quiet
+        self._reporting = progress is not None
         # (monotonic time, node or "nats") of every restart the supervisor made.
         self.restarts: list[tuple[float, str]] = []
-        self._workdir = spec.workdir
+        # Each worker's heartbeat its latest readiness wait saw.
+        self.heartbeats: dict[str, wire.Heartbeat] = {}
         self._own_workdir = spec.workdir is None
         self._env: dict[str, str] = {}
         self._settings: dict[str | None, Settings] = {}
@@ -97,8 +106,9 @@ class Cluster:
         if self._workdir is None:
             self._workdir = Path(tempfile.mkdtemp(prefix=f"cpd-{self.spec.label}-"))
         try:
+            base = self.spec.base_env(self.workdir, _PLACEHOLDER_URL)
             for node in self.spec.nodes:  # a typo fails here, not as a child crashing
-                self._load_settings(self._node_env(node, self._base_env(_PLACEHOLDER_URL)))
+                self._load_settings(node.child_env(base))
             await self._start()
         except BaseException:
             await self.stop()
@@ -110,11 +120,11 @@ class Cluster:
         nats = self.spec.nats
         self.nats = NatsServer(port=nats.port, store_dir=nats.store_dir or self.workdir / "nats",
                                log_file=str(self.workdir / "nats.log"),
-                               extra_args=nats.extra_args)
+                               extra_args=nats.extra_args, config_file=nats.config_file)
         await asyncio.to_thread(self.nats.start)
-        self._env = self._base_env(self.nats.url)
-        if self.spec.build_model and self.settings().worker.engine == "vllm" and self.workers:
-            # Once, before the workers (each would build it otherwise, all at once).
+        self._env = self.spec.base_env(self.workdir, self.nats.url)
+        if self.spec.build_model and any(n.service != "kvindex" for n in self.spec.nodes):
+            # Once, before the services that load it (each would build it, all at once).
             await asyncio.to_thread(lambda: engine_profile(self.settings()).served_model())
         for stage in sorted({n.stage for n in self.spec.nodes}):
             nodes = [n for n in self.spec.nodes if n.stage == stage]
@@ -157,28 +167,7 @@ class Cluster:
         if self._own_workdir and self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
 
-    # ---------------------------------------------------------------- environment
-
-    def _base_env(self, url: str) -> dict[str, str]:
-        """What every child starts with: this environment (its ``CPD_*`` variables only
-        with ``inherit_cpd_env``), the harness defaults, the spec's overrides, NATS."""
-        spec = self.spec
-        env = {k: v for k, v in os.environ.items()
-               if spec.inherit_cpd_env or not k.startswith(ENV_PREFIX)}
-        env = {"CPD_WORKER__ENGINE": spec.engine, "CPD_TELEMETRY__LOG_LEVEL": "warning",
-               "CPD_TELEMETRY__LOG_JSON": "false",
-               "CPD_KVINDEX__SNAPSHOT_DIR": str(self.workdir / "snap"),
-               "PYTHONUNBUFFERED": "1", **env, **override_env(spec.overrides),
-               "CPD_NATS__SERVERS": url}
-        if spec.config_file:
-            env["CPD_CONFIG"] = str(Path(spec.config_file).resolve())
-        return env
-
-    def _node_env(self, node: NodeSpec, base: dict[str, str]) -> dict[str, str]:
-        env = {**base, "CPD_NODE__NODE_ID": node.node_id, **override_env(node.overrides)}
-        if node.metrics_port:
-            env[METRICS_PORT_ENV] = str(node.metrics_port)
-        return {**env, **node.env}
+    # ---------------------------------------------------------------- settings
 
     @staticmethod
     def _load_settings(env: dict[str, str]) -> Settings:
@@ -188,53 +177,104 @@ class Cluster:
         """The settings ``node`` runs with (``None``: a client of this cluster's)."""
         self._need(self._env or None)
         if node not in self._settings:
-            env = self._env if node is None else self._node_env(self.spec.node(node), self._env)
+            env = ({**self._env, **self.spec.client_env} if node is None
+                   else self.spec.node(node).child_env(self._env))
             self._settings[node] = self._load_settings(env)
         return self._settings[node]
 
     # ---------------------------------------------------------------- nodes
 
-    async def _launch(self, nodes: list[str]) -> None:
-        """Start ``nodes`` (again) and wait until each serves."""
-        since_ms = int(time.time() * 1000)
-        placements = (engine_placements(self.settings(), self.spec.services())
-                      if self.spec.placement else {})
-        started = []
-        for node in nodes:
-            env = self._node_env(self.spec.node(node), self._env)
-            if (placed := placements.get(node)) is not None:
-                env.setdefault("CPD_WORKER__ENGINE_CPUS", placed.cpu_list)
-                env.setdefault("CPD_WORKER__ENGINE_THREADS", str(placed.threads))
-            proc = self.procs.get(node)
-            if proc is None:
-                spec = self.spec.node(node)
-                proc = self.procs[node] = Proc(spec.service, node, self.log_path(node), env)
-            proc.env = env
-            self._down.discard(node)
-            proc.start()
-            started.append(proc)
-        deadline = time.monotonic() + self.spec.ready_timeout_s
-        await until_ready(asyncio.gather(*(self._serving(p, since_ms, deadline)
-                                           for p in started)), started, self._exited)
+    async def _launch(self, nodes: list[str], wait: bool = True) -> None:
+        """Start ``nodes`` (again) and, with ``wait``, wait until each serves."""
+        since_ms, t0 = int(time.time() * 1000), time.monotonic()
+        started = [self._spawn(node) for node in nodes]
+        if not wait:
+            return
+        pending = {p.node_id for p in started}
+        reporter = (asyncio.create_task(report_starting(started, pending, t0, self._report))
+                    if self._reporting else None)
+        try:
+            await until_ready(asyncio.gather(*(self._serving(p, since_ms, t0, pending)
+                                               for p in started)), started, self._exited)
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+
+    def _spawn(self, node: str) -> Proc:
+        """Start ``node``'s process, its engine on the cores ``cpd up`` would give it."""
+        env = self.spec.node(node).child_env(self._env)
+        placed = (engine_placements(self.settings(), self.spec.services()).get(node)
+                  if self.spec.placement else None)
+        where = ""
+        if placed is not None:
+            cpus = env.setdefault("CPD_WORKER__ENGINE_CPUS", placed.cpu_list)
+            threads = env.setdefault("CPD_WORKER__ENGINE_THREADS", str(placed.threads))
+            where = f" (engine on CPUs {cpus}, {threads} threads)"
+        proc = self.procs.get(node)
+        if proc is None:
+            spec = self.spec.node(node)
+            proc = self.procs[node] = Proc(spec.service, node, self.log_path(node), env)
+        proc.env = env
+        self._down.discard(node)
+        proc.start()
+        self._report(f"starting {node}{where}")
+        return proc
 
     def _exited(self, p: Proc) -> str | None:
-        if p.alive():
-            return None
-        code = p.popen.returncode if p.popen is not None else None
-        return (f"{self.spec.label}: {p.node_id} exited (code {code}) during start-up:\n"
-                f"{self.log_tail(p.node_id)}")
+        return start_failure(p, self.spec.label)
 
-    async def _serving(self, p: Proc, since_ms: int, deadline: float) -> None:
+    async def _serving(self, p: Proc, since_ms: int, t0: float, pending: set[str]) -> None:
         """PING, then the role's own probe (:mod:`tools.cluster.ready`)."""
-        await wait_ready(self.url, p.service, p.node_id, deadline - time.monotonic())
+        deadline = t0 + self.spec.ready_timeout_s
+        await wait_ready(self.url, p.service, p.node_id, deadline - time.monotonic(),
+                         self.settings().nats)
         left = max(deadline - time.monotonic(), 1.0)
         if p.service == "kvindex":
             await kvindex_serving((await self.connect()).bus, left)
         elif p.service in WORKER_ROLES:
-            await heartbeat_since((await self.connect()).bus, p.node_id, since_ms, left)
+            await self._heartbeat(p.node_id, since_ms, left)
         elif p.service == "router":
             await router_sees(await self.connect(),
                               [n for n in self.workers if n not in self._down], left)
+        pending.discard(p.node_id)
+        log.info("service.ready", service=p.service, node=p.node_id)
+        self._report(f"{p.node_id} ready ({time.monotonic() - t0:.0f} s)")
+
+    async def _heartbeat(self, node: str, since_ms: int, timeout: float) -> None:
+        bus = (await self.connect()).bus
+        self.heartbeats[node] = await heartbeat_since(bus, node, since_ms, timeout)
+
+    async def wait_heartbeats(self, nodes: Collection[str], since_ms: int = 0,
+                              timeout_s: float | None = None) -> dict[str, wire.Heartbeat]:
+        """A heartbeat of each of ``nodes`` from an incarnation started at or after
+        ``since_ms`` (unix ms); one of their processes exiting fails the wait at once."""
+        timeout = self.spec.ready_timeout_s if timeout_s is None else timeout_s
+        await until_ready(asyncio.gather(*(self._heartbeat(n, since_ms, timeout)
+                                           for n in nodes)),
+                          [self.procs[n] for n in nodes], self._exited)
+        return {n: self.heartbeats[n] for n in nodes}
+
+    def namespace(self, node: str) -> Namespace:
+        """The block namespace ``node`` announced in the heartbeat its readiness saw."""
+        hb = self._need(self.heartbeats.get(node), f"no heartbeat of {node} seen")
+        return Namespace.from_spec(hb.namespace_spec)
+
+    async def add(self, node: NodeSpec, *, wait: bool = True) -> None:
+        """Start ``node``, which the spec did not have, and wait until it serves; without
+        ``wait``, return once its process runs (a caller timing the start-up itself)."""
+        self._load_settings(node.child_env(self._need(self._env or None)))
+        self.spec = replace(self.spec, nodes=(*self.spec.nodes, node))  # refuses a repeat
+        await self._launch([node.node_id], wait=wait)
+
+    async def remove(self, node: str) -> None:
+        """Stop ``node`` gracefully and forget it (:meth:`add` may start it anew)."""
+        await self.stop_node(node)
+        del self.procs[node]
+        self._down.discard(node)
+        self._settings.pop(node, None)
+        self.heartbeats.pop(node, None)
+        self.spec = replace(self.spec,
+                            nodes=tuple(n for n in self.spec.nodes if n.node_id != node))
 
     async def restart(self, node: str) -> None:
         """Stop ``node`` if it runs, start it again (also after :meth:`stop_node` or a
@@ -306,6 +346,7 @@ class Cluster:
             nats = self.nats
             if nats is not None and not self._nats_restarting and (
                     nats.proc is None or nats.proc.poll() is not None):
+                log.warning("nats.restarting")
                 report("NATS exited; restarting it")
                 await asyncio.to_thread(nats.start)
                 self.restarts.append((time.monotonic(), "nats"))
@@ -314,21 +355,6 @@ class Cluster:
                     self.restarts.append((time.monotonic(), node))
 
     # ---------------------------------------------------------------- access
-
-    @property
-    def workdir(self) -> Path:
-        """Logs (``<node>.log``, ``nats.log``), ``nats/`` and ``snap/``."""
-        return self._need(self._workdir)
-
-    @property
-    def url(self) -> str:
-        """NATS's URL."""
-        return self._need(self.nats).url
-
-    @property
-    def workers(self) -> dict[str, str]:
-        """``node id -> role`` of every worker."""
-        return {n.node_id: n.service for n in self.spec.nodes if n.service in WORKER_ROLES}
 
     async def connect(self) -> Client:
         """The cluster's client (one connection, opened on first use)."""
@@ -352,39 +378,6 @@ class Cluster:
         """Wait until the router's status lists every one of ``nodes`` as alive."""
         await router_sees(await self.connect(), nodes, timeout_s)
 
-    def pid(self, node: str) -> int:
-        """The node's process id (of its current incarnation)."""
-        return self._need(self.procs[node].popen, f"{node} has not started").pid
-
-    def _need(self, value: T | None, why: str = "not started") -> T:
-        """``value``, which exists once the cluster (or that part of it) started."""
-        if value is None:
-            raise CpdError(f"{self.spec.label}: {why}")
-        return value
-
-    def alive(self, node: str) -> bool:
-        """Whether the node's process runs."""
-        return self.procs[node].alive()
-
-    def dead(self) -> list[str]:
-        """Nodes whose process is not running."""
-        return [n for n, p in self.procs.items() if not p.alive()]
-
-    def log_path(self, node: str) -> Path:
-        """The node's log (every start of it appended)."""
-        return self.workdir / f"{node}.log"
-
-    def log_tail(self, node: str, chars: int = 3000) -> str:
-        """The last ``chars`` characters of the node's log."""
-        return log_tail(self.log_path(node), chars)
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) each node's process has used so far."""
-        out = {}
-        for node, p in self.procs.items():
-            if p.popen is not None and (s := cpu_seconds(p.popen.pid)) is not None:
-                out[node] = round(s, 2)
-        return out
 
 
 __all__ = ["Cluster"]

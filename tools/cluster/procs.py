@@ -179,6 +179,29 @@ def engine_placements(settings: Settings, nodes: dict[str, str]) -> dict[str, En
     return dict(zip(workers, placed, strict=True))
 
 
+def start_failure(proc: Proc, label: str) -> str | None:
+    """Why ``proc`` failed its start, with its log; ``None`` while it runs. One NATS
+    refused (:data:`EXIT_REFUSED`) is named as such: its credentials need fixing, and
+    neither waiting nor restarting helps."""
+    if proc.alive():
+        return None
+    code = proc.popen.returncode if proc.popen is not None else None
+    if code == EXIT_REFUSED:
+        return (f"NATS refused {proc.node_id}; see {proc.log_path}:\n"
+                + log_tail(proc.log_path, 2000))
+    return (f"{label}: {proc.node_id} exited (code {code}) during start-up:\n"
+            f"{log_tail(proc.log_path)}")
+
+
+def last_log_line(path: Path, width: int = 100, since: int = 0) -> str:
+    """The last line a process logged since byte ``since`` of its log (its current
+    start: the file keeps earlier runs), without vLLM's prefix (what it is doing now)."""
+    lines = [x for x in log_tail(path, 4096, since).splitlines() if x.strip()]
+    line = lines[-1] if lines else "(nothing logged yet)"
+    head, sep, rest = line.partition("] ")
+    return (rest if sep and len(head) < 120 else line).strip()[:width]
+
+
 def log_tail(path: Path, chars: int = 3000, since: int = 0) -> str:
     """The last ``chars`` characters a process logged at or after byte ``since`` of its
     log (``""`` when unreadable)."""
@@ -193,5 +216,5 @@ def log_tail(path: Path, chars: int = 3000, since: int = 0) -> str:
 
 
 __all__ = ["SERVICE_ORDER", "Proc", "engine_placements", "env_overrides", "kill_tree",
-           "log_tail", "override_env", "plan_nodes", "restart_proc", "settings_env",
-           "stop_tree"]
+           "last_log_line", "log_tail", "override_env", "plan_nodes", "restart_proc",
+           "settings_env", "start_failure", "stop_tree"]

@@ -22,10 +22,12 @@ from cpd.client import Client
 from cpd.ops.config import NatsSettings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
-from tools.cluster.procs import Proc
+from tools.cluster.procs import Proc, last_log_line
 
 # How often a probe asks again.
 _POLL_S = 0.2
+# How often a start names the processes still starting (engines take tens of seconds).
+PROGRESS_EVERY_S = 10.0
 
 
 async def wait_ready(url: str | None, service: str, node_id: str, timeout: float,
@@ -75,6 +77,19 @@ async def until_ready(ready: asyncio.Future[Any], procs: list[Proc],
             await ready
 
 
+async def report_starting(procs: list[Proc], pending: Collection[str], t0: float,
+                          report: Callable[[str], None]) -> None:
+    """Every :data:`PROGRESS_EVERY_S` until cancelled, a line for each of ``procs`` still
+    ``pending``: how long since ``t0`` (monotonic) and what its log says it is doing."""
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        elapsed = time.monotonic() - t0
+        for p in procs:
+            if p.node_id in pending:
+                report(f"{p.node_id} starting ({elapsed:.0f} s): "
+                       f"{last_log_line(p.log_path, since=p.log_offset)}")
+
+
 async def kvindex_serving(bus: Bus, timeout: float) -> None:
     """Wait until kvindex answers a lookup and is done replaying the stream (a lookup
     during the replay answers ``recovering``; before ``setup()`` ends, none answers)."""
@@ -94,8 +109,9 @@ async def kvindex_serving(bus: Bus, timeout: float) -> None:
     raise CpdError(f"kvindex not serving within {timeout}s ({status})")
 
 
-async def heartbeat_since(bus: Bus, node: str, since_ms: int, timeout: float) -> None:
-    """Wait for a heartbeat of ``node`` from an incarnation started at or after
+async def heartbeat_since(bus: Bus, node: str, since_ms: int,
+                          timeout: float) -> wire.Heartbeat:
+    """The first heartbeat of ``node`` from an incarnation started at or after
     ``since_ms`` (unix ms): a restarted worker is back, not its predecessor's echo."""
     sub = await bus.nc.subscribe(subjects.heartbeat(node))
     try:
@@ -106,8 +122,8 @@ async def heartbeat_since(bus: Bus, node: str, since_ms: int, timeout: float) ->
             except nats.errors.TimeoutError:
                 break
             with contextlib.suppress(CpdError):
-                if wire.decode(msg.data, wire.Heartbeat).started_unix_ms >= since_ms:
-                    return
+                if (hb := wire.decode(msg.data, wire.Heartbeat)).started_unix_ms >= since_ms:
+                    return hb
         raise CpdError(f"{node} sent no heartbeat within {timeout}s")
     finally:
         with contextlib.suppress(Exception):
@@ -126,4 +142,5 @@ async def router_sees(client: Client, nodes: Collection[str], timeout: float) ->
     raise CpdError(f"the router did not see {sorted(nodes)} within {timeout:.0f}s")
 
 
-__all__ = ["heartbeat_since", "kvindex_serving", "router_sees", "until_ready", "wait_ready"]
+__all__ = ["PROGRESS_EVERY_S", "heartbeat_since", "kvindex_serving", "report_starting",
+           "router_sees", "until_ready", "wait_ready"]

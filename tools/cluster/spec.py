@@ -3,17 +3,20 @@ every process starts with, as frozen values (a spec can be shared and compared).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from cpd.ops.config import ENV_PREFIX
 from cpd.protocol.errors import ConfigError
 from cpd.protocol.roles import WORKER_ROLES
-from tools.cluster.procs import SERVICE_ORDER, plan_nodes
+from tools.cluster.procs import SERVICE_ORDER, override_env, plan_nodes
 
 Role = Literal["kvindex", "preprefill", "prefill", "decode", "router", "gateway"]
 Engine = Literal["sim", "vllm"]
+METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,8 @@ class NodeSpec:
 
     ``env``: extra environment of this node only, applied last (a NATS URL through a
     fault proxy, an advertised data-plane port); ``overrides``: ``section.field=value``
-    settings of this node only; ``metrics_port``: its Prometheus port (none by default).
+    settings of this node only; ``metrics_port``: its Prometheus port (none by default);
+    ``start_stage``: when it starts, instead of its role's :attr:`stage`.
     """
 
     node_id: str
@@ -30,13 +34,25 @@ class NodeSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     overrides: tuple[str, ...] = ()
     metrics_port: int | None = None
+    start_stage: int | None = None
 
     @property
     def stage(self) -> int:
-        """When it starts: kvindex, then the workers, the router, the gateway."""
+        """When it starts: kvindex, then the workers, the router, the gateway (unless
+        ``start_stage`` says otherwise)."""
+        if self.start_stage is not None:
+            return self.start_stage
         if self.service in WORKER_ROLES:
             return 1
         return {"kvindex": 0, "router": 2}.get(self.service, 3)
+
+    def child_env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """This node's environment: the cluster's ``base``, its node id, its own
+        overrides and metrics port, then its ``env``."""
+        env = {**base, "CPD_NODE__NODE_ID": self.node_id, **override_env(self.overrides)}
+        if self.metrics_port:
+            env[METRICS_PORT_ENV] = str(self.metrics_port)
+        return {**env, **self.env}
 
 
 @dataclass(frozen=True)
@@ -44,11 +60,13 @@ class NatsSpec:
     """The embedded NATS server: ``port`` 0 picks a free one (a fixed one lets a fault
     proxy in front of it exist before NATS does); ``store_dir`` defaults to the
     cluster's workdir; ``extra_args`` go to ``nats-server`` (``("-m", port)``: its
-    monitoring endpoint)."""
+    monitoring endpoint); ``config_file``: a secured server's configuration
+    (:mod:`cpd.ops.security`: every node then brings its identity in its ``env``)."""
 
     port: int = 0
     store_dir: Path | None = None
     extra_args: tuple[str, ...] = ()
+    config_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,12 +75,15 @@ class ClusterSpec:
 
     Every child gets ``overrides`` (``section.field=value``; validated with
     ``load_settings`` before anything starts) on top of the harness defaults (``engine``,
-    quiet plain-text logs, snapshots in ``workdir``); ``CPD_*`` variables of the caller's
-    environment reach them only with ``inherit_cpd_env`` (``cpd up``'s policy, not a
-    harness's). ``workdir`` holds ``<node>.log``, ``nats/`` and ``snap/``: ``None`` is a
-    temporary folder of the cluster's own, removed when it stops. ``placement`` pins
-    vLLM engines to cores as ``cpd up`` does; ``build_model`` builds the local model
-    once before any worker starts; ``serial_start`` starts workers one at a time (small
+    quiet plain-text logs, snapshots in ``workdir``; none without ``harness_defaults``);
+    ``CPD_*`` variables of the caller's environment reach them only with
+    ``inherit_cpd_env`` (``cpd up``'s policy, not a harness's), its ``CPD_NATS__*``
+    identity never on a secured server. ``client_env`` is the identity the cluster's own
+    client and readiness probes connect as (``cpd up --secure``: the admin's).
+    ``workdir`` holds ``<node>.log``, ``nats/`` and ``snap/``: ``None`` is a temporary
+    folder of the cluster's own, removed when it stops. ``placement`` pins vLLM engines
+    to cores as ``cpd up`` does; ``build_model`` builds the local model once before any
+    service that loads it starts; ``serial_start`` starts workers one at a time (small
     hosts). ``label`` names the cluster in errors and its client connection.
     """
 
@@ -73,6 +94,8 @@ class ClusterSpec:
     config_file: str | None = None
     workdir: Path | None = None
     inherit_cpd_env: bool = False
+    harness_defaults: bool = True
+    client_env: Mapping[str, str] = field(default_factory=dict)
     placement: bool = True
     build_model: bool = True
     serial_start: bool = False
@@ -107,6 +130,22 @@ class ClusterSpec:
         """``node id -> service`` of every node."""
         return {n.node_id: n.service for n in self.nodes}
 
+    def base_env(self, workdir: Path, url: str) -> dict[str, str]:
+        """What every child starts with: this environment (its ``CPD_*`` variables only
+        with ``inherit_cpd_env``), the harness defaults, the overrides, NATS at ``url``."""
+        secured = self.nats.config_file is not None
+        env = {k: v for k, v in os.environ.items()
+               if (self.inherit_cpd_env or not k.startswith(ENV_PREFIX))
+               and not (secured and k.startswith(f"{ENV_PREFIX}NATS__"))}
+        defaults = {"CPD_WORKER__ENGINE": self.engine, "CPD_TELEMETRY__LOG_LEVEL": "warning",
+                    "CPD_TELEMETRY__LOG_JSON": "false",
+                    "CPD_KVINDEX__SNAPSHOT_DIR": str(workdir / "snap")}
+        env = {**(defaults if self.harness_defaults else {}), "PYTHONUNBUFFERED": "1",
+               **env, **override_env(self.overrides), "CPD_NATS__SERVERS": url}
+        if self.config_file:
+            env["CPD_CONFIG"] = str(Path(self.config_file).resolve())
+        return env
+
 
 def nodes_of(services: Mapping[str, str],
              env: Mapping[str, Mapping[str, str]] | None = None) -> tuple[NodeSpec, ...]:
@@ -116,4 +155,5 @@ def nodes_of(services: Mapping[str, str],
                  for node, service in services.items())
 
 
-__all__ = ["ClusterSpec", "Engine", "NatsSpec", "NodeSpec", "Role", "nodes_of"]
+__all__ = ["METRICS_PORT_ENV", "ClusterSpec", "Engine", "NatsSpec", "NodeSpec", "Role",
+           "nodes_of"]
