@@ -423,6 +423,15 @@ async def test_micro_stats_time_whole_concurrent_handlers(bus: Bus, echo: EchoSe
     assert after["num_errors"] == 0
 
 
+async def _stream_fails(bus: Bus, echo: EchoService, prompt: str) -> None:
+    """Stream ``prompt`` from the echo service, which ends it with ``Overloaded``."""
+    with pytest.raises(Overloaded):
+        async for _ in bus.stream(f"{echo.prefix}.generate",
+                                  wire.GenerateRequest(request_id="g", prompt=prompt),
+                                  timeout=10):
+            pass
+
+
 async def test_micro_stats_time_streamed_replies(bus: Bus, echo: EchoService) -> None:
     before = (await _stats(bus, echo))["generate"]
     msgs = [m async for m in bus.stream(f"{echo.prefix}.generate",
@@ -432,21 +441,13 @@ async def test_micro_stats_time_streamed_replies(bus: Bus, echo: EchoService) ->
     after = (await _stats(bus, echo))["generate"]
     assert after["num_requests"] == before["num_requests"] + 1
     assert after["processing_time"] > before["processing_time"]
-    with pytest.raises(Overloaded):
-        async for _ in bus.stream(f"{echo.prefix}.generate",
-                                  wire.GenerateRequest(request_id="g", prompt="fail-midway"),
-                                  timeout=10):
-            pass
+    await _stream_fails(bus, echo, "fail-midway")
     after = (await _stats(bus, echo))["generate"]
     assert after["num_errors"] == before["num_errors"] + 1
     assert after["last_error"] == "overloaded: decode lost"
     # A stream the handler ended with an error is a failed request too (as the router's
     # generate endpoint ends its client's stream).
-    with pytest.raises(Overloaded):
-        async for _ in bus.stream(f"{echo.prefix}.generate",
-                                  wire.GenerateRequest(request_id="g", prompt="stream-error"),
-                                  timeout=10):
-            pass
+    await _stream_fails(bus, echo, "stream-error")
     after = (await _stats(bus, echo))["generate"]
     assert after["num_errors"] == before["num_errors"] + 2
     assert after["last_error"] == "overloaded: stream ended"

@@ -12,7 +12,8 @@ import pytest
 from cpd.protocol import wire
 from cpd.protocol.wire import RouteReason
 from services.router.cost import LoadCost, PrefillCost
-from services.router.policy import Hits, NoCapacity, NodeLoad, PolicyConfig, Router, choose_decode
+from services.router.hits import Hits
+from services.router.policy import NoCapacity, NodeLoad, PolicyConfig, Router, choose_decode
 from services.router.queueing import remaining_ms, wait_ms
 
 BS = 256

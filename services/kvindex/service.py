@@ -341,4 +341,4 @@ def _check_event_sender(subject: str, ev: wire.KvEvent) -> None:
         if not isinstance(ev, wire.LeaseExpired):
             raise ForgedSender(f"a {type(ev).__name__} came on kvindex's own subject")
         return
-    subjects.check_sender(subject, ev.node)
+    wire.check_sender(subject, ev)

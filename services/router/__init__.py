@@ -4,8 +4,9 @@
 them."""
 
 from services.router.admission import Admission
+from services.router.hits import Hits
 from services.router.nodes import NodeTable
-from services.router.policy import Decision, Hits, NodeLoad, PolicyConfig, Router, Wait
+from services.router.policy import Decision, NodeLoad, PolicyConfig, Router, Wait
 from services.router.service import RouterService, serve
 from services.router.waiters import PrefixWaiters
 

@@ -13,11 +13,10 @@ deadline; a node that stops heart-beating mid-request is routed around (the requ
 is re-run elsewhere while nothing, or only reproducible greedy output, reached the
 client); admission slots are held exactly as long as requests run.
 
-Apart from this module: ``relay`` (a request's stream across tries, and which node owns
-it), ``outcome`` (the client's final message, assembled from the workers' reports),
-``accounting`` (counts and metrics), ``keepalive`` (the client streams' ticker),
-``policy`` (the pure routing decision), ``nodes`` (the node table), ``admission``,
-``waiters`` (single-flight wake-ups), ``cost`` and ``queueing`` (the cost model).
+Apart from this module: ``relay`` (a stream across tries, its owner), ``outcome`` (the
+final message, from the workers' reports), ``accounting``, ``keepalive``, ``policy`` and
+``hits`` (the pure decision), ``nodes``, ``admission``, ``waiters`` (single-flight
+wake-ups), ``cost`` and ``queueing`` (the cost model).
 """
 
 from __future__ import annotations
@@ -47,10 +46,11 @@ from cpd.protocol.hashing import BlockHasher, Namespace
 from services.router.accounting import RouterAccounts
 from services.router.admission import Admission
 from services.router.cost import LoadCost, PrefillCost
+from services.router.hits import Hits
 from services.router.keepalive import KeepAlives
 from services.router.nodes import NodeTable
 from services.router.outcome import RouterTimes, RoutingCost, assemble
-from services.router.policy import Decision, Hits, NoCapacity, PolicyConfig, Router, Wait
+from services.router.policy import Decision, NoCapacity, PolicyConfig, Router, Wait
 from services.router.relay import AttemptFailed, Relay, fresh_engine_id, resumed_tokens
 from services.router.waiters import PrefixWaiters
 

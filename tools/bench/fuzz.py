@@ -169,8 +169,7 @@ def expected_rejection(data: bytes, kind: type[wire.Message],
     try:
         msg = wire.decode(data, kind)
         if subjects.sender(subject) is not None:
-            role = msg.role if isinstance(msg, wire.LoadReport) else ""
-            subjects.check_sender(subject, getattr(msg, "node", ""), role)
+            wire.check_sender(subject, msg)  # type: ignore[arg-type]
     except CpdError as e:
         return e.code
     return None

@@ -44,7 +44,8 @@ from cpd.protocol.roles import PREFILL_ROLES, Role
 from cpd.sim.costmodel import CostModel
 from cpd.sim.scheduler import Admission, Scheduler, SchedulerConfig
 from cpd.sim.workloads import WorkloadRequest
-from services.router.policy import Decision, Hits, NodeLoad, Router
+from services.router.hits import Hits
+from services.router.policy import Decision, NodeLoad, Router
 from tools.bench.loaddriver import UNFINISHED, Result
 from tools.plan.blocks import engine_blocks
 from tools.plan.prefixstore import PrefixStore

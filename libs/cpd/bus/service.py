@@ -275,8 +275,7 @@ class Service:
         if m is None:
             return None
         try:
-            role = m.role if isinstance(m, wire.LoadReport) else ""
-            subjects.check_sender(msg.subject, m.node, role)
+            wire.check_sender(msg.subject, m)
         except CpdError as e:
             self.reject(msg.subject, e)
             return None

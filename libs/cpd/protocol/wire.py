@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 import numpy as np
 
+from cpd.protocol import subjects
 from cpd.protocol.errors import MalformedMessage, SchemaVersionError, UnknownKind, WrongKind
 from cpd.protocol.roles import Role
 
@@ -796,6 +797,12 @@ def pack_tokens(tokens: Any) -> bytes:
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in uint32")
     return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
+
+
+def check_sender(subject: str, msg: Heartbeat | LoadReport | KvEvent) -> None:
+    """:func:`cpd.protocol.subjects.check_sender` for ``msg``: the node it names, and a
+    load report's role, must be ``subject``'s (else ``ForgedSender``)."""
+    subjects.check_sender(subject, msg.node, msg.role if isinstance(msg, LoadReport) else "")
 
 
 def unpack_tokens(data: bytes) -> np.ndarray:
