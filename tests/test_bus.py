@@ -23,7 +23,7 @@ from cpd.bus import Bus, Request, Service, StreamReader, encoded_size
 from cpd.ops import telemetry
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
-from cpd.protocol import wire
+from cpd.protocol import subjects, wire
 from cpd.protocol.errors import (
     ErrorCode,
     MalformedMessage,
@@ -221,6 +221,39 @@ async def test_stream_error_midway_is_raised_after_the_tokens(bus: Bus, echo: Ec
             got.append(m)
     assert [m.token_ids for m in got] == [[1]]
     assert e.value.retryable
+
+
+async def test_a_stream_left_early_says_so_and_one_read_to_the_end_does_not(
+        bus: Bus, echo: EchoService) -> None:
+    """A caller that stops reading publishes the ``abandoned`` message, built from the
+    stream's inbox; a stream that ended (final or error) publishes nothing."""
+    notices: asyncio.Queue[wire.CancelGenerate] = asyncio.Queue()
+
+    async def on_notice(msg: Msg) -> None:
+        notices.put_nowait(wire.decode(msg.data, wire.CancelGenerate))
+
+    sub = await bus.nc.subscribe(f"{echo.prefix}.left", cb=on_notice)
+    left = (f"{echo.prefix}.left",
+            lambda inbox: wire.CancelGenerate(request_id="g", reply_to=inbox))
+    try:
+        async with contextlib.aclosing(bus.stream(
+                f"{echo.prefix}.generate", wire.GenerateRequest(request_id="g", prompt="abc"),
+                timeout=10, abandoned=left)) as stream:
+            async for _ in stream:
+                break
+        notice = await asyncio.wait_for(notices.get(), 5)
+        assert notice.request_id == "g" and subjects.check_reply_subject(notice.reply_to)
+        for prompt in ("abc", "fail-midway"):
+            with contextlib.suppress(Overloaded):
+                async for _ in bus.stream(f"{echo.prefix}.generate",
+                                          wire.GenerateRequest(request_id="g", prompt=prompt),
+                                          timeout=10, abandoned=left):
+                    pass
+        await bus.nc.flush()
+        await asyncio.sleep(0.2)
+        assert notices.empty()
+    finally:
+        await sub.unsubscribe()
 
 
 async def test_no_responders(bus: Bus) -> None:

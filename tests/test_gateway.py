@@ -96,7 +96,10 @@ class FakeRouter(Service):
             if i == self.fail_after:
                 await stream.error(Unavailable("decode node lost"))
                 return
-            await stream.tokens([FIRST_TOKEN + i], PIECES[i])
+            k = req.sampling.logprobs
+            await stream.tokens([FIRST_TOKEN + i], PIECES[i], logprobs=None if k is None else [
+                wire.TokenLogprob(logprob=-0.5 - i, rank=2,  # the second most likely
+                                  top=[(7, -0.25), (FIRST_TOKEN + i, -0.5 - i), (9, -3.0)][:k])])
             await asyncio.sleep(self.token_delay_s)
         await stream.final(
             finish_reason="length" if n == req.sampling.max_tokens else "stop",
@@ -235,6 +238,68 @@ async def test_completion_stream_assembles_the_router_text(oai: openai.AsyncOpen
     assert chunks[-1].usage.completion_tokens == 5
 
 
+async def test_completion_logprobs_as_vllm_writes_them(
+        oai: openai.AsyncOpenAI, router: FakeRouter, model: ServedModel) -> None:
+    """Per token: its text, log probability, offset, and the token with the ``logprobs``
+    most likely ones (the token first, without repeats): whole and streamed alike."""
+    def text(t: int) -> str:
+        return model.tokenizer.decode([t], skip_special_tokens=False)
+
+    resp = await oai.completions.create(model=SERVED_NAME, prompt="x", max_tokens=3,
+                                        logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert router.received[-1].sampling.logprobs == 2
+    assert lp is not None and lp.tokens == [text(FIRST_TOKEN + i) for i in range(3)]
+    assert lp.token_logprobs == [-0.5, -1.5, -2.5]
+    assert lp.top_logprobs == [{text(FIRST_TOKEN + i): -0.5 - i, text(7): -0.25}
+                               for i in range(3)]
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    stream = await oai.completions.create(model=SERVED_NAME, prompt="x", max_tokens=3,
+                                          logprobs=2, stream=True)
+    parts = [c.choices[0].logprobs async for c in stream
+             if c.choices and c.choices[0].logprobs]
+    # One part per token, the text-less one included; offsets run across chunks.
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    no = await oai.completions.create(model=SERVED_NAME, prompt="x", max_tokens=1)
+    assert no.choices[0].logprobs is None and router.received[-1].sampling.logprobs is None
+
+
+async def test_chat_logprobs_as_vllm_writes_them(oai: openai.AsyncOpenAI,
+                                                router: FakeRouter,
+                                                model: ServedModel) -> None:
+    resp = await oai.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert router.received[-1].sampling.logprobs == 2
+    first = model.tokenizer.decode([FIRST_TOKEN], skip_special_tokens=False)
+    assert content[0].token == first and content[0].logprob == -0.5
+    assert content[0].bytes == list(first.encode())
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [
+        (first, -0.5), (model.tokenizer.decode([7], skip_special_tokens=False), -0.25)]
+    await oai.chat.completions.create(model=SERVED_NAME, max_tokens=1, logprobs=True,
+                                      messages=[{"role": "user", "content": "hi"}])
+    assert router.received[-1].sampling.logprobs == 0
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.chat.completions.create(model=SERVED_NAME, max_tokens=1, top_logprobs=2,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["param"] == "top_logprobs"  # type: ignore[index]
+
+
+async def test_echo_sends_the_prompt_first(oai: openai.AsyncOpenAI, router: FakeRouter,
+                                           model: ServedModel) -> None:
+    resp = await oai.completions.create(model=SERVED_NAME, prompt="def f", max_tokens=2,
+                                        echo=True)
+    assert resp.choices[0].text == "def f" + "".join(PIECES[:2])
+    ids = model.encode("def g")
+    stream = await oai.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=2,
+                                          echo=True, stream=True)
+    texts = [c.choices[0].text async for c in stream if c.choices]
+    assert "".join(texts) == model.tokenizer.decode(ids, skip_special_tokens=False) + "".join(
+        PIECES[:2])
+
+
 async def test_token_id_prompts(oai: openai.AsyncOpenAI, router: FakeRouter,
                                 model: ServedModel) -> None:
     for prompt in ([1, 2, 3], [[1, 2, 3]]):
@@ -283,7 +348,7 @@ async def test_a_request_is_tokenized_once(oai: openai.AsyncOpenAI, router: Fake
     calls: list[str] = []
     encode = ServedModel.encode
     monkeypatch.setattr(ServedModel, "encode",
-                        lambda self, text: calls.append(text) or encode(self, text))
+                        lambda self, text, **kw: calls.append(text) or encode(self, text, **kw))
     if kind == "chat":
         await oai.chat.completions.create(
             model=SERVED_NAME, messages=[{"role": "user", "content": "Count the foxes."}],
@@ -302,9 +367,11 @@ async def test_chat_without_max_tokens_may_fill_the_context(
                                              {"type": "text", "text": " there"}]}]
     await oai.chat.completions.create(model=SERVED_NAME, messages=messages)  # type: ignore[arg-type]
     sent = router.received[-1]
-    prompt = model.render_chat([{"role": "user", "content": "Hi there"}])
-    assert wire.unpack_tokens(sent.tokens or b"").tolist() == model.encode(prompt)
-    assert sent.sampling.max_tokens == model.max_model_len - len(model.encode(prompt))
+    # Text parts joined by a newline, as vLLM joins them.
+    prompt = model.render_chat([{"role": "user", "content": "Hi\n there"}])
+    ids = model.encode(prompt, add_special_tokens=False)
+    assert wire.unpack_tokens(sent.tokens or b"").tolist() == ids
+    assert sent.sampling.max_tokens == model.max_model_len - len(ids)
 
 
 async def test_chat_stream_has_role_deltas_usage_and_route(oai: openai.AsyncOpenAI,
@@ -468,21 +535,47 @@ async def test_integers_past_what_the_engines_take_are_refused(
     assert not router.received
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 4),
-    ("skip_special_tokens", False), ("include_stop_str_in_output", True),
-    ("truncate_prompt_tokens", 10)])
-async def test_vllm_fields_cpd_lacks_are_refused_not_dropped(
-        http: httpx.AsyncClient, router: FakeRouter, field: str, value: object) -> None:
-    resp = await http.post("/v1/completions", json={"prompt": "hi", field: value})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == field
+async def test_truncate_prompt_tokens_is_refused_not_dropped(
+        http: httpx.AsyncClient, router: FakeRouter) -> None:
+    resp = await http.post("/v1/completions",
+                           json={"prompt": "hi", "truncate_prompt_tokens": 10})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "truncate_prompt_tokens"
     assert not router.received
-    neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
-               "skip_special_tokens": True, "include_stop_str_in_output": False}
-    if field in neutral:  # the value that asks for nothing is accepted
-        resp = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1,
-                                                        field: neutral[field]})
-        assert resp.status_code == 200, resp.text
+
+
+async def test_sampling_fields_reach_the_router(oai: openai.AsyncOpenAI,
+                                                router: FakeRouter) -> None:
+    """vLLM's sampling fields travel to the router as the wire's SamplingParams: stop
+    strings (one or a list), penalties, logit_bias keyed by token id, min_tokens..."""
+    await oai.completions.create(
+        model=SERVED_NAME, prompt="hi", max_tokens=8, stop="\n", presence_penalty=0.5,
+        frequency_penalty=-0.25, logit_bias={"7": 3.5}, seed=3,
+        extra_body={"stop_token_ids": [5], "top_k": 3, "min_p": 0.1,
+                    "repetition_penalty": 1.2, "min_tokens": 2,
+                    "skip_special_tokens": False, "include_stop_str_in_output": True})
+    s = router.received[-1].sampling
+    assert (s.stop, s.stop_token_ids, s.top_k, s.seed) == (["\n"], [5], 3, 3)
+    assert (s.presence_penalty, s.frequency_penalty, s.min_p, s.repetition_penalty) == (
+        0.5, -0.25, 0.1, 1.2)
+    assert s.logit_bias == {7: 3.5} and s.min_tokens == 2
+    assert not s.skip_special_tokens and s.include_stop_str_in_output
+    await oai.chat.completions.create(model=SERVED_NAME, max_tokens=2, stop=["a", "bc"],
+                                      messages=[{"role": "user", "content": "hi"}])
+    assert router.received[-1].sampling.stop == ["a", "bc"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("presence_penalty", 2.5),
+    ("min_p", 1.5), ("repetition_penalty", 0), ("min_tokens", 99), ("stop", [""]),
+    ("stop", ["s"] * 65)])
+async def test_bad_sampling_values_are_refused(http: httpx.AsyncClient, router: FakeRouter,
+                                               field: str, value: object) -> None:
+    resp = await http.post("/v1/completions",
+                           json={"prompt": "hi", "max_tokens": 4, field: value})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].split("[")[0].split(".")[0] in (field, "sampling")
+    assert not router.received
 
 
 async def test_request_spans_carry_the_genai_attributes(http: httpx.AsyncClient,
@@ -566,18 +659,6 @@ async def test_unknown_model_is_404(oai: openai.AsyncOpenAI, router: FakeRouter)
     assert not router.received  # refused at the door
 
 
-async def test_stop_strings_are_refused(oai: openai.AsyncOpenAI, router: FakeRouter) -> None:
-    with pytest.raises(openai.BadRequestError) as err:
-        await oai.completions.create(model=SERVED_NAME, prompt="hi", stop=["\n"])
-    assert err.value.body["param"] == "stop"  # type: ignore[index]
-    assert "stop_token_ids" in err.value.body["message"]  # type: ignore[index]
-    # Token-id stops are what the engines implement.
-    await oai.completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2,
-                                 extra_body={"stop_token_ids": [5], "top_k": 3})
-    sampling = router.received[-1].sampling
-    assert sampling.stop_token_ids == [5] and sampling.top_k == 3
-
-
 @pytest.mark.parametrize(("path", "body", "param", "status"), [
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", 400),
@@ -590,9 +671,8 @@ async def test_stop_strings_are_refused(oai: openai.AsyncOpenAI, router: FakeRou
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", 400),
     ("/v1/completions", {"max_tokens": 3}, None, 400),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n", 400),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", 400),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", 400),
-    ("/v1/completions", {"prompt": "hi", "stop": "\n"}, "stop", 400),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo", 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", 400),
     ("/v1/completions", {"prompt": "hi", "model": "other"}, "model", 404),
     ("/v1/chat/completions", {"messages": []}, "messages", 400),
     ("/v1/chat/completions", {"messages": "hi"}, "messages", 400),

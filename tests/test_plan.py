@@ -15,7 +15,7 @@ import pytest
 from cpd.engines.profile import SimProfile
 from cpd.protocol.errors import CpdError
 from cpd.sim.workloads import WorkloadRequest
-from services.router.service import make_policy
+from services.router.configured import make_policy
 from tools.plan.blocks import engine_blocks
 from tools.plan.cli import parse_topologies
 from tools.plan.planner import Verdict, verdict

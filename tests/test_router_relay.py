@@ -13,6 +13,7 @@ from cpd.ops.config import load_settings
 from cpd.protocol import wire
 from cpd.protocol.errors import InvalidRequest
 from services.router.relay import Relay, resumed_tokens
+from tests.helpers.recorder import Recorder
 
 
 def _relay() -> Relay:
@@ -38,21 +39,6 @@ def test_the_stream_owner_follows_restarts_and_acceptances(
     assert (relay.owner, relay.decode_node) == (owner, decode_node)
 
 
-class _Recorder:
-    """The client's side of a relayed stream: the ids and text it was sent."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.text = ""
-
-    async def tokens(self, ids: list[int], text: str = "") -> None:
-        self.ids += ids
-        self.text += text
-
-    async def final(self, **_: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def model(model_cache: Path) -> ServedModel:
     return ServedModel.load(load_settings(environ={}, overrides=[
@@ -61,7 +47,7 @@ def model(model_cache: Path) -> ServedModel:
 
 async def _stream(model: ServedModel, ids: list[int], chunk: int) -> str:
     """The text a client gets from one router relaying ``ids`` in chunks of ``chunk``."""
-    out = _Recorder()
+    out = Recorder()
     relay = Relay(out, model.detokenizer())  # type: ignore[arg-type]
     relay.restart("p0")
     for i in range(0, len(ids), chunk):
@@ -79,12 +65,12 @@ async def test_a_resumed_stream_continues_the_text_exactly(model: ServedModel) -
     whole = await _stream(model, ids, 3)
     assert whole == model.tokenizer.decode(ids)
     for k in range(1, len(ids)):
-        before = _Recorder()
+        before = Recorder()
         first = Relay(before, model.detokenizer())  # type: ignore[arg-type]
         first.restart("p0")
         for i in range(0, k, 3):
             await first.tokens(ids[i:min(i + 3, k)])
-        after = _Recorder()
+        after = Recorder()
         second = Relay(after, model.detokenizer())  # type: ignore[arg-type]
         second.resume(before.ids, len(before.text))
         second.restart("p1")

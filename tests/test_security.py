@@ -81,7 +81,14 @@ def test_permission_table_keeps_each_identity_to_its_job() -> None:
             if other != kind:
                 assert not allows(g.subscribe, f"{subjects.inbox_prefix(other)}.x"), (kind,
                                                                                      other)
-    assert set(_pub(security.CLIENT)) == {subjects.GENERATE, subjects.ROUTER_STATUS}
+    assert set(_pub(security.CLIENT)) == {subjects.GENERATE, subjects.GENERATE_CANCEL,
+                                          subjects.ROUTER_STATUS}
+    # Only routers tell workers to stop generating; workers hear only their own node's.
+    assert allows(_pub("router"), subjects.cancel("decode-0"))
+    assert not any(allows(_pub(k), subjects.cancel("decode-0"))
+                   for k in ("gateway", "kvindex", "prefill", "decode", security.CLIENT))
+    assert allows(_sub("decode", "decode-0"), subjects.cancel("decode-0"))
+    assert not allows(_sub("decode", "decode-0"), subjects.cancel("decode-1"))
     assert set(_sub(security.CLIENT)) == {f"{subjects.inbox_prefix('client')}.>"}
     # Who streams to whom: workers to the router, the router to its callers.
     assert allows(_pub("decode"), f"{subjects.inbox_prefix('router', 'router-0')}.abc")

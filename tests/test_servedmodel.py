@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import jinja2
@@ -10,6 +11,7 @@ import pytest
 
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import load_settings
+from cpd.protocol.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +46,39 @@ def test_chat_prompt_holds_every_turn(model: ServedModel) -> None:
 
 
 def test_a_model_chat_template_is_rendered_sandboxed(model: ServedModel) -> None:
+    """By ``transformers``, as vLLM renders it: the tokenizer's special tokens in scope."""
     templated = dataclasses.replace(
-        model, special_tokens={"bos_token": "<s>"},
+        model,
         chat_template="{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
                       "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
     assert templated.render_chat([{"role": "user", "content": "hi"}]) == (
-        "<s>[user] hi\n[assistant] ")
+        "<|bos|>[user] hi\n[assistant] ")
     hostile = dataclasses.replace(model, chat_template="{{ ''.__class__.__mro__ }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         hostile.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_the_namespace_follows_the_weights(model: ServedModel, tmp_path: Path,
+                                           model_cache: Path) -> None:
+    """Same weights elsewhere: same revision. Other weights behind the same folder:
+    another revision, hence another namespace. No weights: ``model.revision`` or a
+    typed refusal."""
+    copy = tmp_path / "m"
+    shutil.copytree(model.folder, copy)
+    settings = load_settings(environ={}, overrides=[f"model.path={copy}",
+                                                    f"model.cache_dir={model_cache}"])
+    same = ServedModel.load(settings)
+    assert same.namespace.model_revision == model.namespace.model_revision
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # "retrained": the last bytes differ
+    weights.write_bytes(bytes(data))
+    changed = ServedModel.load(settings)
+    assert changed.namespace.model_revision != same.namespace.model_revision
+    assert changed.namespace.id != same.namespace.id
+    weights.unlink()
+    with pytest.raises(ConfigError):
+        ServedModel.load(settings)
+    named = ServedModel.load(load_settings(environ={}, overrides=[
+        f"model.path={copy}", f"model.cache_dir={model_cache}", "model.revision=v7"]))
+    assert named.namespace.model_revision == "v7"

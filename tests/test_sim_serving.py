@@ -23,7 +23,7 @@ from cpd.protocol.errors import ConfigError, CpdError, InvalidRequest, Overloade
 from cpd.protocol.hashing import block_hashes
 from cpd.sim.costmodel import preset
 from cpd.sim.workloads import block_token_ids
-from services.router.service import prefill_cost
+from services.router.configured import prefill_cost
 from tools.bench.simcluster import SimCluster as BaseSimCluster
 from tools.bench.sweep import (
     BY_LABEL,

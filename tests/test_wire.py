@@ -25,8 +25,16 @@ SAMPLES: list[wire.Message] = [
     wire.GenerateRequest(request_id="r1", prompt="hello", tenant="t1", priority=2,
                          sampling=wire.SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9,
                                                       top_k=40, seed=5, stop_token_ids=[2])),
+    wire.GenerateRequest(request_id="r3", prompt="x", sampling=wire.SamplingParams(
+        max_tokens=9, min_tokens=2, min_p=0.05, repetition_penalty=1.1,
+        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={7: -3.0},
+        stop=["\n\n", "END"], include_stop_str_in_output=True, skip_special_tokens=False)),
     wire.GenerateRequest(request_id="r2", tokens=wire.pack_tokens([1, 2, 3]), timeout_ms=500),
     wire.TokenChunk(request_id="r1", seq=0, token_ids=[5, 6], text="ab"),
+    wire.TokenChunk(request_id="r1", seq=1, token_ids=[2], ends_with_stop_token=True),
+    wire.TokenChunk(request_id="r1", seq=2, token_ids=[3, 4], logprobs=[
+        wire.TokenLogprob(logprob=-0.1, rank=1, top=[(3, -0.1)]),
+        wire.TokenLogprob(logprob=-2.5, rank=3, top=[])]),
     wire.Final(request_id="r1", seq=3, finish_reason="length",
                usage=wire.Usage(prompt_tokens=10, completion_tokens=3, cached_tokens=8),
                timings=wire.Timings(ttft_ms=12.5, total_ms=40.0),
@@ -75,6 +83,8 @@ SAMPLES: list[wire.Message] = [
     wire.HandoffAccepted(request_id="r1", seq=2, node="d0"),
     wire.ResetCache(reason="test"),
     wire.PullAck(request_id="r1", lease_id="l1"),
+    wire.Cancel(request_id="r1"),
+    wire.CancelGenerate(request_id="r1", reply_to="_INBOX_client.abc"),
     wire.StatusRequest(),
     wire.StatusReply(router=wire.RouterStats(node="r0", policy="cpd", completed=3,
                                              paths={"cold": 1, "warm": 2}),
@@ -126,11 +136,11 @@ class _TokenChunkV1_1(msgspec.Struct, tag="token", tag_field="kind", kw_only=Tru
     seq: int
     token_ids: list[int]
     text: str = ""
-    logprobs: list[float] = msgspec.field(default_factory=list)
+    draft_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 def test_newer_minor_fields_are_ignored_by_older_readers() -> None:
-    newer = _TokenChunkV1_1(request_id="r", seq=1, token_ids=[1], logprobs=[-0.5])
+    newer = _TokenChunkV1_1(request_id="r", seq=1, token_ids=[1], draft_token_ids=[5])
     old = wire.decode(msgspec.msgpack.encode(newer), wire.TokenChunk)
     assert old == wire.TokenChunk(request_id="r", seq=1, token_ids=[1])
 
@@ -138,7 +148,7 @@ def test_newer_minor_fields_are_ignored_by_older_readers() -> None:
 def test_older_messages_get_defaults_in_newer_readers() -> None:
     older = wire.encode(wire.TokenChunk(request_id="r", seq=1, token_ids=[1]))
     newer = msgspec.msgpack.decode(older, type=_TokenChunkV1_1)
-    assert newer.logprobs == [] and newer.token_ids == [1]
+    assert newer.draft_token_ids == [] and newer.token_ids == [1]
 
 
 def test_a_load_report_without_a_prefill_list_holds_nothing() -> None:

@@ -468,6 +468,26 @@ _PULL_ACK_HOSTILE: Hostile = {
 }
 
 
+def _cancel(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
+    return {"kind": "cancel", "v": 1, "request_id": f"fz-{rng.getrandbits(32):x}"}
+
+
+_CANCEL_HOSTILE: Hostile = {
+    "request_id": lambda c, r: r.choice(["", BAD_UTF8, None, 1, "x" * 20_000]),
+}
+
+
+def _cancel_generate(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
+    return {"kind": "cancel_generate", "v": 1, "request_id": f"fz-{rng.getrandbits(32):x}",
+            "reply_to": f"_INBOX.fz{rng.getrandbits(32):x}"}
+
+
+_CANCEL_GENERATE_HOSTILE: Hostile = {
+    "request_id": lambda c, r: r.choice(["", BAD_UTF8, None, 1, "x" * 20_000]),
+    "reply_to": lambda c, r: r.choice(["", "a b", None, 7, "x" * 20_000]),
+}
+
+
 def _reannounce(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
     return {"kind": "reannounce", "v": 1, "from_seq": rng.randint(0, 100), "reason": "fuzz"}
 
@@ -547,6 +567,9 @@ FAMILIES: dict[str, Family] = {
     "reset": Family(wire.ResetCache, _reset, _RESET_HOSTILE, "reason"),
     "pull_ack": Family(wire.PullAck, _pull_ack, _PULL_ACK_HOSTILE, "lease_id"),
     "reannounce": Family(wire.Reannounce, _reannounce, _REANNOUNCE_HOSTILE, "reason"),
+    "cancel": Family(wire.Cancel, _cancel, _CANCEL_HOSTILE, "request_id"),
+    "cancel_generate": Family(wire.CancelGenerate, _cancel_generate, _CANCEL_GENERATE_HOSTILE,
+                              "reply_to"),
     "visible": Family(wire.BlocksVisible, _visible, _VISIBILITY_HOSTILE, "block_hashes"),
     "invalidated": Family(wire.BlocksInvalidated, _invalidated, _VISIBILITY_HOSTILE,
                           "block_hashes"),

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 
 import msgspec
@@ -48,6 +48,9 @@ class Completion(msgspec.Struct, kw_only=True):
     usage: wire.Usage
     timings: wire.Timings
     route: wire.Route
+    stop_reason: int | str | None = None
+    # Per token, when the request asked for log probabilities.
+    logprobs: list[wire.TokenLogprob] = msgspec.field(default_factory=list)
 
 
 class Client:
@@ -89,16 +92,29 @@ class Client:
     def request(self, prompt: str | Sequence[int], *, max_tokens: int = 16,
                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                 seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                ignore_eos: bool = False, tenant: str = "default", cache_salt: str = "",
+                ignore_eos: bool = False, min_p: float = 0.0,
+                repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, min_tokens: int = 0,
+                logit_bias: Mapping[int, float] | None = None, stop: Sequence[str] = (),
+                include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                logprobs: int | None = None, tenant: str = "default", cache_salt: str = "",
                 priority: int = 0, model: str = "", timeout_s: float | None = None,
                 request_id: str | None = None) -> wire.GenerateRequest:
         """The wire request for a prompt given as text (the router tokenizes it) or as
-        token ids. Raises :class:`~cpd.protocol.errors.InvalidRequest` for bad sampling values."""
+        token ids; the sampling settings are :class:`~cpd.protocol.wire.SamplingParams`'
+        (vLLM's meanings). Raises :class:`~cpd.protocol.errors.InvalidRequest` for bad
+        sampling values."""
         try:
             sampling = msgspec.convert(
                 {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                  "top_k": top_k, "seed": seed, "stop_token_ids": list(stop_token_ids),
-                 "ignore_eos": ignore_eos}, wire.SamplingParams)
+                 "ignore_eos": ignore_eos, "min_p": min_p,
+                 "repetition_penalty": repetition_penalty,
+                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                 "min_tokens": min_tokens, "logit_bias": dict(logit_bias or {}),
+                 "stop": list(stop), "include_stop_str_in_output": include_stop_str_in_output,
+                 "skip_special_tokens": skip_special_tokens, "logprobs": logprobs},
+                wire.SamplingParams)
         except msgspec.ValidationError as e:
             raise InvalidRequest(f"bad sampling parameters: {e}") from None
         timeout_s = timeout_s or self.default_timeout_s
@@ -181,7 +197,10 @@ class Client:
         async with contextlib.aclosing(self.bus.stream(
                 subjects.GENERATE, req, timeout=timeout, idle_timeout=timeout,
                 silence_limit=self.keepalive_interval_s * self.keepalive_misses,
-                keepalive_misses=self.keepalive_misses)) as stream:
+                keepalive_misses=self.keepalive_misses,
+                # A caller that stops reading (an HTTP client gone) ends the request.
+                abandoned=(subjects.GENERATE_CANCEL, lambda inbox: wire.CancelGenerate(
+                    request_id=req.request_id, reply_to=inbox)))) as stream:
             async for msg in stream:  # keep-alives are consumed by the reader
                 if isinstance(msg, wire.TokenChunk | wire.Final):
                     yield msg
@@ -191,13 +210,16 @@ class Client:
         req = self.request(prompt, **options)  # type: ignore[arg-type]
         ids: list[int] = []
         text: list[str] = []
+        logprobs: list[wire.TokenLogprob] = []
         async for msg in self.stream_request(req):
             if isinstance(msg, wire.TokenChunk):
                 ids.extend(msg.token_ids)
                 text.append(msg.text)
+                logprobs.extend(msg.logprobs)
             else:
                 return Completion(request_id=req.request_id, token_ids=ids,
                                   text="".join(text), finish_reason=msg.finish_reason,
+                                  stop_reason=msg.stop_reason, logprobs=logprobs,
                                   usage=msg.usage, timings=msg.timings, route=msg.route)
         raise AssertionError("a stream always ends with a final message or an error")
 

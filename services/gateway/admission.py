@@ -88,13 +88,16 @@ class Admission:
             text_or_ids, param = protocol.completion_prompt(body, self.model), "prompt"
             requested = body.max_tokens
         # The one tokenization of the request: the router and the workers take the ids.
+        # As vLLM's server: a completion's text gets the tokenizer's special tokens (a
+        # BOS), a chat's rendered text not (its template places them).
         if isinstance(text_or_ids, str) and self.model.surely_too_long(text_or_ids):
             raise ApiError.invalid(
                 f"the prompt has {len(text_or_ids)} characters, more than this model's "
                 f"context of {self.model.max_model_len} tokens can hold", param=param,
                 code=ErrorCode.PROMPT_TOO_LONG.value)
         ids = (text_or_ids if isinstance(text_or_ids, list)
-               else await asyncio.to_thread(self.model.encode, text_or_ids))
+               else await asyncio.to_thread(self.model.encode, text_or_ids,
+                                            add_special_tokens=param == "prompt"))
         self._check_length(len(ids))
         self._check_tenant_prompt(tenant, len(ids), param)
         explicit = requested is not None
@@ -105,9 +108,10 @@ class Admission:
         else:                                              # as OpenAI and vLLM do
             max_tokens = protocol.DEFAULT_MAX_TOKENS
         max_tokens = self._cap_max_tokens(tenant, max_tokens, explicit)
-        given = {"top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-                 "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
-                 "cache_salt": body.cache_salt,
+        if body.min_tokens is not None and body.min_tokens > max_tokens:
+            raise ApiError.invalid(f"min_tokens ({body.min_tokens}) exceeds max_tokens "
+                                   f"({max_tokens})", param="min_tokens")
+        given = {**protocol.sampling_options(body), "cache_salt": body.cache_salt,
                  # vLLM serves lower values first; the router's admission, higher ones.
                  "priority": None if body.priority is None else -body.priority}
         if body.user:

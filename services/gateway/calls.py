@@ -23,6 +23,7 @@ from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from services.gateway import protocol
 from services.gateway.errors import ApiError
+from services.gateway.logprobs import Logprobs
 from services.gateway.metrics import GatewayMetrics, Progress
 
 OWNER = "cpd"
@@ -46,6 +47,8 @@ class Call:
     created: int
     stream: bool = False
     include_usage: bool = False
+    logprobs: Logprobs | None = None  # when the request asked for them
+    echo: str = ""  # the prompt's text, sent before the output (Completions' echo)
 
     @classmethod
     def start(cls, endpoint: str, shape: protocol.Shape) -> Call:

@@ -19,7 +19,7 @@ from cpd.client import Client
 from cpd.ops import telemetry
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError
-from services.gateway import protocol
+from services.gateway import logprobs, protocol
 from services.gateway.admission import Admission
 from services.gateway.calls import Call, Outcomes, genai_request, internal_error, next_message
 from services.gateway.errors import ApiError
@@ -93,18 +93,26 @@ class CompletionRoutes:
         genai_request(call, body, self.served_name)
         call.stream = bool(body.stream)
         call.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        model = self.admission.model
+        call.logprobs = logprobs.for_request(body, model, chat=kind is protocol.ChatRequest)
+        if isinstance(body, protocol.CompletionRequest) and body.echo:
+            call.echo = protocol.echo_text(body, model)
         return self.client.stream_request(
             await self.admission.wire_request(body, call.request_id, tenant))
 
     async def _whole(self, call: Call, first: wire.TokenChunk | wire.Final,
                      messages: _Messages) -> Response:
         """A non-streaming reply: every chunk's text, then the final message's data."""
-        texts: list[str] = []
+        texts: list[str] = [call.echo]
+        ids: list[int] = []
+        entries: list[wire.TokenLogprob] = []
         msg = first
         try:
             while isinstance(msg, wire.TokenChunk):
                 call.progress.on_tokens(len(msg.token_ids), time.perf_counter())
                 texts.append(msg.text)
+                ids += msg.token_ids
+                entries += msg.logprobs
                 msg = await next_message(messages)
         except CpdError as e:
             return self.outcomes.fail(call, ApiError.from_cpd(e))
@@ -114,5 +122,7 @@ class CompletionRoutes:
         call.span.end()
         return json_response(
             call.shape.response(request_id=call.request_id, created=call.created,
-                                model=self.served_name, text="".join(texts), final=msg),
+                                model=self.served_name, text="".join(texts), final=msg,
+                                logprobs=call.logprobs.part(ids, entries)
+                                if call.logprobs else None),
             headers=call.headers)

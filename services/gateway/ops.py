@@ -59,12 +59,15 @@ class OpsRoutes:
         body = protocol.decode_tokenize(raw)
         check_model(body.model, self.served_name)
         if body.messages is not None:
-            text = protocol.chat_prompt(body.chat(), self.model)
+            text, special = protocol.chat_prompt(body.chat(), self.model), False
         elif body.prompt is not None:
-            text = body.prompt
+            text, special = body.prompt, True
         else:
             raise ApiError.invalid("give a prompt or messages", param="prompt")
-        ids = await asyncio.to_thread(self.model.encode, text)
+        # vLLM's defaults: a prompt's special tokens added, a chat's not.
+        if body.add_special_tokens is not None:
+            special = body.add_special_tokens
+        ids = await asyncio.to_thread(self.model.encode, text, add_special_tokens=special)
         return {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request) -> Response:

@@ -2,9 +2,9 @@
 
 * Request bodies are msgspec structs: unknown fields are ignored (OpenAI clients send
   fields of their own), known ones are type-checked; ``null`` means "not given".
-* Features CPD's engines do not have (several choices, log probabilities, penalties,
-  tools, stop *strings*...) are refused with a 400 naming the field, rather than silently
-  ignored: a client asking for them would otherwise get a different answer than asked.
+* Features CPD does not have (several choices, tools...) are refused with a 400 naming
+  the field, rather than silently ignored: a client asking for them would otherwise get
+  a different answer than asked.
 * :class:`Shape` builds the JSON of replies and stream chunks of each API, plus the
   ``cpd`` extension (route and timings of the request) that clients ignore.
 """
@@ -19,6 +19,7 @@ import msgspec
 
 from cpd.engines.servedmodel import ServedModel
 from cpd.protocol import wire
+from services.gateway import logprobs
 from services.gateway.errors import ApiError, field_of
 
 DEFAULT_MAX_TOKENS = 16
@@ -65,7 +66,6 @@ class _Common(msgspec.Struct, kw_only=True):
     priority: Annotated[int, msgspec.Meta(ge=-(1 << 63) + 1, le=(1 << 63) - 1)] | None = None
     # OpenAI's end-user id: logged with the request, nothing else.
     user: str | None = None
-    # vLLM's extras CPD does not implement: refused unless given their neutral value.
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
@@ -124,44 +124,23 @@ def _decode(raw: bytes, kind: type[_Body]) -> _Body:
         raise ApiError.invalid(f"request body is not valid JSON: {e}") from None
 
 
-# vLLM sampling fields CPD does not implement, and the value that asks for nothing.
-_NEUTRAL: dict[str, object] = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
-                               "skip_special_tokens": True,
-                               "include_stop_str_in_output": False}
-
-
 def refuse_unsupported(body: CompletionRequest | ChatRequest) -> None:
     """Raise a 400 for the first requested feature CPD does not implement."""
-    for name, neutral in _NEUTRAL.items():
-        if getattr(body, name) not in (None, neutral):
-            raise ApiError.invalid(f"{name} is not supported", param=name)
     if body.truncate_prompt_tokens is not None:
         raise ApiError.invalid("truncate_prompt_tokens is not supported",
                                param="truncate_prompt_tokens")
-    if body.stop:
-        raise ApiError.invalid(
-            "stop strings are not supported; pass stop_token_ids (a list of token ids) "
-            "instead", param="stop")
     if body.n not in (None, 1):
         raise ApiError.invalid("only n=1 is supported; send one request per choice",
                                param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0):
-            raise ApiError.invalid(f"{name} is not supported", param=name)
-    if body.logit_bias:
-        raise ApiError.invalid("logit_bias is not supported", param="logit_bias")
-    if body.logprobs is not None and body.logprobs is not False:
-        raise ApiError.invalid("logprobs are not supported", param="logprobs")
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise ApiError.invalid("echo is not supported", param="echo")
+        if body.echo and body.logprobs is not None:
+            raise ApiError.invalid("echo with logprobs (the prompt's log probabilities) "
+                                   "is not supported", param="echo")
         if body.best_of not in (None, 1):
             raise ApiError.invalid("only best_of=1 is supported", param="best_of")
         if body.suffix:
             raise ApiError.invalid("suffix is not supported", param="suffix")
         return
-    if body.top_logprobs:
-        raise ApiError.invalid("top_logprobs is not supported", param="top_logprobs")
     if body.tools:
         raise ApiError.invalid("tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -175,6 +154,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
 
     def chat(self) -> ChatRequest:
         """The messages as a chat request (what the chat template renders)."""
@@ -196,6 +176,26 @@ def decode_tokenize(raw: bytes) -> TokenizeRequest:
 def decode_detokenize(raw: bytes) -> DetokenizeRequest:
     """Parse a ``/detokenize`` body (400 naming a bad field)."""
     return _decode(raw, DetokenizeRequest)
+
+
+def sampling_options(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    """The request's sampling settings it gives, as :meth:`cpd.client.Client.request`
+    takes them (``stop`` as a list, ``logit_bias`` keyed by token id)."""
+    given: dict[str, Any] = {
+        name: getattr(body, name) for name in (
+            "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p",
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+            "include_stop_str_in_output", "skip_special_tokens")}
+    given["logprobs"] = logprobs.requested(body, chat=isinstance(body, ChatRequest))
+    if body.stop:
+        given["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.logit_bias:
+        try:
+            given["logit_bias"] = {int(k): v for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise ApiError.invalid("logit_bias keys must be token ids",
+                                   param="logit_bias") from None
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def completion_prompt(body: CompletionRequest, model: ServedModel) -> str | list[int]:
@@ -223,6 +223,13 @@ def completion_prompt(body: CompletionRequest, model: ServedModel) -> str | list
     return prompt
 
 
+def echo_text(body: CompletionRequest, model: ServedModel) -> str:
+    """The prompt's text, as ``echo`` sends it back before the output."""
+    prompt = completion_prompt(body, model)
+    return prompt if isinstance(prompt, str) else model.tokenizer.decode(
+        prompt, skip_special_tokens=False)
+
+
 def chat_prompt(body: ChatRequest, model: ServedModel) -> str:
     """The prompt text of a chat, rendered with the model's chat template."""
     if not body.messages:
@@ -247,7 +254,12 @@ def _text_of(message: ChatMessage, index: int) -> str:
             raise ApiError.invalid(f"content of type {part.type!r} is not supported; only "
                                    "text", param=f"messages[{index}].content")
         texts.append(part.text or "")
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins the text parts a template gets as one string
+
+
+def stop_reason(final: wire.Final) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the request."""
+    return final.stop_reason if finish_reason(final) == "stop" else None
 
 
 def finish_reason(final: wire.Final) -> str:
@@ -278,11 +290,13 @@ class Shape(ABC):
     id_prefix: str
 
     def response(self, *, request_id: str, created: int, model: str, text: str,
-                 final: wire.Final) -> dict[str, Any]:
+                 final: wire.Final, logprobs: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
         """The whole reply of a non-streaming request."""
+        choice = self.choice(text, finish_reason(final), stop_reason(final))
+        choice["logprobs"] = logprobs
         return {"id": self.id_prefix + request_id, "object": self.object,
-                "created": created, "model": model,
-                "choices": [self.choice(text, finish_reason(final))],
+                "created": created, "model": model, "choices": [choice],
                 "usage": usage(final), "cpd": cpd_extension(request_id, final)}
 
     def chunk(self, *, request_id: str, created: int, model: str,
@@ -292,7 +306,8 @@ class Shape(ABC):
                 "created": created, "model": model, "choices": choices, **extra}
 
     @abstractmethod
-    def choice(self, text: str, finish: str) -> dict[str, Any]:
+    def choice(self, text: str, finish: str, stop: int | str | None = None
+               ) -> dict[str, Any]:
         """The choice of a whole reply."""
 
     def opening_choices(self) -> list[dict[str, Any]]:
@@ -300,31 +315,40 @@ class Shape(ABC):
         return []
 
     @abstractmethod
-    def delta_choice(self, text: str, finish: str | None = None) -> dict[str, Any]:
-        """The choice of a stream chunk: new text, or the finish reason at the end."""
+    def delta_choice(self, text: str, finish: str | None = None,
+                     stop: int | str | None = None) -> dict[str, Any]:
+        """The choice of a stream chunk: new text, or the finish and stop reasons at
+        the end."""
 
 
 class CompletionShape(Shape):
-    def choice(self, text: str, finish: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(self, text: str, finish: str, stop: int | str | None = None
+               ) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                "stop_reason": stop}
 
-    def delta_choice(self, text: str, finish: str | None = None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def delta_choice(self, text: str, finish: str | None = None,
+                     stop: int | str | None = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                "stop_reason": stop}
 
 
 class ChatShape(Shape):
-    def choice(self, text: str, finish: str) -> dict[str, Any]:
+    def choice(self, text: str, finish: str, stop: int | str | None = None
+               ) -> dict[str, Any]:
         return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
+                "logprobs": None, "finish_reason": finish, "stop_reason": stop}
 
     def opening_choices(self) -> list[dict[str, Any]]:
         # OpenAI's first chat chunk names the role and carries no text yet.
         return [{"index": 0, "delta": {"role": "assistant", "content": ""},
                  "logprobs": None, "finish_reason": None}]
 
-    def delta_choice(self, text: str, finish: str | None = None) -> dict[str, Any]:
+    def delta_choice(self, text: str, finish: str | None = None,
+                     stop: int | str | None = None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                "stop_reason": stop}
 
 
 COMPLETION = CompletionShape(object="text_completion", chunk_object="text_completion",

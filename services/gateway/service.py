@@ -50,12 +50,18 @@ class GatewayService(Service):
         self._server: _Server | None = None
         self._serving: asyncio.Task[None] | None = None
 
-    async def setup(self) -> None:
-        cfg = self.settings.gateway
+    async def prepare(self) -> None:
+        # Before the service announces itself (readiness probes ping it): building or
+        # hashing the model folder and loading the chat renderer take seconds, which
+        # neither the first chat nor a probe that found the service up should wait.
         if self.model is None:
-            # Building or hashing the model folder takes a while; keep the loop free.
             # Through the engine profile: the sim engine's model has no tokenizer.
             self.model = await asyncio.to_thread(served_model, self.settings)
+        await asyncio.to_thread(self.model.prepare_chat)
+
+    async def setup(self) -> None:
+        cfg = self.settings.gateway
+        assert self.model is not None
         client = Client(self.bus, default_timeout_s=cfg.request_timeout_s)
         app = create_app(client, self.model, self.settings)
         # Bound here, not by uvicorn: a busy port fails start() with an OSError (uvicorn

@@ -52,6 +52,17 @@ class SseStreamer:
         return sse_event(call.shape.chunk(request_id=call.request_id, created=call.created,
                                           model=self.served_name, choices=choices, **extra))
 
+    def _delta(self, call: Call, msg: wire.TokenChunk) -> bytes | None:
+        """The chunk of ``msg``'s text and log probabilities; none while a character's
+        bytes are incomplete (no text yet) and nothing else is asked."""
+        lp = (call.logprobs.part(msg.token_ids, msg.logprobs)
+              if call.logprobs is not None and msg.token_ids else None)
+        if not msg.text and lp is None:
+            return None
+        choice = call.shape.delta_choice(msg.text)
+        choice["logprobs"] = lp
+        return self._chunk(call, [choice])
+
     async def _events(self, call: Call, first: asyncio.Future[wire.TokenChunk | wire.Final],
                       messages: AsyncIterator[wire.TokenChunk | wire.Final]
                       ) -> AsyncIterator[bytes]:
@@ -69,12 +80,16 @@ class SseStreamer:
                 msg = first.result()
                 if opening := shape.opening_choices():
                     yield self._chunk(call, opening)
+                if call.echo:
+                    yield self._chunk(call, [shape.delta_choice(call.echo)])
                 while isinstance(msg, wire.TokenChunk):
                     call.progress.on_tokens(len(msg.token_ids), time.perf_counter())
-                    if msg.text:  # empty while a character's bytes are incomplete
-                        yield self._chunk(call, [shape.delta_choice(msg.text)])
+                    if chunk := self._delta(call, msg):
+                        yield chunk
                     msg = await next_message(messages)
-                yield self._chunk(call, [shape.delta_choice("", protocol.finish_reason(msg))],
+                end = shape.delta_choice("", protocol.finish_reason(msg),
+                                         protocol.stop_reason(msg))
+                yield self._chunk(call, [end],
                                   cpd=protocol.cpd_extension(call.request_id, msg))
                 if call.include_usage:
                     yield self._chunk(call, [], usage=protocol.usage(msg))

@@ -4,6 +4,8 @@ a request (admitted, decided, failed over, completed, refused or failed)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from cpd.ops import metrics, telemetry
 from cpd.protocol import wire
 from cpd.protocol.errors import ErrorCode
@@ -32,6 +34,9 @@ class RouterAccounts:
         self._decision = metrics.histogram(m, metrics.ROUTER_DECISION)
         self._lookup_misses = metrics.counter(m, metrics.ROUTER_LOOKUP_MISSES)
         self._resumed = metrics.counter(m, metrics.ROUTER_RESUMED)
+        self._cancelled = metrics.counter(m, metrics.ROUTER_CANCELLED)
+        for reason in wire.CancelReason:  # every reason's series from the start, at 0
+            self._cancelled.add(0, {"reason": reason.value})
         self._queue = metrics.histogram(m, metrics.ROUTER_ESTIMATED_QUEUE)
         self._in_flight = metrics.up_down_counter(m, metrics.ROUTER_IN_FLIGHT)
         self._keepalives = metrics.counter(m, metrics.ROUTER_KEEPALIVES)
@@ -109,3 +114,24 @@ class RouterAccounts:
             self._ttft.record(ttft_s, attrs)
         if tpot_s is not None:
             self._tpot.record(tpot_s, attrs)
+
+    def finished(self, final: wire.Final, planned_path: str, log: Any, *, first_at: float,
+                 sent: int, now: float) -> None:
+        """Count and log a request's assembled ``final`` (its first token at
+        ``first_at`` and ``sent`` tokens by ``now``, monotonic)."""
+        r, ttft_ms = final.route, final.timings.ttft_ms
+        if r.load_error is not None:
+            log.warning("router.load_failed", node=r.prefill_node,
+                        peer=r.load_error.peer, error=r.load_error.code)
+        path = r.path or planned_path
+        self.completed(final, path, ttft_s=ttft_ms / 1000 if first_at else None,
+                       tpot_s=(now - first_at) / (sent - 1) if sent > 1 and first_at else None)
+        log.info("router.request_done", path=path, reason=r.reason, why=r.describe(),
+                 prefill=r.prefill_node, decode=r.decode_node,
+                 prompt_tokens=final.usage.prompt_tokens, cached=final.usage.cached_tokens,
+                 ttft_ms=round(ttft_ms, 1), failovers=r.failovers)
+
+    def cancelled(self, reason: wire.CancelReason) -> None:
+        """A request ended before its nodes finished generating it."""
+        self.stats.cancelled[reason.value] = self.stats.cancelled.get(reason.value, 0) + 1
+        self._cancelled.add(1, {"reason": reason.value})

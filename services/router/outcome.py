@@ -58,16 +58,19 @@ def assemble(planned: wire.Route, reports: Reports, worker_final: wire.Final, *,
         route.tokens = p.tokens
         route.load_error = p.load_error
         timings.load_ms, timings.prefill_ms = p.load_ms, p.prefill_ms
+        timings.prefill_queue_ms = p.queue_ms
     if d is not None:
         route.decode_node = d.node
         route.decode_tokens_pulled = d.tokens_pulled
         route.decode_tokens_computed = d.tokens_computed
         timings.handoff_ms, timings.decode_ms = d.handoff_ms, d.decode_ms
+        timings.decode_queue_ms = d.queue_ms
     else:
         route.decode_node = ""  # the prefill node finished the request itself
     cached = route.tokens.reused if p is not None else worker_final.usage.cached_tokens
     return wire.Final(request_id=worker_final.request_id, seq=worker_final.seq,
                       finish_reason=worker_final.finish_reason,
+                      stop_reason=worker_final.stop_reason,
                       usage=wire.Usage(prompt_tokens=prompt_tokens,
                                        completion_tokens=completion_tokens,
                                        cached_tokens=cached),

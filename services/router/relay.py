@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import msgspec
@@ -31,6 +31,14 @@ from cpd.protocol.errors import (
 )
 from services.router.nodes import NodeTable
 from services.router.outcome import Reports
+from services.router.stops import StopStrings
+
+Cancel = Callable[[list[str]], Awaitable[None]]
+"""Tell these nodes to stop generating the current try."""
+
+# How long a request a stop string ended waits for its nodes' reports once cancelled
+# (an engine step or two); the client's final goes out regardless.
+_REPORTS_AFTER_CANCEL_S = 2.0
 
 
 def resumed_tokens(req: wire.GenerateRequest,
@@ -71,13 +79,20 @@ class Relay:
     """The client's side of a request across tries: forwards tokens with their text and
     makes a retried stream continue exactly where the last one stopped."""
 
-    def __init__(self, out: ReplyStream, detok: Detokenizer) -> None:
+    def __init__(self, out: ReplyStream, detok: Detokenizer,
+                 sampling: wire.SamplingParams | None = None) -> None:
         self.out = out
         self.detok = detok
+        s = sampling or wire.SamplingParams()
+        self.stops = StopStrings(s.stop, include_in_output=s.include_stop_str_in_output,
+                                 min_tokens=s.min_tokens) if s.stop else None
+        # A stop token's own text (EOS, stop_token_ids) is left out, as vLLM does.
+        self._stop_token_text = s.include_stop_str_in_output
         self.forwarded: list[int] = []
         self.seen = 0  # tokens received in the current try
         self.first_at = 0.0
         self._prefill_node = ""  # the current try's
+        self._try_nodes: list[str] = []  # its prefill and decode nodes
         self.decode_node = ""  # the node that accepted the current try's hand-off
         self.reports = Reports()  # the current try's
         # Text owed to, or already held by, a resuming client (see resume()).
@@ -102,8 +117,26 @@ class Relay:
         ids' text may end elsewhere than the dead router's chunks did: what is missing
         is sent first, what the client has is not sent again."""
         self.forwarded = list(ids)
-        text = self.detok.push(self.forwarded)
+        _, text = self._texts(self.forwarded, ends_with_stop_token=False)
         self._owed, self._skip = text[text_chars:], max(0, text_chars - len(text))
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the request, once one did."""
+        return self.stops.matched if self.stops is not None else None
+
+    def _texts(self, ids: list[int], *, ends_with_stop_token: bool) -> tuple[int, str]:
+        """How many of ``ids`` the client gets (all, or up to the one that completed a
+        stop string) and the text it may have now."""
+        texted = ids[:-1] if ends_with_stop_token and not self._stop_token_text else ids
+        if self.stops is None:
+            return len(ids), self.detok.push(texted)
+        parts = []
+        for k, token in enumerate(texted):  # token by token, as vLLM checks
+            parts.append(self.stops.push(self.detok.push([token])))
+            if self.stops.matched is not None:
+                return k + 1, "".join(parts)
+        return len(ids), "".join(parts)
 
     def _text(self, text: str) -> str:
         """``text`` as the client still needs it."""
@@ -112,10 +145,12 @@ class Relay:
         self._skip -= cut
         return text[cut:]
 
-    def restart(self, prefill_node: str) -> None:
-        """A new try, dispatched to ``prefill_node``, which owns its stream."""
+    def restart(self, prefill_node: str, decode_node: str = "") -> None:
+        """A new try, dispatched to ``prefill_node``, which owns its stream, to hand off
+        to ``decode_node``."""
         self.seen = 0
         self._prefill_node = prefill_node
+        self._try_nodes = [n for n in (prefill_node, decode_node) if n]
         self.decode_node = ""
         self.reports = Reports()
 
@@ -124,11 +159,12 @@ class Relay:
         self.decode_node = msg.node
 
     async def follow(self, reader: StreamReader, nodes: NodeTable, *, check_s: float,
-                     idle_s: float) -> wire.Final:
+                     idle_s: float, cancel: Cancel) -> wire.Final:
         """Relay the current try's stream until its final message, failing the try when
         the node that owns the stream stops heart-beating (or comes back as a new
         incarnation, which lost the request all the same), or when tokens stop for
-        ``idle_s`` once they flowed (a hand-off that never landed)."""
+        ``idle_s`` once they flowed (a hand-off that never landed). A stop string ends
+        it early: the try's nodes are told to ``cancel``, and their reports awaited."""
         last = time.monotonic()
         epochs: dict[str, int] = {}
         while True:
@@ -153,7 +189,11 @@ class Relay:
             last = now
             match msg:
                 case wire.TokenChunk():
-                    await self.tokens(msg.token_ids)
+                    await self.tokens(msg.token_ids,
+                                      ends_with_stop_token=msg.ends_with_stop_token,
+                                      logprobs=msg.logprobs)
+                    if self.stop_string is not None:
+                        return await self._stopped(reader, cancel, check_s)
                 case wire.HandoffAccepted():
                     self.accepted(msg)
                 case wire.PrefillReport():
@@ -163,8 +203,33 @@ class Relay:
                 case wire.Final():
                     return msg
 
-    async def tokens(self, ids: list[int]) -> None:
-        """Forward what the client does not have yet of the current try's ``ids``."""
+    async def _stopped(self, reader: StreamReader, cancel: Cancel, check_s: float
+                       ) -> wire.Final:
+        """A stop string ended the request: cancel the try's nodes and wait, a short
+        while, for their reports (the rest of the stream is dropped)."""
+        await cancel(self._try_nodes)
+        final = wire.Final(request_id=self.out.request_id, seq=0, finish_reason="stop",
+                           stop_reason=self.stop_string)
+        deadline = time.monotonic() + _REPORTS_AFTER_CANCEL_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await reader.next(min(left, check_s))
+            except CpdError:
+                break
+            if isinstance(msg, wire.PrefillReport):
+                self.reports = replace(self.reports, prefill=msg)
+            elif isinstance(msg, wire.DecodeReport):
+                self.reports = replace(self.reports, decode=msg)
+            elif isinstance(msg, wire.Final):
+                break
+        return final
+
+    async def tokens(self, ids: list[int], *, ends_with_stop_token: bool = False,
+                     logprobs: list[wire.TokenLogprob] | None = None) -> None:
+        """Forward what the client does not have yet of the current try's ``ids`` (and
+        their ``logprobs``, when the request asked)."""
+        if self.stop_string is not None:
+            return  # nothing after a stop string
         start = self.seen
         self.seen += len(ids)
         # A retry regenerates what the client already has: it must be the same tokens.
@@ -178,14 +243,20 @@ class Relay:
             return
         if not self.first_at:
             self.first_at = time.monotonic()
-        self.forwarded.extend(new)
-        await self.out.tokens(new, self._text(self.detok.push(new)))
+        n, text = self._texts(new, ends_with_stop_token=ends_with_stop_token)
+        self.forwarded.extend(new[:n])
+        await self.out.tokens(new[:n], self._text(text),
+                              logprobs=(logprobs or [])[len(overlap):len(overlap) + n])
 
     async def final(self, final: wire.Final) -> None:
         """End the client's stream with the text still held back and ``final`` (the
         router's, assembled by :func:`services.router.outcome.assemble`)."""
-        rest = self._text(self.detok.flush())
+        rest = self.detok.flush()
+        if self.stops is not None:
+            rest = self.stops.push(rest) + self.stops.flush() if rest else self.stops.flush()
+        rest = self._text(rest)
         if rest:
             await self.out.tokens([], rest)
-        await self.out.final(finish_reason=final.finish_reason, usage=final.usage,
+        await self.out.final(finish_reason=final.finish_reason,
+                             stop_reason=final.stop_reason, usage=final.usage,
                              timings=final.timings, route=final.route)

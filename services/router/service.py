@@ -15,7 +15,8 @@ client); admission slots are held exactly as long as requests run.
 
 Apart from this module: ``relay`` (a stream across tries, its owner), ``outcome`` (the
 final message, from the workers' reports), ``accounting``, ``keepalive``, ``policy`` and
-``hits`` (the pure decision), ``nodes``, ``admission``, ``waiters`` (single-flight
+``hits`` (the pure decision), ``configured`` (the policy from the settings),
+``stops`` (stop strings), ``nodes``, ``admission``, ``waiters`` (single-flight
 wake-ups), ``cost`` and ``queueing`` (the cost model).
 """
 
@@ -31,7 +32,7 @@ import numpy as np
 from nats.aio.msg import Msg
 
 from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader, run_service
-from cpd.engines.profile import EngineProfile, engine_profile
+from cpd.engines.profile import engine_profile
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
@@ -45,12 +46,13 @@ from cpd.protocol.errors import (
 from cpd.protocol.hashing import BlockHasher, Namespace
 from services.router.accounting import RouterAccounts
 from services.router.admission import Admission
-from services.router.cost import LoadCost, PrefillCost
+from services.router.cancels import Cancels, cancel_nodes
+from services.router.configured import make_policy
 from services.router.hits import Hits
 from services.router.keepalive import KeepAlives
 from services.router.nodes import NodeTable
 from services.router.outcome import RouterTimes, RoutingCost, assemble
-from services.router.policy import Decision, NoCapacity, PolicyConfig, Router, Wait
+from services.router.policy import Decision, NoCapacity, Wait
 from services.router.relay import AttemptFailed, Relay, fresh_engine_id, resumed_tokens
 from services.router.waiters import PrefixWaiters
 
@@ -83,6 +85,7 @@ class RouterService(Service):
         # Multi-turn prompts resend their previous turn: its block hashes are reused,
         # not recomputed (exact; per process, so replicas each keep their own).
         self.hash_memo = BlockHasher(self.cfg.hash_memo_bytes)
+        self.cancels = Cancels()  # requests their clients may cancel
 
     @property
     def stats(self) -> wire.RouterStats:
@@ -103,6 +106,7 @@ class RouterService(Service):
         await nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
         await nc.subscribe(subjects.KV_VISIBLE, cb=self._on_visible)
         await nc.subscribe(subjects.KV_INVALIDATE, cb=self._on_invalidated)
+        await nc.subscribe(subjects.GENERATE_CANCEL, cb=self._on_cancel)
         await self.add_endpoint("generate", subjects.GENERATE, self._on_generate,
                                 expect=wire.GenerateRequest, queue=subjects.QUEUE_ROUTER)
         await self.add_endpoint("status", subjects.ROUTER_STATUS, self._on_status,
@@ -134,6 +138,11 @@ class RouterService(Service):
         if ev is not None and len(self.waiters):
             self.waiters.invalidated(ev)
 
+    async def _on_cancel(self, msg: Msg) -> None:
+        req = self.decode_or_reject(msg, wire.CancelGenerate)
+        if req is not None and self.cancels.cancel(req):
+            self.log.info("router.request_cancelled", request_id=req.request_id)
+
     async def _forget_dead_nodes(self) -> None:
         ttl = self.settings.node.lease_ttl_s
         while not self.stopping:
@@ -154,9 +163,14 @@ class RouterService(Service):
     async def _on_generate(self, req: wire.GenerateRequest, r: Request) -> None:
         if not r.reply_to:
             raise InvalidRequest("a generate request needs a reply inbox")
-        with self.keepalives.watching(r.stream(req.request_id)) as out:
+        with (self.keepalives.watching(r.stream(req.request_id)) as out,
+              self.cancels.running(req.request_id, r.reply_to)):
             try:
                 await self._generate(req, out)
+            except asyncio.CancelledError:
+                if not self.cancels.by_client():
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled
             except BaseException as e:
                 self.accounts.ended_badly(e.code if isinstance(e, CpdError) else None)
                 if isinstance(e, CpdError) and e.code in BAD_INPUT:  # e.g. a torn array
@@ -205,7 +219,7 @@ class RouterService(Service):
         else:
             # Kept packed: a 100K-token prompt is hashed and forwarded without a list.
             tokens = wire.unpack_tokens(req.tokens or b"")
-        self.model.check_prompt(tokens, req.sampling.max_tokens)
+        self.model.check_prompt(tokens, req.sampling)
         return tokens
 
     async def decide(self, req: wire.GenerateRequest) -> Decision:
@@ -298,7 +312,8 @@ class RouterService(Service):
         hashes = self._hashes(ns, tokens)
         hash_ms = (time.perf_counter() - t) * 1000
         packed = wire.pack_tokens(tokens)
-        relay = Relay(out, self.model.detokenizer())
+        relay = Relay(out, self.model.detokenizer(
+            skip_special_tokens=req.sampling.skip_special_tokens), req.sampling)
         if resumed:
             relay.resume(resumed, req.resume_text_chars)
             self.accounts.resumed()
@@ -344,7 +359,8 @@ class RouterService(Service):
             final = assemble(decision.route(), relay.reports, final,
                              prompt_tokens=len(tokens), completion_tokens=relay.sent,
                              times=times, failovers=failovers)
-            self._finish(final, relay, decision, now)
+            self.accounts.finished(final, decision.path, self.log, first_at=relay.first_at,
+                                   sent=relay.sent, now=now)
             await relay.final(final)
             return
 
@@ -371,46 +387,24 @@ class RouterService(Service):
             except CpdError as e:
                 raise AttemptFailed(e, {plan.node}) from None
             self.nodes.dispatched(plan.node, plan.load_ms + plan.compute_ms)
-            relay.restart(plan.node)
+            relay.restart(plan.node, decision.decode_node)
             return await relay.follow(reader, self.nodes,
                                       check_s=self.cfg.liveness_check_interval_s,
-                                      idle_s=self.settings.bus.stream_idle_timeout_s)
+                                      idle_s=self.settings.bus.stream_idle_timeout_s,
+                                      cancel=lambda nodes: self._cancel(
+                                          rid, nodes, wire.CancelReason.STOP_STRING))
+        except asyncio.CancelledError:  # the client left, or this router stops
+            await self._cancel(rid, [plan.node, decision.decode_node],
+                               wire.CancelReason.CLIENT_GONE if self.cancels.by_client()
+                               else wire.CancelReason.ROUTER_STOPPING)
+            raise
         finally:
             await reader.close()
 
-    def _finish(self, final: wire.Final, relay: Relay, decision: Decision,
-                now: float) -> None:
-        """Count and log the request's assembled ``final``."""
-        r, ttft_ms = final.route, final.timings.ttft_ms
-        if r.load_error is not None:
-            self.log.warning("router.load_failed", node=r.prefill_node,
-                             peer=r.load_error.peer, error=r.load_error.code)
-        path = r.path or decision.path
-        self.accounts.completed(
-            final, path, ttft_s=ttft_ms / 1000 if relay.first_at else None,
-            tpot_s=(now - relay.first_at) / (relay.sent - 1)
-            if relay.sent > 1 and relay.first_at else None)
-        self.log.info("router.request_done", path=path, reason=r.reason,
-                      why=r.describe(), prefill=r.prefill_node,
-                      decode=r.decode_node, prompt_tokens=final.usage.prompt_tokens,
-                      cached=final.usage.cached_tokens, ttft_ms=round(ttft_ms, 1),
-                      failovers=r.failovers)
-
-
-def make_policy(settings: Settings, profile: EngineProfile) -> Router:
-    """The routing policy of a router serving ``settings`` (the planner builds the
-    router it simulates here too, so both decide alike)."""
-    return Router(PolicyConfig.from_settings(settings.router), prefill_cost(profile),
-                  LoadCost(kv_bytes_per_token=max(1, profile.slot_bytes
-                                                  // settings.cache.block_size),
-                           per_transfer_ms=settings.router.transfer_fixed_ms))
-
-
-def prefill_cost(profile: EngineProfile) -> PrefillCost:
-    """The prefill cost seeds of the engines the workers run (configured for vLLM, the
-    preset's coefficients in wall ms for the sim engine)."""
-    fixed, per_token, per_ctx = profile.prefill_cost_ms()
-    return PrefillCost(fixed_ms=fixed, per_token_ms=per_token, per_token_ctx_ms=per_ctx)
+    async def _cancel(self, request_id: str, nodes: list[str],
+                      reason: wire.CancelReason) -> None:
+        self.accounts.cancelled(reason)
+        await cancel_nodes(self.bus, request_id, [n for n in nodes if n])
 
 
 def serve(settings: Settings) -> None:

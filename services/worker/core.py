@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 from opentelemetry.metrics import Observation
 
 from cpd.bus import BAD_INPUT, Bus
-from cpd.engines import Engine
+from cpd.engines import Engine, EngineStep
 from cpd.engines.servedmodel import ServedModel
 from cpd.kvstore import BlockEntry, BlockStore, KvStore
 from cpd.kvstore import events as kvevents
@@ -27,7 +28,14 @@ from cpd.ops import metrics, telemetry
 from cpd.ops.audit import AuditLog
 from cpd.ops.config import Settings
 from cpd.protocol.capability import Keyring
-from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest, Overloaded, PromptTooLong
+from cpd.protocol.errors import (
+    Cancelled,
+    CpdError,
+    ErrorCode,
+    InvalidRequest,
+    Overloaded,
+    PromptTooLong,
+)
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.lifecycle import BlockState
 from cpd.transfer import TransferClient, TransferServer, init_ucx
@@ -38,6 +46,8 @@ from services.worker.peers import Peers
 
 Spawn = Callable[..., Any]
 """``Service.spawn``: run a task the service owns (drained or cancelled at stop)."""
+
+_CANCELLED_KEPT = 4096
 
 
 @dataclass
@@ -54,6 +64,7 @@ class EngineParts:
 class _Instruments:
     kv_bytes: Any
     phase: Any
+    queue: Any
 
 
 @dataclass
@@ -78,6 +89,9 @@ class WorkerCore:
     """(handler, request id) of the requests held here: an engine refuses a duplicate
     id with an untyped error. A prefill's hand-off to this same process's decode
     handler holds one of each for a moment (the prefill's engine run is over by then)."""
+    cancelled: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """Request ids a router cancelled, the latest :data:`_CANCELLED_KEPT`: one may be
+    cancelled before it reaches this node (a hand-off still on its way)."""
 
     @classmethod
     async def build(cls, settings: Settings, role: str, *, parts: EngineParts, bus: Bus,
@@ -166,6 +180,27 @@ class WorkerCore:
             raise InvalidRequest(f"request {request_id[:80]!r} is already running here")
         self.running.add(key)
 
+    async def cancel(self, request_id: str) -> None:
+        """Stop generating ``request_id``: aborted in the engine if it runs here, and
+        remembered, so a hand-off of it that comes later is refused."""
+        self.cancelled[request_id] = None
+        while len(self.cancelled) > _CANCELLED_KEPT:
+            self.cancelled.popitem(last=False)
+        if any(rid == request_id for _, rid in self.running):
+            self.log.info("worker.cancel", cancelled_request=request_id)
+            await self.engine.abort(request_id)
+
+    def check_not_cancelled(self, request_id: str) -> None:
+        """Raise :class:`~cpd.protocol.errors.Cancelled` if a router cancelled it."""
+        if request_id in self.cancelled:
+            raise Cancelled(f"request {request_id[:80]!r} was cancelled")
+
+    @staticmethod
+    def queued(submitted: float, step: EngineStep) -> float:
+        """Seconds the request of ``step`` (its last) waited in the engine since it was
+        ``submitted`` (``time.monotonic()``); 0 when the engine does not say."""
+        return max(0.0, step.scheduled_at - submitted) if step.scheduled_at else 0.0
+
     def check_vocab(self, tokens: np.ndarray) -> None:
         """Token ids an engine would index its embedding with: past the vocabulary they
         crash a real engine, so they are refused here."""
@@ -216,11 +251,13 @@ class WorkerCore:
         if bad:
             await self.kv.discard(bad, "checksum mismatch on load")
 
-    def record(self, role: str, phases: dict[str, float], *, written: int = 0,
-               loaded: int = 0) -> None:
-        """Phase durations (seconds) and KV bytes written and loaded (blocks)."""
+    def record(self, role: str, phases: dict[str, float], *, queued: float = 0.0,
+               written: int = 0, loaded: int = 0) -> None:
+        """Phase durations and engine queue time (seconds), and KV bytes written and
+        loaded (blocks)."""
         for phase, seconds in phases.items():
             self.metrics.phase.record(seconds, {"role": role, "phase": phase})
+        self.metrics.queue.record(queued, {"role": role})
         slot = self.kv.store.slot_bytes
         if written:
             self.metrics.kv_bytes.add(written * slot, {"role": role, "direction": "write"})
@@ -239,4 +276,5 @@ def _instruments(role: str, node: str, store: BlockStore) -> _Instruments:
                   lambda _: [Observation(store.total_bytes, attrs)])
     metrics.observed_counter(m, metrics.WORKER_EVICTIONS,
                              lambda _: [Observation(store.evictions, attrs)])
-    return _Instruments(kv_bytes=kv_bytes, phase=metrics.histogram(m, metrics.WORKER_PHASE))
+    return _Instruments(kv_bytes=kv_bytes, phase=metrics.histogram(m, metrics.WORKER_PHASE),
+                        queue=metrics.histogram(m, metrics.WORKER_QUEUE))

@@ -19,7 +19,7 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, InvalidRequest
 from cpd.protocol.roles import Role
 from services.worker.core import WorkerCore
-from services.worker.requests import check_ids, with_max_tokens
+from services.worker.requests import check_ids, continuation
 
 
 class DecodeHandler:
@@ -47,14 +47,15 @@ class DecodeHandler:
         remaining = req.sampling.max_tokens - 1
         if remaining < 1:
             raise InvalidRequest("a hand-off needs at least one more token to generate")
+        core.check_not_cancelled(req.request_id)
         core.admit(len(tokens) + 1, remaining, req.deadline_unix_ms)
         core.claim("decode", req.request_id)
-        core.spawn(self._decode(req, tokens, hashes, remaining), f"decode-{req.request_id}",
+        core.spawn(self._decode(req, tokens, hashes), f"decode-{req.request_id}",
                    background=False)
         return wire.Accepted(request_id=req.request_id, node=core.node_id)
 
-    async def _decode(self, req: wire.DecodeRequest, tokens: np.ndarray, hashes: list[bytes],
-                      remaining: int) -> None:
+    async def _decode(self, req: wire.DecodeRequest, tokens: np.ndarray,
+                      hashes: list[bytes]) -> None:
         core = self.core
         out = ReplyStream(core.bus, req.reply_to, req.request_id, seq_start=req.seq_start)
         t0 = time.perf_counter()
@@ -62,23 +63,25 @@ class DecodeHandler:
             await out.handoff_accepted(core.node_id)
             await self._pull(req, hashes)
             t_pull = time.perf_counter()
-            full = np.append(tokens, np.asarray(req.first_token, dtype=wire.TOKEN_DTYPE))
-            have = core.loader.sealed_prefix(hashes[:(len(full) - 1) // core.block_size])
+            prompt, sampling, forced = continuation(req.sampling, tokens, req.first_token)
+            have = core.loader.sealed_prefix(hashes[:(len(prompt) - 1) // core.block_size])
             core.loader.audit_load(req.namespace, have)
+            submitted = time.monotonic()
             async with core.pinned("decode", req.request_id, have):
                 last, generated = await self._generate(out, EngineRequest(
-                    request_id=req.request_id, tokens=full,
-                    sampling=with_max_tokens(req.sampling, remaining),
-                    load_slots=[e.slot for e in have],
+                    request_id=req.request_id, tokens=prompt, sampling=sampling,
+                    forced_output=forced, load_slots=[e.slot for e in have],
                     load_checksums=[e.checksum for e in have],
                     cache_salt=core.salt(req.namespace)))
             if last.failed_blocks:
                 await core.drop_corrupt([e.hash for e in have])
             t_end = time.perf_counter()
+            queued = core.queued(submitted, last)
             core.record(Role.DECODE, {"pull": t_pull - t0, "decode": t_end - t_pull},
-                        loaded=last.loaded_blocks)
+                        queued=queued, loaded=last.loaded_blocks)
             await self._final(req, out, last, generated + 1, len(tokens),
-                              handoff_ms=(t_pull - t0) * 1e3, decode_ms=(t_end - t_pull) * 1e3)
+                              handoff_ms=(t_pull - t0) * 1e3, decode_ms=(t_end - t_pull) * 1e3,
+                              queue_ms=queued * 1e3)
         except Exception as e:
             core.log.warning("decode.failed", error=repr(e))
             core.count_stream_rejection(self.subject, e)
@@ -109,27 +112,32 @@ class DecodeHandler:
         generated = 0
         last = EngineStep()
         pending: list[int] = []
+        logprobs: list[wire.TokenLogprob] = []
         # Reported at once: decode is chosen by load, the next router must see it.
         with core.load.running(report=True):
             async for step in core.engine.generate(ereq):
                 if step.token_ids:
                     generated += len(step.token_ids)
                     pending += step.token_ids
-                    if len(pending) >= interval:
-                        await out.tokens(pending)
-                        pending = []
+                    logprobs += step.logprobs
+                    stopped = step.finished and step.finish_reason == "stop"
+                    if len(pending) >= interval or stopped:
+                        await out.tokens(pending, ends_with_stop_token=stopped,
+                                         logprobs=logprobs)
+                        pending, logprobs = [], []
                 last = step
             if pending:
-                await out.tokens(pending)
+                await out.tokens(pending, logprobs=logprobs)
         return last, generated
 
     async def _final(self, req: wire.DecodeRequest, out: ReplyStream, last: EngineStep,
                      generated: int, prompt_tokens: int, *, handoff_ms: float,
-                     decode_ms: float) -> None:
+                     decode_ms: float, queue_ms: float) -> None:
         await out.report(wire.DecodeReport, node=self.core.node_id,
                          tokens_pulled=last.loaded_blocks * self.core.block_size,
                          tokens_computed=prompt_tokens + 1 - last.cached_tokens,
-                         handoff_ms=handoff_ms, decode_ms=decode_ms)
+                         handoff_ms=handoff_ms, decode_ms=decode_ms, queue_ms=queue_ms)
         await out.final(finish_reason=last.finish_reason or "length",
+                        stop_reason=last.stop_token,
                         usage=wire.Usage(prompt_tokens=prompt_tokens,
                                          completion_tokens=generated))

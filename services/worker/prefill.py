@@ -20,7 +20,7 @@ from cpd.kvstore import BlockEntry
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
 from services.worker.core import WorkerCore
-from services.worker.requests import check_ids, with_max_tokens
+from services.worker.requests import check_ids, first_token
 
 
 class DecodeUnavailable(CpdError):
@@ -91,21 +91,28 @@ class PrefillHandler:
         with core.load.holding(pending, len(tokens) - pending) as held:
             have, remote, load_error = await self._gather_prefix(req, hashes)
             t_load = held.engine_start = time.perf_counter()
+            submitted = time.monotonic()
             step, fresh = await self._run(req, tokens, hashes, have)
         t_done = time.perf_counter()
+        stopped = step.finished and step.finish_reason == "stop"
         try:
-            await out.tokens([step.token_ids[0]])
+            await out.tokens([step.token_ids[0]], ends_with_stop_token=stopped,
+                             logprobs=step.logprobs[:1])
         finally:  # after the first token left: the client never waits for the event's ack
             if fresh:
                 await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
+        queued = core.queued(submitted, step)
         core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
-                    written=len(fresh), loaded=step.loaded_blocks)
+                    queued=queued, written=len(fresh), loaded=step.loaded_blocks)
         await out.report(wire.PrefillReport, node=core.node_id,
                          tokens=self._sources(step, remote, len(tokens)),
                          load_error=load_error, load_ms=(t_load - t0) * 1e3,
-                         prefill_ms=(t_done - t_load) * 1e3)
-        if step.finished and (req.sampling.max_tokens <= 1 or step.finish_reason == "stop"):
-            await out.final(finish_reason=step.finish_reason or "length",
+                         prefill_ms=(t_done - t_load) * 1e3, queue_ms=queued * 1e3)
+        cancelled = req.request_id in core.cancelled  # e.g. a stop string in the token
+        if stopped or req.sampling.max_tokens <= 1 or cancelled:
+            await out.final(finish_reason=("abort" if cancelled and not step.finished
+                                           else step.finish_reason or "length"),
+                            stop_reason=step.stop_token if stopped else None,
                             usage=wire.Usage(prompt_tokens=len(tokens), completion_tokens=1,
                                              cached_tokens=step.cached_tokens))
             return
@@ -167,7 +174,7 @@ class PrefillHandler:
             try:
                 step = await self._first_token(EngineRequest(
                     request_id=req.request_id, tokens=tokens,
-                    sampling=with_max_tokens(req.sampling, 1),
+                    sampling=first_token(req.sampling),
                     load_slots=[e.slot for e in have],
                     load_checksums=[e.checksum for e in have],
                     save_slots=[slot_of.get(h, -1) for h in hashes],
@@ -187,8 +194,9 @@ class PrefillHandler:
             async for part in self.core.engine.generate(ereq):
                 step = part if part.finished else step
                 if part.token_ids and not step.token_ids:
-                    step.token_ids = part.token_ids
+                    step.token_ids, step.logprobs = part.token_ids, part.logprobs
         if not step.token_ids:
+            self.core.check_not_cancelled(ereq.request_id)  # aborted: typed, not a bug
             raise CpdError("engine produced no token", code=ErrorCode.INTERNAL)
         return step
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import InvalidRequest
@@ -20,6 +21,22 @@ def check_ids(*, reply_to: str = "", **nodes: str) -> None:
         raise InvalidRequest(str(e)) from None
 
 
-def with_max_tokens(s: wire.SamplingParams, n: int) -> wire.SamplingParams:
-    """``s`` generating at most ``n`` tokens."""
-    return msgspec.structs.replace(s, max_tokens=n)
+def first_token(s: wire.SamplingParams) -> wire.SamplingParams:
+    """``s`` for a prefill's engine run: its first token only."""
+    return msgspec.structs.replace(s, max_tokens=1, min_tokens=min(s.min_tokens, 1))
+
+
+def continuation(s: wire.SamplingParams, prompt: np.ndarray, first: int
+                 ) -> tuple[np.ndarray, wire.SamplingParams, tuple[int, ...]]:
+    """A decode node's engine run after a prefill's ``first`` token: its prompt, its
+    sampling and the output it must start with.
+
+    The first token joins the prompt, and the run generates the rest, unless sampling
+    depends on the output so far (:attr:`~cpd.protocol.wire.SamplingParams.needs_output_history`):
+    then it is forced output of a run from the prompt, one engine step more for the
+    same tokens a single engine would sample."""
+    if s.needs_output_history:
+        return prompt, s, (first,)
+    return (np.append(prompt, np.asarray(first, dtype=wire.TOKEN_DTYPE)),
+            msgspec.structs.replace(s, max_tokens=s.max_tokens - 1,
+                                    min_tokens=max(0, s.min_tokens - 1)), ())

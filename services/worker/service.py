@@ -126,6 +126,7 @@ class WorkerService(Service):
             await handler.attach(self)
         await self.add_endpoint("admin", subjects.admin(self.role, self.node_id),
                                 self._on_reset, expect=wire.ResetCache)
+        await self.bus.nc.subscribe(subjects.cancel(self.node_id), cb=self._on_cancel)
         await self._heartbeat()
         self.spawn(self._heartbeats(), "heartbeats")
         if s.dataplane.connect_ahead:
@@ -151,6 +152,12 @@ class WorkerService(Service):
                            code=ErrorCode.UNAVAILABLE, retryable=True)
         self.log.info("worker.prefix_cache_reset", reason=req.reason)
         return wire.Accepted(request_id="", node=self.node_id)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        assert self.core is not None
+        req = self.decode_or_reject(msg, wire.Cancel)
+        if req is not None:
+            await self.core.cancel(req.request_id)
 
     # ------------------------------------------------------------- liveness, load
 

@@ -29,14 +29,9 @@ into hops from the timings the gateway returns in its ``cpd`` extension.
 
 from __future__ import annotations
 
-import abc
 import argparse
 import asyncio
-import contextlib
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,17 +42,13 @@ from typing import Any
 
 import msgspec
 
-from cpd.engines.servedmodel import FALLBACK_CHAT_TEMPLATE, ServedModel
 from cpd.modelbuild import PRESETS, build
-from cpd.modelbuild.runtime import prepare_cpu_env
 from cpd.modelbuild.tokenizer import CORPUS
 from cpd.ops.config import Settings, load_settings
-from tools.bench.hostinfo import free_port, load_average, machine_info
+from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.registry import SettingsFactory
-from tools.cluster import stop_tree
-from tools.supervisor import UP_BANNER
+from tools.bench.servers import PRESET, CpdUpServer, Server, VllmServer
 
-PRESET = "tiny"
 SERVERS = ("cpd", "monolithic")
 APIS = ("chat", "completions")
 CASES = ("unique", "repeat", "new_suffix")
@@ -77,11 +68,7 @@ HOPS = ("gateway", "admission", "decision", "lookup", "load", "prefill", "relay"
 # The gateway's ``cpd.timings`` a sample keeps: ``ttft_ms`` as ``router_ttft_ms``.
 TIMINGS = ("admission_ms", "decision_ms", "lookup_ms", "load_ms", "prefill_ms")
 SEED = 20261202
-START_TIMEOUT_S = 600.0  # three engines on a busy two-core host
-STOP_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
-HEALTH_POLL_S = 1.0
-LOG_TAIL_CHARS = 3000
 
 
 @dataclass(frozen=True)
@@ -327,126 +314,6 @@ class _Prompts:
 # ------------------------------------------------------------------ the servers
 
 
-class _Server(abc.ABC):
-    """A server process in its own session (its engines die with it)."""
-
-    name = ""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.log_path = tmp / f"{self.name}.log"
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.started_s = 0.0
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @abc.abstractmethod
-    def command(self) -> tuple[list[str], dict[str, str]]:
-        """The server's argv and environment."""
-
-    async def start(self) -> None:
-        import httpx
-
-        argv, env = self.command()
-        t0 = time.perf_counter()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True,
-                                         cwd=Path(__file__).resolve().parents[2])
-        deadline = time.monotonic() + START_TIMEOUT_S
-        async with httpx.AsyncClient(timeout=5) as http:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited during start-up:\n{self.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} not ready in {START_TIMEOUT_S:.0f} s:\n"
-                                       + self.log_tail())
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(self.base_url.removesuffix("/v1") + "/health")
-                            ).status_code == 200 and self.serving():
-                        break
-                await asyncio.sleep(HEALTH_POLL_S)
-        self.started_s = time.perf_counter() - t0
-
-    def stop(self) -> None:
-        """Ctrl-C as a user would (``cpd up`` then stops its services, each in a session
-        of its own), then whatever is left of the process's own session."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGINT)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(STOP_TIMEOUT_S)
-            stop_tree(self.proc, STOP_TIMEOUT_S)
-            self.proc = None
-
-    def serving(self) -> bool:
-        """Beyond a healthy HTTP endpoint: whatever else must be up to serve."""
-        return True
-
-    def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        return ""
-
-
-class _CpdServer(_Server):
-    """``cpd up``: NATS, kvindex, pre-prefill, prefill, decode, router, gateway."""
-
-    name = "cpd"
-
-    def __init__(self, tmp: Path, settings: Settings) -> None:
-        super().__init__(tmp)
-        self.settings = settings
-
-    def command(self) -> tuple[list[str], dict[str, str]]:
-        env = {**os.environ, "CPD_GATEWAY__PORT": str(self.port),
-               "CPD_GATEWAY__HOST": "127.0.0.1",
-               "CPD_NATS__EMBEDDED_STORE_DIR": str(self.tmp / "cpd" / "nats"),
-               "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "cpd" / "snap"),
-               "CPD_MODEL__PRESET": PRESET, "CPD_WORKER__ENGINE": "vllm",
-               "CPD_MODEL__CACHE_DIR": str(self.settings.model_cache_dir),
-               "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1"}
-        return [sys.executable, "-m", "tools.cli", "up", "--port", str(free_port())], env
-
-    def serving(self) -> bool:
-        # The gateway answers once a router does; requests need the workers too, which
-        # `cpd up` reports with its banner.
-        with contextlib.suppress(OSError):
-            return UP_BANNER in self.log_path.read_text(errors="replace")
-        return False
-
-
-class _VllmServer(_Server):
-    """vLLM's own OpenAI server on the same model folder, with vLLM's defaults."""
-
-    name = "monolithic"
-
-    def __init__(self, tmp: Path, model: ServedModel, served_name: str,
-                 block_size: int) -> None:
-        super().__init__(tmp)
-        self.folder = model.folder
-        self.served_name = served_name
-        self.block_size = block_size
-        # The chat template the gateway renders with, so both servers see the same prompt.
-        self.chat_template = tmp / "chat_template.jinja"
-        self.chat_template.write_text(model.chat_template or FALLBACK_CHAT_TEMPLATE)
-
-    def command(self) -> tuple[list[str], dict[str, str]]:
-        prepare_cpu_env()  # the same bounded KV cache and offline flags as CPD's engines
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.folder), "--served-model-name", self.served_name,
-                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--block-size", str(self.block_size), "--enable-prefix-caching",
-                "--gpu-memory-utilization", "0.15", "--seed", "0",
-                "--chat-template", str(self.chat_template),
-                "--disable-log-stats", "--disable-uvicorn-access-log"]
-        return argv, {**env, "PYTHONUNBUFFERED": "1"}
-
-
 # ------------------------------------------------------------------- the requests
 
 
@@ -569,9 +436,9 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
     warmup = make_plan(prompts, sizes[:1], 1)
     model = engine_profile(settings).served_model()
     name = settings.gateway.served_model_name or f"cpd-{PRESET}"
-    servers: list[_Server] = [
-        _CpdServer(tmp, settings),
-        _VllmServer(tmp, model, name, settings.cache.block_size)]
+    servers: list[Server] = [
+        CpdUpServer(tmp, settings),
+        VllmServer(tmp, model, name, settings.cache.block_size)]
     samples: list[Sample] = []
     failures: list[Failure] = []
     timings: dict[str, Any] = {}

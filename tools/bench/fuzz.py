@@ -101,6 +101,8 @@ def targets() -> list[Target]:
                (("router", subjects.GENERATE),)),
         Target(subjects.ROUTER_STATUS, "status", subjects.ROUTER_STATUS, "request",
                ("router",), (("router", subjects.ROUTER_STATUS),)),
+        Target(subjects.GENERATE_CANCEL, "cancel_generate", subjects.GENERATE_CANCEL,
+               "publish", ("router",), (("router", subjects.GENERATE_CANCEL),)),
         Target(subjects.KVINDEX_LOOKUP, "lookup", subjects.KVINDEX_LOOKUP, "request",
                ("kvi",), (("kvi", subjects.KVINDEX_LOOKUP),)),
         Target(subjects.HEARTBEAT_ALL, "heartbeat", hb, "publish",
@@ -123,6 +125,8 @@ def targets() -> list[Target]:
                    (node,), ((node, subjects.admin(role, node)),)),
             Target(subjects.kv_reannounce(node), "reannounce", subjects.kv_reannounce(node),
                    "publish", (node,), ((node, subjects.kv_reannounce(node)),)),
+            Target(subjects.cancel(node), "cancel", subjects.cancel(node), "publish", (node,),
+                   ((node, subjects.cancel(node)),)),
         ]
         if role == Role.PREFILL:
             out.append(Target(subjects.pull_ack(node), "pull_ack", subjects.pull_ack(node),

@@ -77,8 +77,8 @@ from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import BlockHasher, Namespace, block_hashes
 from cpd.protocol.roles import Role
 from services.router import Decision, Hits, RouterService, Wait
+from services.router.configured import prefill_cost
 from services.router.cost import PrefillCost
-from services.router.service import prefill_cost
 from tools.bench.kvindex import CHAIN, _run_loop
 from tools.bench.proccpu import cpu_seconds_all, cpu_used_since
 from tools.bench.registry import SettingsFactory

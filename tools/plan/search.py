@@ -39,9 +39,9 @@ from cpd.sim.workloads import (
     mooncake,
     poisson,
 )
+from services.router.configured import make_policy
 from services.router.cost import PrefillCost
 from services.router.policy import Router
-from services.router.service import make_policy
 from tools.bench.loaddriver import Phases, report
 from tools.bench.sweep import MAX_CONTEXT_TOKENS, WORKLOAD_SEED, Topology
 from tools.plan.cluster import ClusterConfig, NodeSpec, SimResult, simulate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
@@ -106,7 +106,9 @@ class Bus:
 
     async def stream(self, subject: str, msg: wire.Message, *, timeout: float,
                      idle_timeout: float | None = None, silence_limit: float | None = None,
-                     keepalive_misses: int = 0) -> AsyncIterator[wire.Message]:
+                     keepalive_misses: int = 0,
+                     abandoned: tuple[str, Callable[[str], wire.Message]] | None = None
+                     ) -> AsyncIterator[wire.Message]:
         """A streaming request: yields every reply message in ``seq`` order up to and
         including the final one; a ``wire.Error`` is raised, not yielded.
 
@@ -115,30 +117,43 @@ class Bus:
         missing sequence number that does not arrive within the idle timeout raises
         :class:`~cpd.protocol.errors.StreamGap`. The whole stream must end before ``timeout``.
         ``silence_limit`` and ``keepalive_misses``: the sender's keep-alive watchdog
-        (:class:`StreamReader`).
+        (:class:`StreamReader`). ``abandoned``: a subject and the message (built from the
+        stream's inbox) published there when the caller stops reading before the end,
+        so the sender can stop too.
         """
         idle = idle_timeout or self.settings.stream_idle_timeout_s
         deadline = time.monotonic() + timeout
         reader = StreamReader(self, idle_timeout=idle, subject=subject,
                               silence_limit=silence_limit, keepalive_misses=keepalive_misses)
         inbox = await reader.open()
+        ended = False  # a final message or an error: the sender is done
         try:
             payload, hdrs = self._prepare(msg, None)
             await self.nc.publish(subject, payload, reply=inbox, headers=hdrs)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    ended = True
                     raise RequestTimeout(f"stream on {subject} did not end within {timeout}s")
-                reply = await reader.next(min(left, idle))
+                try:
+                    reply = await reader.next(min(left, idle))
+                except CpdError:
+                    ended = True
+                    raise
                 if reply is None:
                     if reader.gap_pending or time.monotonic() >= deadline:
                         continue  # reported by next() or by the deadline check
+                    ended = True
                     raise RequestTimeout(f"stream on {subject} idle for {idle}s")
+                ended = isinstance(reply, wire.Final)
                 yield reply
-                if isinstance(reply, wire.Final):
+                if ended:
                     return
         finally:
             await reader.close()
+            if not ended and abandoned is not None and self.nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await self.publish(abandoned[0], abandoned[1](inbox))
 
     async def close(self) -> None:
         """Drain (when connected) and close the connection, even with NATS gone: a

@@ -164,7 +164,7 @@ class SimProfile(EngineProfile):
         s = self.settings.sim
         return ServedModel(folder=Path(), name=self.model_name, namespace=self.namespace(),
                            max_model_len=s.max_model_len, vocab_size=s.vocab_size,
-                           eos_token_id=None, chat_template=None, special_tokens={},
+                           eos_token_id=None, chat_template=None,
                            has_tokenizer=False)
 
     def _block_bytes(self) -> int:

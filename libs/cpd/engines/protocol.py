@@ -37,6 +37,10 @@ class EngineRequest:
     save_slots: Sequence[int] = ()
     # Isolates the engine's own prefix cache per tenant (vLLM's cache_salt).
     cache_salt: str = ""
+    # Tokens the output must start with, already generated elsewhere (a decode node
+    # continuing a prefill's stream): sampled again as output, so penalties and seeded
+    # streams see them as a single run would, and not reported again.
+    forced_output: Sequence[int] = ()
 
 
 @dataclass
@@ -44,14 +48,19 @@ class EngineStep:
     """What one engine step produced for a request (deltas, not cumulative)."""
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[wire.TokenLogprob] = field(default_factory=list)  # when asked, per id
     finished: bool = False
     finish_reason: str | None = None
+    stop_token: int | None = None  # the stop_token_ids entry that ended the request
     prompt_tokens: int = 0
     cached_tokens: int = 0     # prompt tokens not computed (engine cache + arena)
     gpu_blocks: int = 0        # of which were in the engine's own prefix cache
     loaded_blocks: int = 0     # loaded from the arena
     failed_blocks: int = 0     # arena blocks that failed verification (recomputed)
     saved_blocks: int = 0      # written through to the arena
+    # When the engine first scheduled the request (``time.monotonic()``, a clock every
+    # process of the host shares; 0: not known), on the last step: its queue time ends.
+    scheduled_at: float = 0.0
 
 
 class Engine(Protocol):

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from cpd.modelbuild import RECIPE_VERSION, build, tokenizer_hash
+from cpd.modelbuild import build, tokenizer_hash, weights_revision
 from cpd.ops.config import Settings
-from cpd.protocol.errors import InvalidRequest, PromptTooLong
+from cpd.protocol import wire
+from cpd.protocol.errors import ConfigError, InvalidRequest, PromptTooLong
 from cpd.protocol.hashing import Namespace
 
 # The chat template of a model that ships none (the locally built ones do not): plain
@@ -41,7 +42,6 @@ class ServedModel:
     vocab_size: int
     eos_token_id: int | None
     chat_template: str | None
-    special_tokens: dict[str, str]
     # False for the sim engine: token ids in, token ids out, no text.
     has_tokenizer: bool = True
 
@@ -61,7 +61,7 @@ class ServedModel:
             folder = model_dir(s.model_cache_dir, s.model.preset)
         name = folder.name if s.model.path else f"cpd-{s.model.preset}"
         namespace = Namespace(
-            model_id=name, model_revision=f"r{RECIPE_VERSION}",
+            model_id=name, model_revision=_revision(s.model.revision, folder),
             tokenizer_hash=tokenizer_hash(folder), kv_dtype=s.model.dtype,
             block_size=s.cache.block_size, adapter_id=s.cache.adapter_id,
             tenant_salt=s.cache.tenant_salt)
@@ -75,9 +75,7 @@ class ServedModel:
             eos = eos[0] if eos else None
         return cls(folder=folder, name=name, namespace=namespace, max_model_len=max_len,
                    vocab_size=int(cfg.get("vocab_size", 0)), eos_token_id=eos,
-                   chat_template=tok_cfg.get("chat_template"),
-                   special_tokens={k: v for k, v in tok_cfg.items()
-                                   if k.endswith("_token") and isinstance(v, str)})
+                   chat_template=tok_cfg.get("chat_template"))
 
     def namespace_for(self, tenant: str = "default", cache_salt: str = "") -> Namespace:
         """The cache namespace of one tenant: the default tenant without a salt shares the
@@ -114,33 +112,58 @@ class ServedModel:
             raise InvalidRequest(f"token id {int(tokens.max())} is outside the "
                                  f"vocabulary of {self.vocab_size}")
 
-    def check_prompt(self, tokens: np.ndarray, max_tokens: int) -> None:
-        """Refuse, typed, a prompt no engine of this model can run: empty, a token id
-        outside the vocabulary, or ``max_tokens`` more that do not fit the context."""
+    def check_prompt(self, tokens: np.ndarray, sampling: wire.SamplingParams) -> None:
+        """Refuse, typed, a request no engine of this model can run: an empty prompt, a
+        token id outside the vocabulary (in the prompt, ``stop_token_ids`` or
+        ``logit_bias``), or ``max_tokens`` more that do not fit the context."""
         if not tokens.size:
             raise InvalidRequest("empty prompt")
         self.check_vocab(tokens)
+        for what, ids in (("stop_token_ids", sampling.stop_token_ids),
+                          ("logit_bias", list(sampling.logit_bias))):
+            if self.vocab_size and ids and max(ids) >= self.vocab_size:
+                raise InvalidRequest(f"{what}: token id {max(ids)} is outside the "
+                                     f"vocabulary of {self.vocab_size}")
+        max_tokens = sampling.max_tokens
         if self.max_model_len and tokens.size + max_tokens > self.max_model_len:
             raise PromptTooLong(f"{tokens.size} prompt + {max_tokens} new tokens exceed "
                                 f"the model's {self.max_model_len}")
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added: the locally built models add
-        none, and a chat template places its own)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` as vLLM's server makes them: a completion's prompt with
+        the special tokens the tokenizer adds (a BOS, for most models), a rendered chat
+        without (``add_special_tokens=False``: its template places its own)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> Detokenizer:
         """A fresh incremental detokenizer for one generated stream (text stays empty
         without a tokenizer)."""
-        return Detokenizer(self.tokenizer if self.has_tokenizer else None)
+        return Detokenizer(self.tokenizer if self.has_tokenizer else None,
+                           skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def chat_tokenizer(self) -> Any:
+        """``transformers``' tokenizer of the folder, whose ``apply_chat_template``
+        renders chats exactly as vLLM's server does (loading it takes seconds: a server
+        loads it at start, :meth:`prepare_chat`)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.folder))
+
+    def prepare_chat(self) -> None:
+        """Load what rendering a chat needs, so the first chat request does not wait."""
+        if self.has_tokenizer:
+            self.render_chat([{"role": "user", "content": ""}])
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a chat: the model's own template when it has one."""
-        return _render_template(self.chat_template or FALLBACK_CHAT_TEMPLATE, messages,
-                                self.special_tokens)
+        """The prompt text of a chat: the model's own template (the fallback when it has
+        none), rendered by ``transformers`` with the generation prompt, as vLLM does."""
+        return self.chat_tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template or FALLBACK_CHAT_TEMPLATE,
+            tokenize=False, add_generation_prompt=True)
 
 
 class Detokenizer:
@@ -151,8 +174,10 @@ class Detokenizer:
     with the new ones and emit only the text that is complete and new.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, *, skip_special_tokens: bool = True
+                 ) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # end of what was emitted
@@ -169,27 +194,25 @@ class Detokenizer:
     def _emit(self, final: bool) -> str:
         if self._tok is None:
             return ""
-        before = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
-        now = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=True)
+        skip = self._skip_special
+        before = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=skip)
+        now = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=skip)
         if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return now[len(before):]
 
 
-def _render_template(template: str, messages: list[dict[str, str]],
-                     special_tokens: dict[str, str]) -> str:
-    """Render a Hugging Face chat template as ``transformers`` does: sandboxed (templates
-    come with model files), with the special tokens and ``raise_exception`` it expects."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                            **special_tokens)
+def _revision(configured: str, folder: Path) -> str:
+    """The model revision of the namespace: the configured one, else the weights'
+    fingerprint (a folder without weights needs one configured)."""
+    if configured:
+        return configured
+    try:
+        return weights_revision(folder)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{e}: set model.revision to the revision the workers "
+                          "serve (the same on every node)") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from cpd.modelbuild.build import (
            model_dir,
            tokenizer_hash,
            verify,
+           weights_revision,
 )
 
 __all__ = ["MANIFEST", "PRESETS", "RECIPE_VERSION", "Preset", "build", "model_dir",
-           "tokenizer_hash", "verify"]
+           "tokenizer_hash", "verify", "weights_revision"]

@@ -161,6 +161,35 @@ def tokenizer_hash(folder: str | os.PathLike[str]) -> str:
     return _sha256(Path(folder) / "tokenizer.json")
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""Files whose contents are a model's weights (the rest of a folder is configuration)."""
+
+_SAMPLE_BYTES = 4 << 20
+
+
+def weights_revision(folder: str | os.PathLike[str]) -> str:
+    """A fingerprint of a model folder's weight files: the model revision in the cache
+    namespace, so that retrained or swapped weights behind the same folder never reuse
+    the old ones' KV. Each file's name and size and its first, middle and last 4 MiB
+    (the whole of a smaller file) go in: milliseconds however large the model, and any
+    retraining changes them. Raises ``FileNotFoundError`` when the folder holds no weight
+    file (a node without the weights: set ``model.revision`` instead)."""
+    files = sorted(p for p in Path(folder).iterdir()
+                   if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}")
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            for start in sorted({0, max(0, size // 2 - _SAMPLE_BYTES // 2),
+                                 max(0, size - _SAMPLE_BYTES)}):
+                f.seek(start)
+                h.update(f.read(_SAMPLE_BYTES))
+    return "w" + h.hexdigest()[:16]
+
+
 def _json(obj: object) -> bytes:
     return (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode()
 

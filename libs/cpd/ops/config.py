@@ -97,6 +97,11 @@ class ModelSettings(_Section):
     # Explicit model folder (a real checkpoint); overrides the preset when set.
     path: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The weights' revision in the cache namespace (docs/architecture.md, "Block
+    # identity"). Empty: a fingerprint of the folder's weight files, which each node
+    # computes from its copy; set it (the same everywhere) where a node has the
+    # tokenizer but not the weights, or to name a revision explicitly.
+    revision: str = ""
 
 
 class CacheSettings(_Section):

@@ -150,6 +150,10 @@ ROUTER_DECISION = _m(
 ROUTER_RESUMED = _m(
     "cpd_router_resumed_requests", "counter",
     "streams resumed here after the router serving them died (the client's resume_tokens)")
+ROUTER_CANCELLED = _m(
+    "cpd_router_cancelled_requests", "counter",
+    "requests ended before their nodes finished generating them, whose nodes were told "
+    "to stop: a stop string matched, or the client stopped reading", labels=("reason",))
 ROUTER_LOOKUP_MISSES = _m(
     "cpd_router_kvindex_lookup_misses", "counter",
     "routing decisions made without kvindex's answer (past router.lookup_timeout_ms, an "
@@ -184,6 +188,11 @@ WORKER_KV_LOADS_PLANNED = _m(
     "cpd_worker_kv_loads_planned", "counter",
     "requests that arrived with KV to load from a peer, by stage (prefix, handoff): the "
     "base of the fallback share", labels=("role", "stage"))
+WORKER_QUEUE = _m(
+    "cpd_worker_queue_time", "histogram",
+    "time a request waited in this worker's engine before it ran, by role (prefill: the "
+    "warm prefill queue; preprefill: the cold pre-prefill queue; decode)", "s", ("role",),
+    LATENCY_BUCKETS_S)
 WORKER_PHASE = _m(
     "cpd_worker_phase_duration", "histogram",
     "time per request phase on this worker (load, prefill, pull, decode)", "s",

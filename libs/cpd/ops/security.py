@@ -122,6 +122,7 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             s.for_node(s.run, role, node=n),
             s.for_node(s.admin, role, node=n),
             s.for_node(s.kv_reannounce, node=n),
+            s.for_node(s.cancel, node=n),         # the router's "stop generating"
         )
         if role in PREFILL_ROLES:
             publish += (s.for_node(s.run, Role.DECODE),)        # hand-off to any decode node
@@ -141,17 +142,21 @@ def permission_table(node: str = "") -> dict[str, Grants]:
         "router": Grants(
             publish=(*service_pub("router"), s.KVINDEX_LOOKUP,
                      *(s.for_node(s.run, r) for r in PREFILL_ROLES),
+                     s.for_node(s.cancel),
                      *_inboxes(*_REQUESTERS)),
-            subscribe=(*own("router"), s.GENERATE, s.ROUTER_STATUS, s.HEARTBEAT_ALL,
+            subscribe=(*own("router"), s.GENERATE, s.GENERATE_CANCEL, s.ROUTER_STATUS,
+                       s.HEARTBEAT_ALL,
                        s.LOAD_ALL, s.KV_VISIBLE, s.KV_INVALIDATE),
             responses=True),
         "gateway": Grants(
-            publish=(*service_pub("gateway"), s.GENERATE, s.ROUTER_STATUS),
+            publish=(*service_pub("gateway"), s.GENERATE, s.GENERATE_CANCEL,
+                     s.ROUTER_STATUS),
             subscribe=own("gateway"), responses=True),
         **{role: worker(role) for role in WORKER_ROLES},
-        CLIENT: Grants(publish=(s.GENERATE, s.ROUTER_STATUS), subscribe=own(CLIENT)),
+        CLIENT: Grants(publish=(s.GENERATE, s.GENERATE_CANCEL, s.ROUTER_STATUS),
+                       subscribe=own(CLIENT)),
         ADMIN: Grants(
-            publish=(s.GENERATE, s.ROUTER_STATUS, s.KVINDEX_LOOKUP,
+            publish=(s.GENERATE, s.GENERATE_CANCEL, s.ROUTER_STATUS, s.KVINDEX_LOOKUP,
                      s.everything_under(s.MICRO_ROOT),
                      *(s.for_node(s.admin, r) for r in WORKER_ROLES)),
             subscribe=(*own(ADMIN), s.HEARTBEAT_ALL, s.LOAD_ALL, s.KV_DEADLETTER)),

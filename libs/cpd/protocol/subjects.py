@@ -17,6 +17,8 @@ from .roles import WORKER_ROLES
 PREFIX: Final = "cpd.v1"
 
 GENERATE: Final = f"{PREFIX}.generate"
+GENERATE_CANCEL: Final = f"{PREFIX}.generate.cancel"
+"""Every router (no queue group): a client stopped reading a stream (``CancelGenerate``)."""
 KVINDEX_LOOKUP: Final = f"{PREFIX}.kvindex.lookup"
 ROUTER_STATUS: Final = f"{PREFIX}.router.status"
 KV_EVENTS_ALL: Final = f"{PREFIX}.kv.events.>"
@@ -63,6 +65,11 @@ def kv_reannounce(node: str) -> str:
 def pull_ack(node: str) -> str:
     """Subject a decode node acks a finished pull on, to the node that pinned the blocks."""
     return f"{PREFIX}.kv.ack.{check_token(node, 'node id')}"
+
+
+def cancel(node: str) -> str:
+    """Subject a router asks a worker node to stop generating a request on."""
+    return f"{PREFIX}.cancel.{check_token(node, 'node id')}"
 
 
 def heartbeat(node: str) -> str:

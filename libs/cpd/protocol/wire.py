@@ -43,6 +43,12 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)]   # -1: off
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
+"""vLLM's default ``max_logprobs``: the most alternatives a token's log probabilities list."""
+
 
 class Tier(enum.StrEnum):
     """Where a cached block lives (docs/architecture.md, "KV tiers and the data plane")."""
@@ -97,8 +103,14 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fie
 # --------------------------------------------------------------------------- client API
 
 
-class SamplingParams(msgspec.Struct, kw_only=True):
-    """Sampling settings; greedy by default (temperature 0)."""
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling settings, with vLLM's meanings; greedy by default (temperature 0).
+
+    Every field defaults to the value that asks for nothing, and is not sent when it
+    has it (most requests set a few fields of many). ``stop`` strings are the
+    router's to find in the text it streams (it ends the request there and cancels the
+    rest); the engines apply the others.
+    """
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
@@ -107,6 +119,35 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     seed: Int64 | None = None
     stop_token_ids: list[TokenId] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 1.0
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    # Generate at least this many tokens before EOS or a stop token may end the request.
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    logit_bias: Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                          msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = msgspec.field(
+                              default_factory=dict)
+    stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+                    msgspec.Meta(max_length=MAX_STOP_STRINGS)] = msgspec.field(
+                        default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Log probabilities of each generated token and of this many most likely ones
+    # (``None``: none at all; ``0``: the generated token's only).
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens "
+                             f"({self.max_tokens})")
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling a token depends on the tokens generated before it (not just
+        the prompt's KV): penalties on the output and a seeded random stream."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or (self.temperature > 0 and self.seed is not None))
 
 
 class GenerateRequest(Message, tag="generate", kw_only=True):
@@ -131,6 +172,16 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     resume_text_chars: NonNegInt = 0
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's log probability, its rank in the model's distribution and
+    the most likely tokens there (``SamplingParams.logprobs`` of them, best first), as
+    vLLM computes them: from the model's raw logits, before any sampling setting."""
+
+    logprob: float
+    rank: NonNegInt
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
+
+
 class TokenChunk(Message, tag="token", kw_only=True):
     """Some generated tokens; ``seq`` counts every message of one reply stream from 0."""
 
@@ -144,6 +195,30 @@ class TokenChunk(Message, tag="token", kw_only=True):
     # (router.keepalive_misses; docs/architecture.md, "Failure handling"). Older clients see an
     # empty chunk.
     keepalive_ms: NonNegInt = 0
+    # The last id is the EOS or ``stop_token_ids`` entry that ended the request: as in
+    # vLLM, it counts as generated but its text is left out (unless the request has
+    # ``include_stop_str_in_output``).
+    ends_with_stop_token: bool = False
+    # One per id when the request asked for log probabilities (``SamplingParams.logprobs``).
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+
+
+class CancelGenerate(Message, tag="cancel_generate", kw_only=True):
+    """Client → every router (``cpd.v1.generate.cancel``): the client stopped reading the
+    stream of ``request_id`` before its end (its HTTP client left, it was cancelled).
+    The router serving it, and only for the same ``reply_to`` (the stream's inbox, which
+    only that client knows), ends it and cancels its nodes' work."""
+
+    request_id: str
+    reply_to: str
+
+
+class CancelReason(enum.StrEnum):
+    """Why a router ended a request before its nodes were done generating it."""
+
+    STOP_STRING = "stop_string"  # a stop string matched: the request is complete
+    CLIENT_GONE = "client_gone"  # the client stopped reading (``CancelGenerate``)
+    ROUTER_STOPPING = "router_stopping"  # its router stopped first (drain timed out)
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -166,6 +241,10 @@ class Timings(msgspec.Struct, kw_only=True):
     ttft_ms: NonNegFloat = 0.0
     decode_ms: NonNegFloat = 0.0
     total_ms: NonNegFloat = 0.0
+    # Of prefill_ms and decode_ms: waiting in the node's engine before it ran the
+    # request (measured on the node: the warm prefill, cold pre-prefill or decode queue).
+    prefill_queue_ms: NonNegFloat = 0.0
+    decode_queue_ms: NonNegFloat = 0.0
 
 
 class RouteReason(enum.StrEnum):
@@ -273,6 +352,9 @@ class Final(Message, tag="final", kw_only=True):
     request_id: str
     seq: NonNegInt
     finish_reason: str = "stop"
+    # vLLM's: what stopped a ``stop`` finish, the stop string or the stop token id
+    # (``None`` for EOS, and for any other finish).
+    stop_reason: int | str | None = None
     usage: Usage = msgspec.field(default_factory=Usage)
     timings: Timings = msgspec.field(default_factory=Timings)
     route: Route = msgspec.field(default_factory=Route)
@@ -574,7 +656,8 @@ class PrefillReport(Message, tag="prefill_report", kw_only=True):
     # A planned load that failed: the prefix was recomputed from there on.
     load_error: LoadError | None = None
     load_ms: NonNegFloat = 0.0
-    prefill_ms: NonNegFloat = 0.0
+    prefill_ms: NonNegFloat = 0.0  # the engine's run, its queue_ms included
+    queue_ms: NonNegFloat = 0.0
 
 
 class DecodeReport(Message, tag="decode_report", kw_only=True):
@@ -587,7 +670,8 @@ class DecodeReport(Message, tag="decode_report", kw_only=True):
     tokens_pulled: NonNegInt = 0
     tokens_computed: NonNegInt = 0
     handoff_ms: NonNegFloat = 0.0
-    decode_ms: NonNegFloat = 0.0
+    decode_ms: NonNegFloat = 0.0  # the engine's run, its queue_ms included
+    queue_ms: NonNegFloat = 0.0
 
 
 class ResetCache(Message, tag="reset_cache", kw_only=True):
@@ -595,6 +679,15 @@ class ResetCache(Message, tag="reset_cache", kw_only=True):
     DRAM blocks stay; kvindex hears of the drop through the engine's KV events."""
 
     reason: str = ""
+
+
+class Cancel(Message, tag="cancel", kw_only=True):
+    """Router → the nodes of a request's try, on ``subjects.cancel(node)``: stop
+    generating ``request_id`` (the router found a stop string, or the client is gone).
+    A node aborts it in its engine; a node that has not reached it yet drops it when it
+    comes (a hand-off it refuses, a first token it does not hand off)."""
+
+    request_id: str
 
 
 class PullAck(Message, tag="pull_ack", kw_only=True):
@@ -650,6 +743,8 @@ class RouterStats(msgspec.Struct, kw_only=True):
     lookup_misses: NonNegInt = 0
     # Requests taken over from a router that died mid-stream (``resume_tokens``).
     resumed: NonNegInt = 0
+    # Requests ended before their nodes finished, by ``CancelReason``.
+    cancelled: dict[str, int] = msgspec.field(default_factory=dict)
     prompt_tokens: NonNegInt = 0
     tokens: PromptTokens = msgspec.field(default_factory=PromptTokens)
     paths: dict[str, int] = msgspec.field(default_factory=dict)
@@ -719,14 +814,14 @@ class BlockReply(Message, tag="blk_reply", kw_only=True):
 
 
 AnyMessage = (
-    GenerateRequest | TokenChunk | Final | Error
+    GenerateRequest | TokenChunk | Final | Error | CancelGenerate
     | LookupRequest | LookupReply
     | BlocksAllocated | BlocksWriting | BlocksSealed | BlocksEvicted | BlocksFailed
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
     | BlocksVisible | BlocksInvalidated
     | Heartbeat | LoadReport
     | PrefillRequest | DecodeRequest | Accepted | HandoffAccepted | PrefillReport
-    | DecodeReport | ResetCache | PullAck
+    | DecodeReport | ResetCache | PullAck | Cancel
     | StatusRequest | StatusReply
     | BlockGet | BlockPut | BlockReply
 )

@@ -11,7 +11,8 @@ from cpd.ops import telemetry
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError
 
-from .engine import CacheCleared, CacheEvent, CacheRemoved, CacheStored, SimEngine
+from .cacheevents import CacheCleared, CacheEvent, CacheRemoved, CacheStored
+from .engine import SimEngine
 
 # Blocks per forwarded event: keeps each JetStream message far below the payload limit
 # (a 200K-token prompt stored at once would be ~800 KB of token ids).

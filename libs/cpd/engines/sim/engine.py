@@ -9,7 +9,9 @@ scale and capacity experiments (docs/architecture.md, "Engines", like Dynamo's m
   and a run with or without cache hits, produce identical tokens: the "deterministic
   sim" reference for the correctness test of the KV path. KV that passed its checksum
   but is not the prompt's KV (a wrong block served) changes the tokens, as it would on
-  a real engine.
+  a real engine. Of the sampling settings only ``max_tokens``, ``stop_token_ids``,
+  ``ignore_eos`` and a seed (with a temperature) shape them; forced output tokens are
+  taken as given and not reported again.
 * KV blocks behave like CPD's vLLM connector (:mod:`cpd.engines.vllm.connector`): on save,
   deterministic bytes derived from the block's tokens and position are written to its
   arena slot (``np.memmap`` of ``(num_slots, slot_bytes)``); on load, each slot's
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +44,8 @@ from cpd.sim.costmodel import DEFAULT_PRESET, CostModel, preset
 from cpd.sim.prefixcache import TOKEN_DTYPE, PrefixCache, chain_hashes
 from cpd.sim.scheduler import Admission, Scheduler, SchedulerConfig, StepPlan, estimate_queue_s
 
+from .cacheevents import CacheCleared, CacheEvent, CacheRemoved, CacheStored
+
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MAX_MODEL_LEN = 262_144   # the coding-agent contexts reach 200K+ tokens
 DEFAULT_VOCAB = 32_000
@@ -49,31 +54,6 @@ FINISH_STOP = "stop"
 FINISH_ABORT = "abort"
 _MASK64 = (1 << 64) - 1
 
-
-
-@dataclass(frozen=True)
-class CacheStored:
-    """Blocks entered the GPU prefix cache: ``hashes`` chained after ``parent``, their
-    ``tokens`` (``len(hashes) * block_size``)."""
-
-    hashes: list[int]
-    parent: int | None
-    tokens: np.ndarray
-
-
-@dataclass(frozen=True)
-class CacheRemoved:
-    """Blocks left the GPU prefix cache (evicted)."""
-
-    hashes: list[int]
-
-
-@dataclass(frozen=True)
-class CacheCleared:
-    """The whole GPU prefix cache was dropped (a reset)."""
-
-
-CacheEvent = CacheStored | CacheRemoved | CacheCleared
 
 
 def block_bytes(block_hash: int, index: int, nbytes: int) -> np.ndarray:
@@ -116,6 +96,7 @@ class _Stream:
     first_load: int = 0
     done: bool = False
     stops: frozenset[int] = field(default_factory=frozenset)
+    scheduled_at: float = 0.0   # time.monotonic() when first scheduled
 
 
 class SimEngine:
@@ -277,6 +258,7 @@ class SimEngine:
         """Called by the scheduler when the request is first scheduled: the engine's
         prefix cache, then the arena loads (verified), then the blocks to save."""
         st = self._streams[request_id]
+        st.scheduled_at = time.monotonic()
         req, bs, cap = st.request, self.block_size, self._load_cap(st)
         gpu = self.prefix_cache.match(st.hashes[:cap]) if self.prefix_caching else 0
         have = min(len(req.load_slots), cap) if self._arena is not None else 0
@@ -354,14 +336,20 @@ class SimEngine:
                 wrote = True
             if not adv.emits_token:
                 continue
-            tok = output_token(st.seed ^ st.kv_digest, adv.output_index, self.vocab_size)
-            stop = tok in st.stops and not st.request.sampling.ignore_eos
+            forced = st.request.forced_output
+            if adv.output_index < len(forced):  # the caller has it: not reported again
+                tok, ids = forced[adv.output_index], []
+            else:
+                tok = output_token(st.seed ^ st.kv_digest, adv.output_index, self.vocab_size)
+                ids = [tok]
+            stop = bool(ids) and tok in st.stops and not st.request.sampling.ignore_eos
             finished = adv.finished or stop
-            step = EngineStep(token_ids=[tok], finished=finished,
+            step = EngineStep(token_ids=ids, finished=finished,
                               prompt_tokens=len(st.tokens), cached_tokens=st.cached_tokens)
             if finished:
                 if stop:
                     self._sched.finish(adv.request_id)
+                    step.stop_token = tok
                 step.finish_reason = FINISH_STOP if stop else FINISH_LENGTH
                 self._fill_kv_counts(st, step)
                 st.done = True
@@ -406,6 +394,7 @@ class SimEngine:
         # Like the vLLM engine: the connector's counts arrive with the final output.
         step.gpu_blocks, step.loaded_blocks = st.gpu_blocks, st.loaded_blocks
         step.failed_blocks, step.saved_blocks = st.failed_blocks, st.saved_blocks
+        step.scheduled_at = st.scheduled_at
 
     def _end(self, request_id: str, reason: str) -> None:
         st = self._streams.get(request_id)

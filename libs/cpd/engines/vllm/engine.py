@@ -15,6 +15,7 @@ import numpy as np
 
 from cpd.engines.protocol import ArenaSpec, EngineRequest, EngineStep
 from cpd.engines.vllm.connector import PARAMS_KEY
+from cpd.engines.vllm.forced import FORCED_KEY, FQCN
 from cpd.engines.vllm.version import check_vllm_version
 from cpd.modelbuild.runtime import engine_kwargs, engine_thread_env, prepare_cpu_env
 from cpd.ops.config import EngineSettings
@@ -73,6 +74,8 @@ class VllmEngine:
                              max_model_len=self._max_model_len)
         args.update(self.engine.vllm_args())
         args["block_size"] = self.block_size
+        # A decode node's continuation of a stream (cpd.engines.vllm.forced).
+        args["logits_processors"] = [*args.get("logits_processors", ()), FQCN]
         args["disable_log_stats"] = True
         args["distributed_executor_backend"] = self.executor
         if self.long_prefill_token_threshold:
@@ -127,27 +130,25 @@ class VllmEngine:
                                               stat_loggers=loggers or None)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s: wire.SamplingParams = request.sampling
-        extra = None
-        if request.load_slots or request.save_slots:
-            extra = {"kv_transfer_params": {PARAMS_KEY: {
-                "load": list(request.load_slots), "load_checksums": list(request.load_checksums),
-                "save": list(request.save_slots)}}}
-        params = SamplingParams(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-            output_kind=RequestOutputKind.DELTA, extra_args=extra)
         prompt: dict[str, Any] = {"prompt_token_ids": _token_list(request.tokens)}
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
-        async for out in self._llm.generate(prompt, params, request.request_id):
+        # Forced output tokens come back first: the caller has them already.
+        skip = len(request.forced_output)
+        async for out in self._llm.generate(
+                prompt, _sampling_params(request, connector=self.arena is not None),
+                request.request_id):
             comp = out.outputs[0] if out.outputs else None
-            step = EngineStep(token_ids=list(comp.token_ids) if comp else [],
+            ids = list(comp.token_ids) if comp else []
+            dropped = min(skip, len(ids))
+            skip -= dropped
+            step = EngineStep(token_ids=ids[dropped:],
+                              logprobs=(_logprobs(comp.logprobs, ids, request.sampling.logprobs)
+                                        [dropped:] if comp else []),
                               finished=out.finished,
                               finish_reason=comp.finish_reason if comp else None,
+                              stop_token=(comp.stop_reason if comp and isinstance(
+                                  comp.stop_reason, int) else None),
                               prompt_tokens=len(request.tokens),
                               cached_tokens=out.num_cached_tokens or 0)
             info = (out.kv_transfer_params or {}).get(PARAMS_KEY)
@@ -156,6 +157,7 @@ class VllmEngine:
                 step.loaded_blocks = info.get("loaded_blocks", 0)
                 step.failed_blocks = info.get("failed_blocks", 0)
                 step.saved_blocks = info.get("saved_blocks", 0)
+                step.scheduled_at = info.get("scheduled_at", 0.0)
                 # vLLM counts the connector's matched tokens as cached when it schedules
                 # them; blocks that then failed verification were computed after all.
                 step.cached_tokens = max(
@@ -174,6 +176,45 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _sampling_params(request: EngineRequest, *, connector: bool) -> Any:
+    """vLLM's ``SamplingParams`` for ``request`` (stop strings stay with the router);
+    with CPD's ``connector``, its copies (every request: the connector also tells when
+    the request was scheduled)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s: wire.SamplingParams = request.sampling
+    extra: dict[str, Any] = {}
+    if connector:
+        extra["kv_transfer_params"] = {PARAMS_KEY: {
+            "load": list(request.load_slots), "load_checksums": list(request.load_checksums),
+            "save": list(request.save_slots)}}
+    if request.forced_output:
+        extra[FORCED_KEY] = _token_list(request.forced_output)
+    return SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias) or None,
+        logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA, extra_args=extra or None)
+
+
+def _logprobs(per_token: Any, ids: list[int], k: int | None) -> list[wire.TokenLogprob]:
+    """vLLM's log probabilities of ``ids`` (a dict per token: the ``k`` most likely
+    tokens, and the token itself when it is not one of them) as the wire's."""
+    if not per_token or k is None:
+        return []
+    out = []
+    for token, entries in zip(ids, per_token, strict=True):
+        own = entries[token]
+        ranked = sorted(entries.items(), key=lambda te: te[1].rank)
+        out.append(wire.TokenLogprob(
+            logprob=own.logprob, rank=own.rank,
+            top=[(t, e.logprob) for t, e in ranked if e.rank <= k]))
+    return out
 
 
 def _token_list(tokens: Sequence[int] | np.ndarray) -> list[int]:

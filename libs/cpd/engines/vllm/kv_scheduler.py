@@ -5,6 +5,7 @@ saved and failed. It runs in vLLM's scheduler and touches no memory."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ class _ReqState:
     load_limit: int | None = None
     load_queued: bool = False  # its loads are in some step's metadata already
     load_async: bool = False
+    scheduled_at: float = 0.0  # first given blocks to run (time.monotonic())
 
 
 class ConnectorScheduler:
@@ -64,6 +66,7 @@ class ConnectorScheduler:
             # Asked again (preempted, or every block of its off-step load failed): a block
             # that failed verification would only fail again, so it is computed instead.
             st.load_failed, st.load_limit = prev.load_failed, prev.load_limit
+            st.scheduled_at = prev.scheduled_at
         self._reqs[request.request_id] = st
         have = min(len(st.load_slots), prompt_blocks)
         if st.load_limit is not None:
@@ -78,6 +81,8 @@ class ConnectorScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
+        if st is not None and not st.scheduled_at:
+            st.scheduled_at = time.monotonic()  # out of the waiting queue: queue time ends
         if st is None or st.load_queued:
             return  # e.g. scheduled after its off-step load: vLLM asks with 0 tokens
         if num_external_tokens == 0:
@@ -159,4 +164,5 @@ class ConnectorScheduler:
                                     "cached_blocks": st.first_load,
                                     "failed_blocks": st.load_failed,
                                     "saved_blocks": st.saved,
-                                    "async_load": st.load_async}}
+                                    "async_load": st.load_async,
+                                    "scheduled_at": st.scheduled_at}}
