@@ -57,6 +57,6 @@ class Cancels:
 async def cancel_nodes(bus: Bus, request_id: str, nodes: list[str]) -> None:
     """Tell ``nodes`` to stop generating ``request_id`` (at most once delivered: a node
     that misses it generates to the end into an inbox nobody reads)."""
-    for node in nodes:
+    for node in filter(None, nodes):
         with contextlib.suppress(CpdError):
             await bus.publish(subjects.cancel(node), wire.Cancel(request_id=request_id))

@@ -171,6 +171,7 @@ class RouterService(Service):
                 if not self.cancels.by_client():
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled
+                self.accounts.cancelled(wire.CancelReason.CLIENT_GONE)
             except BaseException as e:
                 self.accounts.ended_badly(e.code if isinstance(e, CpdError) else None)
                 if isinstance(e, CpdError) and e.code in BAD_INPUT:  # e.g. a torn array
@@ -393,10 +394,10 @@ class RouterService(Service):
                                       idle_s=self.settings.bus.stream_idle_timeout_s,
                                       cancel=lambda nodes: self._cancel(
                                           rid, nodes, wire.CancelReason.STOP_STRING))
-        except asyncio.CancelledError:  # the client left, or this router stops
-            await self._cancel(rid, [plan.node, decision.decode_node],
-                               wire.CancelReason.CLIENT_GONE if self.cancels.by_client()
-                               else wire.CancelReason.ROUTER_STOPPING)
+        except asyncio.CancelledError:  # the client left (counted above), or the router stops
+            await cancel_nodes(self.bus, rid, [plan.node, decision.decode_node])
+            if not self.cancels.by_client():
+                self.accounts.cancelled(wire.CancelReason.ROUTER_STOPPING)
             raise
         finally:
             await reader.close()
@@ -404,7 +405,7 @@ class RouterService(Service):
     async def _cancel(self, request_id: str, nodes: list[str],
                       reason: wire.CancelReason) -> None:
         self.accounts.cancelled(reason)
-        await cancel_nodes(self.bus, request_id, [n for n in nodes if n])
+        await cancel_nodes(self.bus, request_id, nodes)
 
 
 def serve(settings: Settings) -> None:
