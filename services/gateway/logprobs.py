@@ -92,9 +92,9 @@ def requested(body: Any, *, chat: bool) -> int | None:
     return None
 
 
-def for_request(body: Any, model: ServedModel, *, chat: bool) -> Logprobs | None:
-    """The writer of a request's log probabilities, or ``None`` when it asks for none."""
-    top = requested(body, chat=chat)
+def writer(top: int | None, model: ServedModel, *, chat: bool) -> Logprobs | None:
+    """The writer of a request's log probabilities (``top`` per token, the request's
+    ``SamplingParams.logprobs``), or ``None`` when it asks for none."""
     if top is None:
         return None
     return (ChatLogprobs if chat else CompletionLogprobs)(model, top)

@@ -293,8 +293,7 @@ class Shape(ABC):
                  final: wire.Final, logprobs: dict[str, Any] | None = None
                  ) -> dict[str, Any]:
         """The whole reply of a non-streaming request."""
-        choice = self.choice(text, finish_reason(final), stop_reason(final))
-        choice["logprobs"] = logprobs
+        choice = self.choice(text, finish_reason(final), stop_reason(final), logprobs)
         return {"id": self.id_prefix + request_id, "object": self.object,
                 "created": created, "model": model, "choices": [choice],
                 "usage": usage(final), "cpd": cpd_extension(request_id, final)}
@@ -306,8 +305,8 @@ class Shape(ABC):
                 "created": created, "model": model, "choices": choices, **extra}
 
     @abstractmethod
-    def choice(self, text: str, finish: str, stop: int | str | None = None
-               ) -> dict[str, Any]:
+    def choice(self, text: str, finish: str, stop: int | str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The choice of a whole reply."""
 
     def opening_choices(self) -> list[dict[str, Any]]:
@@ -316,28 +315,29 @@ class Shape(ABC):
 
     @abstractmethod
     def delta_choice(self, text: str, finish: str | None = None,
-                     stop: int | str | None = None) -> dict[str, Any]:
+                     stop: int | str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The choice of a stream chunk: new text, or the finish and stop reasons at
         the end."""
 
 
 class CompletionShape(Shape):
-    def choice(self, text: str, finish: str, stop: int | str | None = None
-               ) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+    def choice(self, text: str, finish: str, stop: int | str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": stop}
 
     def delta_choice(self, text: str, finish: str | None = None,
-                     stop: int | str | None = None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                "stop_reason": stop}
+                     stop: int | str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.choice(text, finish, stop, logprobs)  # type: ignore[arg-type]
 
 
 class ChatShape(Shape):
-    def choice(self, text: str, finish: str, stop: int | str | None = None
-               ) -> dict[str, Any]:
+    def choice(self, text: str, finish: str, stop: int | str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+                "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     def opening_choices(self) -> list[dict[str, Any]]:
         # OpenAI's first chat chunk names the role and carries no text yet.
@@ -345,9 +345,10 @@ class ChatShape(Shape):
                  "logprobs": None, "finish_reason": None}]
 
     def delta_choice(self, text: str, finish: str | None = None,
-                     stop: int | str | None = None) -> dict[str, Any]:
+                     stop: int | str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": stop}
 
 

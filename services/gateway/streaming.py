@@ -59,9 +59,7 @@ class SseStreamer:
               if call.logprobs is not None and msg.token_ids else None)
         if not msg.text and lp is None:
             return None
-        choice = call.shape.delta_choice(msg.text)
-        choice["logprobs"] = lp
-        return self._chunk(call, [choice])
+        return self._chunk(call, [call.shape.delta_choice(msg.text, logprobs=lp)])
 
     async def _events(self, call: Call, first: asyncio.Future[wire.TokenChunk | wire.Final],
                       messages: AsyncIterator[wire.TokenChunk | wire.Final]
