@@ -53,6 +53,12 @@ CASES: dict[str, tuple[int, int, dict[str, Any], list[int] | None]] = {
     # Stop strings count only after min_tokens tokens: the first occurrence is skipped.
     "stop_min_tokens": (2, 90, {"max_tokens": 30, "ignore_eos": True, "temperature": 0,
                                 "min_tokens": 6}, [0, 2]),
+    # Several choices: each is vLLM's child of the same index (its seed + index).
+    "choices": (2, 50, {"max_tokens": 16, "ignore_eos": True, "temperature": 0.8,
+                        "seed": 11, "n": 3, "logprobs": 2}, None),
+    # The stop string is in choice 0's text: it ends there, the others where vLLM's do.
+    "choices_stop": (2, 20, {"max_tokens": 24, "ignore_eos": True, "temperature": 0.7,
+                             "seed": 5, "n": 3}, [10, 3]),
 }
 # The cancel case: a stop early in a generation that would otherwise run for seconds.
 LONG_MAX_TOKENS = 4000
@@ -127,7 +133,7 @@ def _body(name: str, prompts: dict[str, list[int]], reference: dict[str, dict[st
     if reference[name]["stop"]:
         s["stop"] = reference[name]["stop"]
     own = {k: s.pop(k) for k in ("max_tokens", "temperature", "top_p", "seed", "stop",
-                                 "presence_penalty", "frequency_penalty", "logprobs")
+                                 "presence_penalty", "frequency_penalty", "logprobs", "n")
            if k in s}
     if "logit_bias" in s:
         own["logit_bias"] = {str(k): v for k, v in s.pop("logit_bias").items()}
@@ -148,6 +154,60 @@ async def test_a_request_answers_as_vllm_does(api: openai.AsyncOpenAI,
     assert (choice.finish_reason, (choice.model_extra or {}).get("stop_reason")) == (
         ref["finish_reason"], ref["stop_reason"])
     assert resp.usage is not None and resp.usage.completion_tokens == len(ref["token_ids"])
+
+
+@pytest.mark.parametrize("name", ["choices", "choices_stop"])
+async def test_several_choices_answer_as_vllms_children(api: openai.AsyncOpenAI,
+                                                        prompts: dict[str, list[int]],
+                                                        reference: dict[str, dict[str, Any]],
+                                                        name: str) -> None:
+    """Each choice's text, finish and stop reasons are those of vLLM's output of the same
+    index; a stop string ends only the choices that have it; usage counts them all."""
+    ref = reference[name]["choices"]
+    resp = await api.completions.create(model="cpd-tiny", **_body(name, prompts, reference))
+    got = sorted(resp.choices, key=lambda c: c.index)
+    assert [c.text for c in got] == [r["text"] for r in ref]
+    assert [(c.finish_reason, (c.model_extra or {}).get("stop_reason")) for c in got] == [
+        (r["finish_reason"], r["stop_reason"]) for r in ref]
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == sum(len(r["token_ids"]) for r in ref)
+
+
+async def test_several_choices_stream_side_by_side(api: openai.AsyncOpenAI,
+                                                   prompts: dict[str, list[int]],
+                                                   reference: dict[str, dict[str, Any]]
+                                                   ) -> None:
+    ref = reference["choices_stop"]["choices"]
+    stream = await api.completions.create(model="cpd-tiny", stream=True,
+                                          **_body("choices_stop", prompts, reference))
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert [texts[i] for i in range(3)] == [r["text"] for r in ref]
+    assert [finishes[i] for i in range(3)] == [r["finish_reason"] for r in ref]
+
+
+async def test_several_choices_load_the_prompts_kv_once_computed(
+        vllm_cluster: VllmCluster, prompts: dict[str, list[int]],
+        reference: dict[str, dict[str, Any]]) -> None:
+    """Token for token and log probability for log probability each choice is vLLM's;
+    the prompt's KV was computed once, by the prefill, and every choice on the decode
+    node loaded it, computing only the prompt's tail after the last full block."""
+    ref = reference["choices"]["choices"]
+    done = await Client(vllm_cluster.bus, default_timeout_s=240).generate(
+        prompts["choices"], **CASES["choices"][2])
+    assert [c.token_ids for c in done.choices] == [r["token_ids"] for r in ref]
+    for choice, want in zip(done.choices, ref, strict=True):
+        assert [e.logprob for e in choice.logprobs] == pytest.approx(
+            [w["logprob"] for w in want["logprobs"]], abs=1e-4)
+    tail = CASES["choices"][1]
+    assert done.route.decode_node == "d0"
+    assert done.route.decode_tokens_computed == 3 * tail
+    assert done.usage.completion_tokens == 3 * 16
 
 
 async def test_the_same_token_ids_through_the_python_client(

@@ -39,6 +39,7 @@ from cpd.protocol.errors import (
     UnknownNamespace,
 )
 from services.gateway import GatewayService, protocol
+from services.gateway.bestof import Ranking
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,18 +93,25 @@ class FakeRouter(Service):
         if self.error_after_wait is not None:
             await stream.error(self.error_after_wait)
             return
+        # Choice c (of the request's n) gets the first n - c pieces, side by side.
+        lengths = [n - c for c in range(req.sampling.n)]
         for i in range(n):
             if i == self.fail_after:
                 await stream.error(Unavailable("decode node lost"))
                 return
             k = req.sampling.logprobs
-            await stream.tokens([FIRST_TOKEN + i], PIECES[i], logprobs=None if k is None else [
-                wire.TokenLogprob(logprob=-0.5 - i, rank=2,  # the second most likely
-                                  top=[(7, -0.25), (FIRST_TOKEN + i, -0.5 - i), (9, -3.0)][:k])])
+            for c in (c for c, length in enumerate(lengths) if i < length):
+                await stream.tokens([FIRST_TOKEN + i], PIECES[i], index=c, logprobs=(
+                    None if k is None else [wire.TokenLogprob(
+                        logprob=-0.5 - i, rank=2,  # the second most likely
+                        top=[(7, -0.25), (FIRST_TOKEN + i, -0.5 - i), (9, -3.0)][:k])]))
             await asyncio.sleep(self.token_delay_s)
+        ends = [wire.ChoiceEnd(index=c, completion_tokens=length, finish_reason=(
+            "length" if length == req.sampling.max_tokens else "stop"))
+            for c, length in enumerate(lengths)]
         await stream.final(
-            finish_reason="length" if n == req.sampling.max_tokens else "stop",
-            usage=wire.Usage(prompt_tokens=prompt_tokens, completion_tokens=n,
+            finish_reason=ends[0].finish_reason, choices=ends if len(ends) > 1 else [],
+            usage=wire.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(lengths),
                              cached_tokens=prompt_tokens // 2),
             timings=wire.Timings(ttft_ms=1.5, total_ms=3.0),
             route=wire.Route(policy="fake", path="cold", prefill_node="pp-0",
@@ -209,6 +217,56 @@ async def test_completion_reply_has_openai_shape_and_cpd_route(
     assert (sent.sampling.max_tokens, sent.sampling.temperature, sent.sampling.seed) == (
         4, 0.0, 7)
     assert sent.timeout_ms == int(gw_settings.gateway.request_timeout_s * 1000)
+
+
+async def test_several_choices_whole_and_streamed(oai: openai.AsyncOpenAI,
+                                                  router: FakeRouter) -> None:
+    """``n`` reaches the router; each choice's text, log probabilities (offsets of its
+    own text) and finish reason come under its index, whole or streamed (chat)."""
+    resp = await oai.completions.create(model=SERVED_NAME, prompt="x", n=3, max_tokens=6,
+                                        logprobs=1)
+    assert router.received[-1].sampling.n == 3
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == ["".join(PIECES[:6 - c]) for c in range(3)]
+    assert [c.finish_reason for c in resp.choices] == ["length", "stop", "stop"]
+    for c in resp.choices:
+        assert c.logprobs is not None and c.logprobs.text_offset is not None
+        assert len(c.logprobs.text_offset) == 6 - c.index
+        assert c.logprobs.text_offset[0] == 0
+    assert resp.usage is not None and resp.usage.completion_tokens == 6 + 5 + 4
+    stream = await oai.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "x"}], n=2, max_tokens=6,
+        stream=True)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {0: "".join(PIECES), 1: "".join(PIECES[:5])}
+    assert finishes == {0: "length", 1: "stop"}
+
+
+async def test_best_of_returns_the_most_likely_choices(oai: openai.AsyncOpenAI,
+                                                       router: FakeRouter) -> None:
+    """``best_of`` = 3, ``n`` = 2: three choices generated with their log probabilities
+    (choice c's tokens score -0.5 - i each, and it has 6 - c of them: the shorter, the
+    likelier), the two best returned, best first, without log probabilities unless
+    asked; usage counts every token generated."""
+    resp = await oai.completions.create(model=SERVED_NAME, prompt="x", n=2, best_of=3,
+                                        max_tokens=6)
+    sampling = router.received[-1].sampling
+    assert (sampling.n, sampling.logprobs) == (3, 0)
+    assert [(c.index, c.text) for c in resp.choices] == [(0, "".join(PIECES[:4])),
+                                                         (1, "".join(PIECES[:5]))]
+    assert all(c.logprobs is None for c in resp.choices)
+    assert resp.usage is not None and resp.usage.completion_tokens == 6 + 5 + 4
+    asked = await oai.completions.create(model=SERVED_NAME, prompt="x", best_of=2,
+                                         max_tokens=6, logprobs=1)
+    assert [c.text for c in asked.choices] == ["".join(PIECES[:5])]
+    lp = asked.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs == [-0.5 - i for i in range(5)]
 
 
 async def test_completion_defaults_and_stop_reason(oai: openai.AsyncOpenAI,
@@ -670,7 +728,10 @@ async def test_unknown_model_is_404(oai: openai.AsyncOpenAI, router: FakeRouter)
     ("/v1/completions", {"prompt": ""}, "prompt", 400),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", 400),
     ("/v1/completions", {"max_tokens": 3}, None, 400),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", 400),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n", 400),
+    ("/v1/completions", {"prompt": "hi", "n": 65}, "n", 400),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "n": 3}, "best_of", 400),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3, "stream": True}, "best_of", 400),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo", 400),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", 400),
     ("/v1/completions", {"prompt": "hi", "model": "other"}, "model", 404),
@@ -809,3 +870,15 @@ async def test_gateway_process_serves_metrics(router: FakeRouter, nats_server: N
     for label in ('status="200"', 'status="404"', 'code="model_not_found"', 'tier="gpu"',
                   'tier="dram"', 'tier="computed"', 'path="cold"'):
         assert any(label in line for line in gateway_lines), label
+
+
+@pytest.mark.parametrize(("scores", "n", "kept"), [
+    ([[-1.0, -1.0], [-0.5], [-3.0]], 2, [1, 0]),
+    ([[-1.0], [-0.5, -0.5], [-2.0]], 2, [0, 1]),  # a tie: the lower index first
+    ([[-0.1], [-0.2], [-0.3]], 1, [0]),
+    ([[], [-0.1]], 2, [0, 1]),  # no tokens: log probability 0, the best there is
+])
+def test_best_of_ranks_by_cumulative_log_probability(scores: list[list[float]], n: int,
+                                                     kept: list[int]) -> None:
+    entries = [[wire.TokenLogprob(logprob=lp, rank=1) for lp in choice] for choice in scores]
+    assert Ranking(n=n, logprobs=False).best(entries) == kept

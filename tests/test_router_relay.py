@@ -17,7 +17,7 @@ from tests.helpers.recorder import Recorder
 
 
 def _relay() -> Relay:
-    return Relay(out=None, detok=None)  # type: ignore[arg-type]  # no tokens forwarded
+    return Relay(out=None, detok=lambda: None)  # type: ignore[arg-type]  # no tokens forwarded
 
 
 @pytest.mark.parametrize("events, owner, decode_node", [
@@ -48,7 +48,7 @@ def model(model_cache: Path) -> ServedModel:
 async def _stream(model: ServedModel, ids: list[int], chunk: int) -> str:
     """The text a client gets from one router relaying ``ids`` in chunks of ``chunk``."""
     out = Recorder()
-    relay = Relay(out, model.detokenizer())  # type: ignore[arg-type]
+    relay = Relay(out, model.detokenizer)  # type: ignore[arg-type]
     relay.restart("p0")
     for i in range(0, len(ids), chunk):
         await relay.tokens(ids[i:i + chunk])
@@ -66,12 +66,12 @@ async def test_a_resumed_stream_continues_the_text_exactly(model: ServedModel) -
     assert whole == model.tokenizer.decode(ids)
     for k in range(1, len(ids)):
         before = Recorder()
-        first = Relay(before, model.detokenizer())  # type: ignore[arg-type]
+        first = Relay(before, model.detokenizer)  # type: ignore[arg-type]
         first.restart("p0")
         for i in range(0, k, 3):
             await first.tokens(ids[i:min(i + 3, k)])
         after = Recorder()
-        second = Relay(after, model.detokenizer())  # type: ignore[arg-type]
+        second = Relay(after, model.detokenizer)  # type: ignore[arg-type]
         second.resume(before.ids, len(before.text))
         second.restart("p1")
         await second.tokens(ids)  # the try regenerates every token
@@ -86,6 +86,7 @@ async def test_a_resumed_stream_continues_the_text_exactly(model: ServedModel) -
     (wire.SamplingParams(max_tokens=8, temperature=0.7, seed=3), [1, 2], False),
     (wire.SamplingParams(max_tokens=8, temperature=0.7), [1, 2], True),  # not reproducible
     (wire.SamplingParams(max_tokens=2), [1, 2], True),  # nothing left to generate
+    (wire.SamplingParams(max_tokens=8, n=2), [1, 2], True),  # whose tokens? one list
     (wire.SamplingParams(max_tokens=8), [], False),
 ])
 def test_only_a_reproducible_request_resumes(sampling: wire.SamplingParams,

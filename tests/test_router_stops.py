@@ -12,7 +12,7 @@ import pytest
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import load_settings
 from cpd.protocol import wire
-from services.router.relay import Relay
+from services.router.relay import AttemptFailed, Relay
 from services.router.stops import StopStrings
 from tests.helpers.recorder import Recorder
 
@@ -60,7 +60,7 @@ async def test_the_relay_stops_at_the_string_whatever_the_chunking(
     text = "the quick brown fox jumps over the lazy dog"
     ids = model.encode(text)
     out = Recorder()
-    relay = Relay(out, model.detokenizer(),  # type: ignore[arg-type]
+    relay = Relay(out, model.detokenizer,  # type: ignore[arg-type]
                   wire.SamplingParams(max_tokens=64, stop=["lazy", "fox j"]))
     relay.restart("p0", "d0")
     for i in range(0, len(ids), chunk):
@@ -82,7 +82,7 @@ async def test_a_stop_tokens_own_text_is_left_out(model: ServedModel, include: b
     is not added, unless the request includes stop strings in its output."""
     ids = model.encode("a lazy dog")
     out = Recorder()
-    relay = Relay(out, model.detokenizer(),  # type: ignore[arg-type]
+    relay = Relay(out, model.detokenizer,  # type: ignore[arg-type]
                   wire.SamplingParams(include_stop_str_in_output=include))
     relay.restart("p0")
     *head, last = ids
@@ -93,3 +93,30 @@ async def test_a_stop_tokens_own_text_is_left_out(model: ServedModel, include: b
     assert out.text == model.decode(head) + (model.decode(ids)[len(model.decode(head)):]
                                             if include else "")
     assert out.text.endswith(expect_tail)
+
+
+async def test_a_stop_string_ends_only_its_own_choice(model: ServedModel) -> None:
+    """Of several choices, each is checked for the stop strings on its own: the one that
+    has it ends there (its node is told to cancel that choice only), the others run to
+    their own end; the client's final says how each ended."""
+    out = Recorder()
+    relay = Relay(out, model.detokenizer,  # type: ignore[arg-type]
+                  wire.SamplingParams(max_tokens=64, stop=["fox j"], n=2))
+    relay.restart("p0", "d0")
+    fox, dog = model.encode("the quick brown fox jumps"), model.encode("a lazy dog")
+    for k in range(max(len(fox), len(dog))):
+        await relay.tokens(fox[k:k + 1], index=0)
+        await relay.tokens(dog[k:k + 1], index=1)
+    assert [c.stop_string for c in relay.choices] == ["fox j", None]
+    assert relay.stop_string is None  # the request goes on
+    ends = relay.ends(wire.Final(request_id="r", seq=9, choices=[
+        wire.ChoiceEnd(index=0, finish_reason="abort", completion_tokens=99),
+        wire.ChoiceEnd(index=1, finish_reason="length", completion_tokens=99)]))
+    assert [(e.finish_reason, e.stop_reason) for e in ends] == [("stop", "fox j"),
+                                                                ("length", None)]
+    assert [e.completion_tokens for e in ends] == [len(out.choices[0][0]), len(dog)]
+    await relay.final(wire.Final(request_id="r", seq=9, choices=ends))
+    assert out.choices[0][1] == "the quick brown " and out.choices[1][1] == "a lazy dog"
+    assert relay.sent == len(out.choices[0][0]) + len(dog)
+    with pytest.raises(AttemptFailed):  # no such choice: a malformed stream
+        await relay.tokens([1], index=2)

@@ -105,3 +105,58 @@ async def test_one_process_prefills_and_decodes_its_own_hand_off(
         await acks.unsubscribe()
         await bus.close()
         await asyncio.sleep(0)
+
+
+async def test_several_choices_share_one_prefill_and_one_hand_off(both: WorkerService) -> None:
+    """``n`` = 3: the prefill computes the prompt's KV and sends no token of its own; the
+    decode node runs every choice from the prompt on one hand-off, streaming them side
+    by side under their index; a cancel of one choice stops only that one; a hand-off
+    whose first token does not fit its number of choices is refused."""
+    ns = engine_profile(both.settings).namespace()
+    bs = both.settings.cache.block_size
+    prompt = list(range(5, 2 * bs + 40))
+    req = wire.PrefillRequest(
+        request_id="r-n", reply_to="", tokens=wire.pack_tokens(prompt),
+        sampling=wire.SamplingParams(max_tokens=400, ignore_eos=True, n=3),
+        namespace=ns.id, block_hashes=block_hashes(ns, prompt), decode_node=NODE,
+        deadline_unix_ms=int(time.time() * 1000) + 60_000)
+    bus = await Bus.open(both.settings, "test-choices")
+    try:
+        msgs: list[wire.Message] = []
+        async for m in bus.stream(subjects.run(Role.PREFILL, NODE), req, timeout=60):
+            msgs.append(m)
+            if (isinstance(m, wire.TokenChunk) and m.index == 1
+                    and sum(len(c.token_ids) for c in msgs if isinstance(c, wire.TokenChunk)
+                            and c.index == 1) == len(m.token_ids)):
+                await bus.publish(subjects.cancel(NODE),
+                                  wire.Cancel(request_id="r-n", choice=1))
+        assert [type(m) for m in msgs[:2]] == [wire.PrefillReport, wire.HandoffAccepted]
+        by_choice: dict[int, list[int]] = {}
+        for m in msgs:
+            if isinstance(m, wire.TokenChunk):
+                by_choice.setdefault(m.index, []).extend(m.token_ids)
+        final = msgs[-1]
+        assert isinstance(final, wire.Final)
+        assert [(e.index, e.finish_reason) for e in final.choices] == [
+            (0, "length"), (1, "abort"), (2, "length")]
+        assert [e.completion_tokens for e in final.choices] == [
+            len(by_choice[i]) for i in range(3)]
+        assert len(by_choice[0]) == len(by_choice[2]) == 400 > len(by_choice[1])
+        assert final.usage.completion_tokens == sum(map(len, by_choice.values()))
+        report = msgs[-2]
+        assert isinstance(report, wire.DecodeReport)
+        assert report.tokens_computed == 3 * (len(prompt) - 2 * bs)  # the KV loaded, each
+        assert both.core is not None and not both.core.choices and not both.core.running
+
+        for first, n in ((1, 2), (None, 1)):
+            bad = wire.DecodeRequest(
+                request_id=f"r-bad-{n}", reply_to=bus.nc.new_inbox(),
+                tokens=wire.pack_tokens(prompt), first_token=first,
+                sampling=wire.SamplingParams(max_tokens=4, n=n), namespace=ns.id,
+                block_hashes=b"", source_node=NODE, lease_id="none",
+                deadline_unix_ms=int(time.time() * 1000) + 60_000, seq_start=1)
+            with pytest.raises(InvalidRequest):
+                await bus.request(subjects.run(Role.DECODE, NODE), bad, expect=wire.Accepted,
+                                  timeout=10)
+    finally:
+        await bus.close()

@@ -189,6 +189,7 @@ def _hostile_sampling(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
         ("seed", [-1, (1 << 64) - 1, 1 << 70, NAN, "7"]),
         ("stop_token_ids", [[-1], [1 << 40], [ctx.vocab_size], list(range(5000)), ["a"], 5]),
         ("ignore_eos", ["yes", 2, None]),
+        ("n", [0, -1, wire.MAX_CHOICES + 1, 1 << 40, NAN, "2", None]),
     ])
     s[field_] = rng.choice(values)
     return s

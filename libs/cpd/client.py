@@ -38,8 +38,20 @@ _RESUME_PAUSE_S = 0.2
 RESUME_ATTEMPTS = 2
 
 
+class Choice(msgspec.Struct, kw_only=True):
+    """One choice of a finished request (``SamplingParams.n`` of them)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: list[wire.TokenLogprob] = msgspec.field(default_factory=list)
+
+
 class Completion(msgspec.Struct, kw_only=True):
-    """A finished request: every generated token, its text and the final message's data."""
+    """A finished request: every generated token, its text and the final message's data
+    (of choice 0; every choice in ``choices``)."""
 
     request_id: str
     token_ids: list[int]
@@ -51,6 +63,7 @@ class Completion(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None
     # Per token, when the request asked for log probabilities.
     logprobs: list[wire.TokenLogprob] = msgspec.field(default_factory=list)
+    choices: list[Choice] = msgspec.field(default_factory=list)
 
 
 class Client:
@@ -97,7 +110,8 @@ class Client:
                 frequency_penalty: float = 0.0, min_tokens: int = 0,
                 logit_bias: Mapping[int, float] | None = None, stop: Sequence[str] = (),
                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                logprobs: int | None = None, tenant: str = "default", cache_salt: str = "",
+                logprobs: int | None = None, n: int = 1, tenant: str = "default",
+                cache_salt: str = "",
                 priority: int = 0, model: str = "", timeout_s: float | None = None,
                 request_id: str | None = None) -> wire.GenerateRequest:
         """The wire request for a prompt given as text (the router tokenizes it) or as
@@ -113,7 +127,8 @@ class Client:
                  "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                  "min_tokens": min_tokens, "logit_bias": dict(logit_bias or {}),
                  "stop": list(stop), "include_stop_str_in_output": include_stop_str_in_output,
-                 "skip_special_tokens": skip_special_tokens, "logprobs": logprobs},
+                 "skip_special_tokens": skip_special_tokens, "logprobs": logprobs,
+                 "n": n},
                 wire.SamplingParams)
         except msgspec.ValidationError as e:
             raise InvalidRequest(f"bad sampling parameters: {e}") from None
@@ -162,8 +177,8 @@ class Client:
         keep-alives: every router since they were added does, once a request is valid."""
         attempts = self.resume_attempts if resume_attempts is None else resume_attempts
         s = req.sampling
-        if s.temperature != 0 and s.seed is None:
-            attempts = 0  # another run would not give the same tokens
+        if (s.temperature != 0 and s.seed is None) or s.n > 1:
+            attempts = 0  # another run would not give the same tokens, or resume them
         end = time.monotonic() + req.timeout_ms / 1000
         ids = [int(i) for i in wire.unpack_tokens(req.resume_tokens or b"")]
         chars = req.resume_text_chars
@@ -208,19 +223,25 @@ class Client:
     async def generate(self, prompt: str | Sequence[int], **options: object) -> Completion:
         """Run a request to the end and return the whole :class:`Completion`."""
         req = self.request(prompt, **options)  # type: ignore[arg-type]
-        ids: list[int] = []
-        text: list[str] = []
-        logprobs: list[wire.TokenLogprob] = []
+        parts = [Choice(index=i, token_ids=[], text="", finish_reason="")
+                 for i in range(req.sampling.n)]
         async for msg in self.stream_request(req):
             if isinstance(msg, wire.TokenChunk):
-                ids.extend(msg.token_ids)
-                text.append(msg.text)
-                logprobs.extend(msg.logprobs)
-            else:
-                return Completion(request_id=req.request_id, token_ids=ids,
-                                  text="".join(text), finish_reason=msg.finish_reason,
-                                  stop_reason=msg.stop_reason, logprobs=logprobs,
-                                  usage=msg.usage, timings=msg.timings, route=msg.route)
+                c = parts[msg.index]
+                c.token_ids.extend(msg.token_ids)
+                c.text += msg.text
+                c.logprobs.extend(msg.logprobs)
+                continue
+            for end in msg.choices or [wire.ChoiceEnd(
+                    index=0, finish_reason=msg.finish_reason, stop_reason=msg.stop_reason)]:
+                parts[end.index].finish_reason = end.finish_reason
+                parts[end.index].stop_reason = end.stop_reason
+            first = parts[0]
+            return Completion(request_id=req.request_id, token_ids=first.token_ids,
+                              text=first.text, finish_reason=first.finish_reason,
+                              stop_reason=first.stop_reason, logprobs=first.logprobs,
+                              usage=msg.usage, timings=msg.timings, route=msg.route,
+                              choices=parts)
         raise AssertionError("a stream always ends with a final message or an error")
 
     async def status(self, timeout_s: float = 5.0) -> wire.StatusReply:

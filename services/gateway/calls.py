@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -22,6 +22,7 @@ from cpd.ops import telemetry
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from services.gateway import protocol
+from services.gateway.bestof import Ranking
 from services.gateway.errors import ApiError
 from services.gateway.logprobs import Logprobs
 from services.gateway.metrics import GatewayMetrics, Progress
@@ -47,8 +48,16 @@ class Call:
     created: int
     stream: bool = False
     include_usage: bool = False
-    logprobs: Logprobs | None = None  # when the request asked for them
+    choices: int = 1  # generated: the request's n (or best_of)
+    ranking: Ranking | None = None  # best_of: which choices are returned
+    logprobs: list[Logprobs] = field(default_factory=list)  # by choice, when asked
     echo: str = ""  # the prompt's text, sent before the output (Completions' echo)
+
+    def logprobs_part(self, msg: wire.TokenChunk) -> dict[str, Any] | None:
+        """The ``logprobs`` object of ``msg``'s tokens, when the request asked."""
+        if not self.logprobs or not msg.token_ids:
+            return None
+        return self.logprobs[msg.index].part(msg.token_ids, msg.logprobs)
 
     @classmethod
     def start(cls, endpoint: str, shape: protocol.Shape) -> Call:
@@ -84,7 +93,8 @@ class Outcomes:
         self.metrics.finished(call.endpoint, final, call.progress, time.perf_counter())
         call.span.set_attributes({
             genai.GEN_AI_RESPONSE_ID: call.request_id,
-            genai.GEN_AI_RESPONSE_FINISH_REASONS: [protocol.finish_reason(final)],
+            genai.GEN_AI_RESPONSE_FINISH_REASONS: [protocol.finish_reason(e)
+                                                   for e in protocol.ends(final)],
             genai.GEN_AI_USAGE_INPUT_TOKENS: final.usage.prompt_tokens,
             genai.GEN_AI_USAGE_OUTPUT_TOKENS: final.usage.completion_tokens})
         call.span.set_attribute("cpd.route.path", final.route.path)

@@ -95,25 +95,27 @@ class CompletionRoutes:
         call.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         req = await self.admission.wire_request(body, call.request_id, tenant)
         model = self.admission.model
-        call.logprobs = logprobs.writer(req.sampling.logprobs, model,
-                                        chat=kind is protocol.ChatRequest)
+        call.choices, call.ranking = req.sampling.n, protocol.ranked(body)
+        call.logprobs = logprobs.writers(req.sampling.logprobs, model,
+                                         chat=kind is protocol.ChatRequest, n=call.choices)
         if isinstance(body, protocol.CompletionRequest) and body.echo:
             call.echo = protocol.echo_text(body, model)
         return self.client.stream_request(req)
 
     async def _whole(self, call: Call, first: wire.TokenChunk | wire.Final,
                      messages: _Messages) -> Response:
-        """A non-streaming reply: every chunk's text, then the final message's data."""
-        texts: list[str] = [call.echo]
-        ids: list[int] = []
-        entries: list[wire.TokenLogprob] = []
+        """A non-streaming reply: every chunk's text, by choice, then the final
+        message's data."""
+        texts: list[list[str]] = [[call.echo] for _ in range(call.choices)]
+        ids: list[list[int]] = [[] for _ in range(call.choices)]
+        entries: list[list[wire.TokenLogprob]] = [[] for _ in range(call.choices)]
         msg = first
         try:
             while isinstance(msg, wire.TokenChunk):
                 call.progress.on_tokens(len(msg.token_ids), time.perf_counter())
-                texts.append(msg.text)
-                ids += msg.token_ids
-                entries += msg.logprobs
+                texts[msg.index].append(msg.text)
+                ids[msg.index] += msg.token_ids
+                entries[msg.index] += msg.logprobs
                 msg = await next_message(messages)
         except CpdError as e:
             return self.outcomes.fail(call, ApiError.from_cpd(e))
@@ -121,9 +123,15 @@ class CompletionRoutes:
             return self.outcomes.fail(call, internal_error(e, call))
         self.outcomes.succeed(call, msg)
         call.span.end()
+        ends = protocol.ends(msg)
+        order, with_logprobs = [e.index for e in ends], bool(call.logprobs)
+        if call.ranking is not None:  # best_of: the best n, best first
+            order, with_logprobs = call.ranking.best(entries), call.ranking.logprobs
+        choices = [call.shape.choice(k, "".join(texts[i]), ends[i],
+                                     call.logprobs[i].part(ids[i], entries[i])
+                                     if with_logprobs else None)
+                   for k, i in enumerate(order)]
         return json_response(
             call.shape.response(request_id=call.request_id, created=call.created,
-                                model=self.served_name, text="".join(texts), final=msg,
-                                logprobs=call.logprobs.part(ids, entries)
-                                if call.logprobs else None),
+                                model=self.served_name, choices=choices, final=msg),
             headers=call.headers)

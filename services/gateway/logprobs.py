@@ -92,9 +92,10 @@ def requested(body: Any, *, chat: bool) -> int | None:
     return None
 
 
-def writer(top: int | None, model: ServedModel, *, chat: bool) -> Logprobs | None:
-    """The writer of a request's log probabilities (``top`` per token, the request's
-    ``SamplingParams.logprobs``), or ``None`` when it asks for none."""
+def writers(top: int | None, model: ServedModel, *, chat: bool, n: int = 1
+            ) -> list[Logprobs]:
+    """The writers of a request's log probabilities, one per choice (``top`` per token,
+    the request's ``SamplingParams.logprobs``); none when it asks for none."""
     if top is None:
-        return None
-    return (ChatLogprobs if chat else CompletionLogprobs)(model, top)
+        return []
+    return [(ChatLogprobs if chat else CompletionLogprobs)(model, top) for _ in range(n)]

@@ -20,6 +20,7 @@ import msgspec
 from cpd.engines.servedmodel import ServedModel
 from cpd.protocol import wire
 from services.gateway import logprobs
+from services.gateway.bestof import Ranking
 from services.gateway.errors import ApiError, field_of
 
 DEFAULT_MAX_TOKENS = 16
@@ -129,15 +130,18 @@ def refuse_unsupported(body: CompletionRequest | ChatRequest) -> None:
     if body.truncate_prompt_tokens is not None:
         raise ApiError.invalid("truncate_prompt_tokens is not supported",
                                param="truncate_prompt_tokens")
-    if body.n not in (None, 1):
-        raise ApiError.invalid("only n=1 is supported; send one request per choice",
-                               param="n")
+    if body.n is not None and not 1 <= body.n <= wire.MAX_CHOICES:
+        raise ApiError.invalid(f"n must be between 1 and {wire.MAX_CHOICES}", param="n")
     if isinstance(body, CompletionRequest):
         if body.echo and body.logprobs is not None:
             raise ApiError.invalid("echo with logprobs (the prompt's log probabilities) "
                                    "is not supported", param="echo")
-        if body.best_of not in (None, 1):
-            raise ApiError.invalid("only best_of=1 is supported", param="best_of")
+        if body.best_of is not None and not (body.n or 1) <= body.best_of <= wire.MAX_CHOICES:
+            raise ApiError.invalid(f"best_of must be at least n and at most "
+                                   f"{wire.MAX_CHOICES}", param="best_of")
+        if (body.best_of or 1) > 1 and body.stream:
+            raise ApiError.invalid("best_of cannot be streamed: the best choices are "
+                                   "known at their end", param="best_of")
         if body.suffix:
             raise ApiError.invalid("suffix is not supported", param="suffix")
         return
@@ -185,8 +189,11 @@ def sampling_options(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
         name: getattr(body, name) for name in (
             "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p",
             "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-            "include_stop_str_in_output", "skip_special_tokens")}
+            "include_stop_str_in_output", "skip_special_tokens", "n")}
     given["logprobs"] = logprobs.requested(body, chat=isinstance(body, ChatRequest))
+    if ranked(body) is not None:  # every choice's log probabilities rank them
+        given["n"] = body.best_of  # type: ignore[union-attr]
+        given["logprobs"] = given["logprobs"] or 0
     if body.stop:
         given["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     if body.logit_bias:
@@ -196,6 +203,13 @@ def sampling_options(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
             raise ApiError.invalid("logit_bias keys must be token ids",
                                    param="logit_bias") from None
     return {k: v for k, v in given.items() if v is not None}
+
+
+def ranked(body: CompletionRequest | ChatRequest) -> Ranking | None:
+    """The request's ``best_of`` ranking, when it generates more choices than it returns."""
+    if not isinstance(body, CompletionRequest) or (body.best_of or 1) <= (body.n or 1):
+        return None
+    return Ranking(n=body.n or 1, logprobs=body.logprobs is not None)
 
 
 def completion_prompt(body: CompletionRequest, model: ServedModel) -> str | list[int]:
@@ -257,14 +271,20 @@ def _text_of(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)  # as vLLM joins the text parts a template gets as one string
 
 
-def stop_reason(final: wire.Final) -> int | str | None:
-    """vLLM's ``stop_reason``: the stop string or stop token id that ended the request."""
-    return final.stop_reason if finish_reason(final) == "stop" else None
+def ends(final: wire.Final) -> list[wire.ChoiceEnd]:
+    """How each choice of the request ended, by index (one, unless it asked for ``n``)."""
+    return final.choices or [wire.ChoiceEnd(index=0, finish_reason=final.finish_reason,
+                                            stop_reason=final.stop_reason)]
 
 
-def finish_reason(final: wire.Final) -> str:
+def stop_reason(end: wire.ChoiceEnd) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice."""
+    return end.stop_reason if finish_reason(end) == "stop" else None
+
+
+def finish_reason(end: wire.ChoiceEnd) -> str:
     """OpenAI's finish reason for CPD's: ``length`` at the token limit, else ``stop``."""
-    return final.finish_reason if final.finish_reason in _FINISH_REASONS else "stop"
+    return end.finish_reason if end.finish_reason in _FINISH_REASONS else "stop"
 
 
 def usage(final: wire.Final) -> dict[str, Any]:
@@ -289,13 +309,12 @@ class Shape(ABC):
     chunk_object: str
     id_prefix: str
 
-    def response(self, *, request_id: str, created: int, model: str, text: str,
-                 final: wire.Final, logprobs: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
-        """The whole reply of a non-streaming request."""
-        choice = self.choice(text, finish_reason(final), stop_reason(final), logprobs)
+    def response(self, *, request_id: str, created: int, model: str,
+                 choices: list[dict[str, Any]], final: wire.Final) -> dict[str, Any]:
+        """The whole reply of a non-streaming request (its ``choices`` built by
+        :meth:`choice`)."""
         return {"id": self.id_prefix + request_id, "object": self.object,
-                "created": created, "model": model, "choices": [choice],
+                "created": created, "model": model, "choices": choices,
                 "usage": usage(final), "cpd": cpd_extension(request_id, final)}
 
     def chunk(self, *, request_id: str, created: int, model: str,
@@ -305,51 +324,55 @@ class Shape(ABC):
                 "created": created, "model": model, "choices": choices, **extra}
 
     @abstractmethod
-    def choice(self, text: str, finish: str, stop: int | str | None = None,
+    def choice(self, index: int, text: str, end: wire.ChoiceEnd | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The choice of a whole reply."""
+        """Choice ``index`` of a whole reply, which ended as ``end`` says."""
 
-    def opening_choices(self) -> list[dict[str, Any]]:
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
         """Choices of a chunk sent before any text (none by default)."""
         return []
 
     @abstractmethod
-    def delta_choice(self, text: str, finish: str | None = None,
-                     stop: int | str | None = None,
+    def delta_choice(self, index: int, text: str, end: wire.ChoiceEnd | None = None,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The choice of a stream chunk: new text, or the finish and stop reasons at
-        the end."""
+        """Choice ``index`` of a stream chunk: new text, or its finish and stop reasons
+        at its ``end``."""
+
+
+def _reasons(end: wire.ChoiceEnd | None) -> tuple[str | None, int | str | None]:
+    return (finish_reason(end), stop_reason(end)) if end is not None else (None, None)
 
 
 class CompletionShape(Shape):
-    def choice(self, text: str, finish: str, stop: int | str | None = None,
+    def choice(self, index: int, text: str, end: wire.ChoiceEnd | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+        finish, stop = _reasons(end)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": stop}
 
-    def delta_choice(self, text: str, finish: str | None = None,
-                     stop: int | str | None = None,
+    def delta_choice(self, index: int, text: str, end: wire.ChoiceEnd | None = None,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.choice(text, finish, stop, logprobs)  # type: ignore[arg-type]
+        return self.choice(index, text, end, logprobs)
 
 
 class ChatShape(Shape):
-    def choice(self, text: str, finish: str, stop: int | str | None = None,
+    def choice(self, index: int, text: str, end: wire.ChoiceEnd | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
+        finish, stop = _reasons(end)
+        return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
-    def opening_choices(self) -> list[dict[str, Any]]:
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
         # OpenAI's first chat chunk names the role and carries no text yet.
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                 "logprobs": None, "finish_reason": None}]
+        return [{"index": i, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None} for i in range(n)]
 
-    def delta_choice(self, text: str, finish: str | None = None,
-                     stop: int | str | None = None,
+    def delta_choice(self, index: int, text: str, end: wire.ChoiceEnd | None = None,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        finish, stop = _reasons(end)
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                "stop_reason": stop}
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish, "stop_reason": stop}
 
 
 COMPLETION = CompletionShape(object="text_completion", chunk_object="text_completion",

@@ -55,11 +55,10 @@ class SseStreamer:
     def _delta(self, call: Call, msg: wire.TokenChunk) -> bytes | None:
         """The chunk of ``msg``'s text and log probabilities; none while a character's
         bytes are incomplete (no text yet) and nothing else is asked."""
-        lp = (call.logprobs.part(msg.token_ids, msg.logprobs)
-              if call.logprobs is not None and msg.token_ids else None)
+        lp = call.logprobs_part(msg)
         if not msg.text and lp is None:
             return None
-        return self._chunk(call, [call.shape.delta_choice(msg.text, logprobs=lp)])
+        return self._chunk(call, [call.shape.delta_choice(msg.index, msg.text, logprobs=lp)])
 
     async def _events(self, call: Call, first: asyncio.Future[wire.TokenChunk | wire.Final],
                       messages: AsyncIterator[wire.TokenChunk | wire.Final]
@@ -76,18 +75,20 @@ class SseStreamer:
                     if not first.done():
                         yield self._chunk(call, [])
                 msg = first.result()
-                if opening := shape.opening_choices():
+                if opening := shape.opening_choices(call.choices):
                     yield self._chunk(call, opening)
                 if call.echo:
-                    yield self._chunk(call, [shape.delta_choice(call.echo)])
+                    yield self._chunk(call, [shape.delta_choice(i, call.echo)
+                                             for i in range(call.choices)])
                 while isinstance(msg, wire.TokenChunk):
                     call.progress.on_tokens(len(msg.token_ids), time.perf_counter())
                     if chunk := self._delta(call, msg):
                         yield chunk
                     msg = await next_message(messages)
-                end = shape.delta_choice("", protocol.finish_reason(msg),
-                                         protocol.stop_reason(msg))
-                yield self._chunk(call, [end],
+                *ends, last = protocol.ends(msg)
+                for end in ends:  # each choice's end in a chunk of its own, as vLLM's
+                    yield self._chunk(call, [shape.delta_choice(end.index, "", end)])
+                yield self._chunk(call, [shape.delta_choice(last.index, "", last)],
                                   cpd=protocol.cpd_extension(call.request_id, msg))
                 if call.include_usage:
                     yield self._chunk(call, [], usage=protocol.usage(msg))

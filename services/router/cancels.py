@@ -54,9 +54,12 @@ class Cancels:
         return asyncio.current_task() in self._cancelled
 
 
-async def cancel_nodes(bus: Bus, request_id: str, nodes: list[str]) -> None:
-    """Tell ``nodes`` to stop generating ``request_id`` (at most once delivered: a node
-    that misses it generates to the end into an inbox nobody reads)."""
+async def cancel_nodes(bus: Bus, request_id: str, nodes: list[str],
+                       choice: int | None = None) -> None:
+    """Tell ``nodes`` to stop generating ``request_id`` (or only its ``choice``; at most
+    once delivered: a node that misses it generates to the end into an inbox nobody
+    reads)."""
     for node in filter(None, nodes):
         with contextlib.suppress(CpdError):
-            await bus.publish(subjects.cancel(node), wire.Cancel(request_id=request_id))
+            await bus.publish(subjects.cancel(node),
+                              wire.Cancel(request_id=request_id, choice=choice))

@@ -45,9 +45,10 @@ class Reports:
 
 def assemble(planned: wire.Route, reports: Reports, worker_final: wire.Final, *,
              prompt_tokens: int, completion_tokens: int, times: RouterTimes,
-             failovers: int) -> wire.Final:
+             failovers: int, choices: list[wire.ChoiceEnd] | None = None) -> wire.Final:
     """The client's final message: the planned route with what the workers report they
-    did, the usage the client was served and the timings of every phase."""
+    did, the usage the client was served, the timings of every phase and, for a request
+    of several, how each choice ended (choice 0's end is the message's own)."""
     route = msgspec.structs.replace(planned, failovers=failovers)
     timings = wire.Timings(admission_ms=times.admission_ms, decision_ms=times.decision_ms,
                            lookup_ms=times.lookup_ms, ttft_ms=times.ttft_ms,
@@ -68,9 +69,10 @@ def assemble(planned: wire.Route, reports: Reports, worker_final: wire.Final, *,
     else:
         route.decode_node = ""  # the prefill node finished the request itself
     cached = route.tokens.reused if p is not None else worker_final.usage.cached_tokens
+    first = choices[0] if choices else worker_final
     return wire.Final(request_id=worker_final.request_id, seq=worker_final.seq,
-                      finish_reason=worker_final.finish_reason,
-                      stop_reason=worker_final.stop_reason,
+                      finish_reason=first.finish_reason, stop_reason=first.stop_reason,
+                      choices=list(choices or []),
                       usage=wire.Usage(prompt_tokens=prompt_tokens,
                                        completion_tokens=completion_tokens,
                                        cached_tokens=cached),

@@ -29,12 +29,12 @@ from cpd.protocol.errors import (
     RequestTimeout,
     Unavailable,
 )
+from services.router.choices import ChoiceText
 from services.router.nodes import NodeTable
 from services.router.outcome import Reports
-from services.router.stops import StopStrings
 
-Cancel = Callable[[list[str]], Awaitable[None]]
-"""Tell these nodes to stop generating the current try."""
+Cancel = Callable[[list[str], int | None], Awaitable[None]]
+"""Tell these nodes to stop generating the current try (or only that choice of it)."""
 
 # How long a request a stop string ended waits for its nodes' reports once cancelled
 # (an engine step or two); the client's final goes out regardless.
@@ -49,6 +49,8 @@ def resumed_tokens(req: wire.GenerateRequest,
         return []
     ids = wire.unpack_tokens(req.resume_tokens)
     s = req.sampling
+    if s.n > 1:
+        raise InvalidRequest("a request of several choices cannot resume")
     if s.temperature != 0 and s.seed is None:
         raise InvalidRequest("only a deterministic request (temperature 0, or a seed) "
                              "can resume")
@@ -76,33 +78,24 @@ class AttemptFailed(Exception):
 
 
 class Relay:
-    """The client's side of a request across tries: forwards tokens with their text and
-    makes a retried stream continue exactly where the last one stopped."""
+    """The client's side of a request across tries: forwards each choice's tokens with
+    their text and makes a retried stream continue exactly where the last one stopped."""
 
-    def __init__(self, out: ReplyStream, detok: Detokenizer,
+    def __init__(self, out: ReplyStream, detok: Callable[[], Detokenizer],
                  sampling: wire.SamplingParams | None = None) -> None:
         self.out = out
-        self.detok = detok
         s = sampling or wire.SamplingParams()
-        self.stops = StopStrings(s.stop, include_in_output=s.include_stop_str_in_output,
-                                 min_tokens=s.min_tokens) if s.stop else None
-        # A stop token's own text (EOS, stop_token_ids) is left out, as vLLM does.
-        self._stop_token_text = s.include_stop_str_in_output
-        self.forwarded: list[int] = []
-        self.seen = 0  # tokens received in the current try
+        self.choices = [ChoiceText(i, detok(), s) for i in range(s.n)]
         self.first_at = 0.0
         self._prefill_node = ""  # the current try's
         self._try_nodes: list[str] = []  # its prefill and decode nodes
         self.decode_node = ""  # the node that accepted the current try's hand-off
         self.reports = Reports()  # the current try's
-        # Text owed to, or already held by, a resuming client (see resume()).
-        self._owed = ""
-        self._skip = 0
 
     @property
     def sent(self) -> int:
-        """Tokens the client has."""
-        return len(self.forwarded)
+        """Tokens the client has, of every choice."""
+        return sum(len(c.forwarded) for c in self.choices)
 
     @property
     def owner(self) -> str:
@@ -112,43 +105,19 @@ class Relay:
 
     def resume(self, ids: list[int], text_chars: int) -> None:
         """The client already has ``ids`` and ``text_chars`` characters of their text
-        from a router that died: they count as forwarded (a try must regenerate them
-        exactly), and text goes on from where the client's stops. Decoded at once, the
-        ids' text may end elsewhere than the dead router's chunks did: what is missing
-        is sent first, what the client has is not sent again."""
-        self.forwarded = list(ids)
-        _, text = self._texts(self.forwarded, ends_with_stop_token=False)
-        self._owed, self._skip = text[text_chars:], max(0, text_chars - len(text))
+        (one choice) from a router that died (:meth:`ChoiceText.resume`)."""
+        self.choices[0].resume(ids, text_chars)
 
     @property
     def stop_string(self) -> str | None:
-        """The stop string that ended the request, once one did."""
-        return self.stops.matched if self.stops is not None else None
-
-    def _texts(self, ids: list[int], *, ends_with_stop_token: bool) -> tuple[int, str]:
-        """How many of ``ids`` the client gets (all, or up to the one that completed a
-        stop string) and the text it may have now."""
-        texted = ids[:-1] if ends_with_stop_token and not self._stop_token_text else ids
-        if self.stops is None:
-            return len(ids), self.detok.push(texted)
-        parts = []
-        for k, token in enumerate(texted):  # token by token, as vLLM checks
-            parts.append(self.stops.push(self.detok.push([token])))
-            if self.stops.matched is not None:
-                return k + 1, "".join(parts)
-        return len(ids), "".join(parts)
-
-    def _text(self, text: str) -> str:
-        """``text`` as the client still needs it."""
-        text, self._owed = self._owed + text, ""
-        cut = min(self._skip, len(text))
-        self._skip -= cut
-        return text[cut:]
+        """The stop string that ended the request (of one choice), once one did."""
+        return self.choices[0].stop_string if len(self.choices) == 1 else None
 
     def restart(self, prefill_node: str, decode_node: str = "") -> None:
         """A new try, dispatched to ``prefill_node``, which owns its stream, to hand off
         to ``decode_node``."""
-        self.seen = 0
+        for c in self.choices:
+            c.seen = 0
         self._prefill_node = prefill_node
         self._try_nodes = [n for n in (prefill_node, decode_node) if n]
         self.decode_node = ""
@@ -164,7 +133,8 @@ class Relay:
         the node that owns the stream stops heart-beating (or comes back as a new
         incarnation, which lost the request all the same), or when tokens stop for
         ``idle_s`` once they flowed (a hand-off that never landed). A stop string ends
-        it early: the try's nodes are told to ``cancel``, and their reports awaited."""
+        it early: the try's nodes are told to ``cancel``, and their reports awaited (of
+        several choices, only that choice is cancelled; the others go on)."""
         last = time.monotonic()
         epochs: dict[str, int] = {}
         while True:
@@ -182,18 +152,23 @@ class Relay:
                         f"{owner} stopped heart-beating while serving the request"), {owner})
                 # A long prefill may be silent for long; once tokens flow, a silence this
                 # long means the stream was lost between nodes, even with every node alive.
-                if self.seen and now - last > idle_s:
+                if any(c.seen for c in self.choices) and now - last > idle_s:
                     raise AttemptFailed(RequestTimeout(
                         f"no token from {owner} for {idle_s:.0f}s"), {owner})
                 continue
             last = now
             match msg:
                 case wire.TokenChunk():
+                    choice = self._choice(msg.index)
+                    if choice.stop_string is not None:
+                        continue  # cancelled: nothing after its stop string
                     await self.tokens(msg.token_ids,
                                       ends_with_stop_token=msg.ends_with_stop_token,
-                                      logprobs=msg.logprobs)
+                                      logprobs=msg.logprobs, index=msg.index)
                     if self.stop_string is not None:
                         return await self._stopped(reader, cancel, check_s)
+                    if choice.stop_string is not None:
+                        await cancel([owner], choice.index)
                 case wire.HandoffAccepted():
                     self.accepted(msg)
                 case wire.PrefillReport():
@@ -203,11 +178,18 @@ class Relay:
                 case wire.Final():
                     return msg
 
+    def _choice(self, index: int) -> ChoiceText:
+        if index >= len(self.choices):
+            raise AttemptFailed(CpdError(
+                f"tokens of choice {index} for a request of {len(self.choices)}",
+                code=ErrorCode.MALFORMED), set())
+        return self.choices[index]
+
     async def _stopped(self, reader: StreamReader, cancel: Cancel, check_s: float
                        ) -> wire.Final:
         """A stop string ended the request: cancel the try's nodes and wait, a short
         while, for their reports (the rest of the stream is dropped)."""
-        await cancel(self._try_nodes)
+        await cancel(self._try_nodes, None)
         final = wire.Final(request_id=self.out.request_id, seq=0, finish_reason="stop",
                            stop_reason=self.stop_string)
         deadline = time.monotonic() + _REPORTS_AFTER_CANCEL_S
@@ -225,16 +207,18 @@ class Relay:
         return final
 
     async def tokens(self, ids: list[int], *, ends_with_stop_token: bool = False,
-                     logprobs: list[wire.TokenLogprob] | None = None) -> None:
-        """Forward what the client does not have yet of the current try's ``ids`` (and
-        their ``logprobs``, when the request asked)."""
-        if self.stop_string is not None:
+                     logprobs: list[wire.TokenLogprob] | None = None, index: int = 0
+                     ) -> None:
+        """Forward what the client does not have yet of choice ``index``'s ``ids`` in
+        the current try (and their ``logprobs``, when the request asked)."""
+        c = self._choice(index)
+        if c.stop_string is not None:
             return  # nothing after a stop string
-        start = self.seen
-        self.seen += len(ids)
+        start = c.seen
+        c.seen += len(ids)
         # A retry regenerates what the client already has: it must be the same tokens.
-        overlap = ids[:max(0, self.sent - start)]
-        if overlap != self.forwarded[start:start + len(overlap)]:
+        overlap = ids[:max(0, len(c.forwarded) - start)]
+        if overlap != c.forwarded[start:start + len(overlap)]:
             raise AttemptFailed(CpdError(
                 "a retried request diverged from the tokens already sent",
                 code=ErrorCode.INTERNAL), set())
@@ -243,20 +227,26 @@ class Relay:
             return
         if not self.first_at:
             self.first_at = time.monotonic()
-        n, text = self._texts(new, ends_with_stop_token=ends_with_stop_token)
-        self.forwarded.extend(new[:n])
-        await self.out.tokens(new[:n], self._text(text),
+        n, text = c.texts(new, ends_with_stop_token=ends_with_stop_token)
+        c.forwarded.extend(new[:n])
+        await self.out.tokens(new[:n], c.text(text), index=index,
                               logprobs=(logprobs or [])[len(overlap):len(overlap) + n])
 
+    def ends(self, worker: wire.Final) -> list[wire.ChoiceEnd]:
+        """How each choice ended for the client, when the request has several (the
+        worker's ``worker.choices``, with the router's stop strings)."""
+        if len(self.choices) == 1:
+            return []
+        said = {e.index: e for e in worker.choices}
+        return [c.end(said.get(c.index)) for c in self.choices]
+
     async def final(self, final: wire.Final) -> None:
-        """End the client's stream with the text still held back and ``final`` (the
-        router's, assembled by :func:`services.router.outcome.assemble`)."""
-        rest = self.detok.flush()
-        if self.stops is not None:
-            rest = self.stops.push(rest) + self.stops.flush() if rest else self.stops.flush()
-        rest = self._text(rest)
-        if rest:
-            await self.out.tokens([], rest)
+        """End the client's stream with each choice's text still held back and ``final``
+        (the router's, assembled by :func:`services.router.outcome.assemble`)."""
+        for c in self.choices:
+            if rest := c.rest():
+                await self.out.tokens([], rest, index=c.index)
         await self.out.final(finish_reason=final.finish_reason,
                              stop_reason=final.stop_reason, usage=final.usage,
-                             timings=final.timings, route=final.route)
+                             timings=final.timings, route=final.route,
+                             choices=final.choices)

@@ -13,17 +13,18 @@ deadline; a node that stops heart-beating mid-request is routed around (the requ
 is re-run elsewhere while nothing, or only reproducible greedy output, reached the
 client); admission slots are held exactly as long as requests run.
 
-Apart from this module: ``relay`` (a stream across tries, its owner), ``outcome`` (the
-final message, from the workers' reports), ``accounting``, ``keepalive``, ``policy`` and
-``hits`` (the pure decision), ``configured`` (the policy from the settings),
-``stops`` (stop strings), ``nodes``, ``admission``, ``waiters`` (single-flight
-wake-ups), ``cost`` and ``queueing`` (the cost model).
+Apart from this module: ``relay`` (a stream across tries, its owner), ``choices`` and
+``stops`` (each choice's text, its stop strings), ``outcome`` (the final message, from
+the workers' reports), ``accounting``, ``keepalive``, ``policy`` and ``hits`` (the pure
+decision), ``configured`` (the policy from the settings), ``nodes``, ``admission``,
+``waiters`` (single-flight wake-ups), ``cost`` and ``queueing`` (the cost model).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import replace
 
@@ -313,8 +314,9 @@ class RouterService(Service):
         hashes = self._hashes(ns, tokens)
         hash_ms = (time.perf_counter() - t) * 1000
         packed = wire.pack_tokens(tokens)
-        relay = Relay(out, self.model.detokenizer(
-            skip_special_tokens=req.sampling.skip_special_tokens), req.sampling)
+        relay = Relay(out, functools.partial(
+            self.model.detokenizer, skip_special_tokens=req.sampling.skip_special_tokens),
+            req.sampling)
         if resumed:
             relay.resume(resumed, req.resume_text_chars)
             self.accounts.resumed()
@@ -359,7 +361,7 @@ class RouterService(Service):
                 ttft_ms=(relay.first_at - t0) * 1000 if relay.first_at else 0.0)
             final = assemble(decision.route(), relay.reports, final,
                              prompt_tokens=len(tokens), completion_tokens=relay.sent,
-                             times=times, failovers=failovers)
+                             times=times, failovers=failovers, choices=relay.ends(final))
             self.accounts.finished(final, decision.path, self.log, first_at=relay.first_at,
                                    sent=relay.sent, now=now)
             await relay.final(final)
@@ -392,8 +394,8 @@ class RouterService(Service):
             return await relay.follow(reader, self.nodes,
                                       check_s=self.cfg.liveness_check_interval_s,
                                       idle_s=self.settings.bus.stream_idle_timeout_s,
-                                      cancel=lambda nodes: self._cancel(
-                                          rid, nodes, wire.CancelReason.STOP_STRING))
+                                      cancel=lambda nodes, choice: self._cancel(
+                                          rid, nodes, wire.CancelReason.STOP_STRING, choice))
         except asyncio.CancelledError:  # the client left (counted above), or the router stops
             await cancel_nodes(self.bus, rid, [plan.node, decision.decode_node])
             if not self.cancels.by_client():
@@ -403,9 +405,11 @@ class RouterService(Service):
             await reader.close()
 
     async def _cancel(self, request_id: str, nodes: list[str],
-                      reason: wire.CancelReason) -> None:
-        self.accounts.cancelled(reason)
-        await cancel_nodes(self.bus, request_id, nodes)
+                      reason: wire.CancelReason, choice: int | None = None) -> None:
+        """Cancel a try on its ``nodes``: the request (counted), or one of its choices."""
+        if choice is None:
+            self.accounts.cancelled(reason)
+        await cancel_nodes(self.bus, request_id, nodes, choice)
 
 
 def serve(settings: Settings) -> None:

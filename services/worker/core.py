@@ -43,6 +43,7 @@ from services.worker.arena import Arena
 from services.worker.load import WorkerLoad
 from services.worker.loader import PrefixLoader
 from services.worker.peers import Peers
+from services.worker.requests import choice_id
 
 Spawn = Callable[..., Any]
 """``Service.spawn``: run a task the service owns (drained or cancelled at stop)."""
@@ -92,6 +93,9 @@ class WorkerCore:
     cancelled: OrderedDict[str, None] = field(default_factory=OrderedDict)
     """Request ids a router cancelled, the latest :data:`_CANCELLED_KEPT`: one may be
     cancelled before it reaches this node (a hand-off still on its way)."""
+    choices: dict[str, int] = field(default_factory=dict)
+    """Requests of several choices generating here, with their number: the engine runs
+    them under their choices' ids (:func:`~services.worker.requests.choice_id`)."""
 
     @classmethod
     async def build(cls, settings: Settings, role: str, *, parts: EngineParts, bus: Bus,
@@ -180,15 +184,22 @@ class WorkerCore:
             raise InvalidRequest(f"request {request_id[:80]!r} is already running here")
         self.running.add(key)
 
-    async def cancel(self, request_id: str) -> None:
-        """Stop generating ``request_id``: aborted in the engine if it runs here, and
-        remembered, so a hand-off of it that comes later is refused."""
-        self.cancelled[request_id] = None
-        while len(self.cancelled) > _CANCELLED_KEPT:
-            self.cancelled.popitem(last=False)
-        if any(rid == request_id for _, rid in self.running):
-            self.log.info("worker.cancel", cancelled_request=request_id)
-            await self.engine.abort(request_id)
+    async def cancel(self, request_id: str, choice: int | None = None) -> None:
+        """Stop generating ``request_id`` (or only its ``choice``): aborted in the engine
+        if it runs here; a whole request is remembered, so a hand-off of it that comes
+        later is refused."""
+        n = self.choices.get(request_id, 0)
+        if choice is None:
+            self.cancelled[request_id] = None
+            while len(self.cancelled) > _CANCELLED_KEPT:
+                self.cancelled.popitem(last=False)
+            runs = ([choice_id(request_id, i) for i in range(n)] if n else
+                    [request_id] if any(rid == request_id for _, rid in self.running) else [])
+        else:
+            runs = [choice_id(request_id, choice)] if choice < n else []
+        for run in runs:
+            self.log.info("worker.cancel", cancelled_request=run)
+            await self.engine.abort(run)
 
     def check_not_cancelled(self, request_id: str) -> None:
         """Raise :class:`~cpd.protocol.errors.Cancelled` if a router cancelled it."""

@@ -8,6 +8,7 @@ node hosting both handlers) needs no pull: the blocks are in its own store.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -19,7 +20,7 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, InvalidRequest
 from cpd.protocol.roles import Role
 from services.worker.core import WorkerCore
-from services.worker.requests import check_ids, continuation
+from services.worker.requests import check_ids, choice_id, choice_runs, continuation
 
 
 class DecodeHandler:
@@ -40,19 +41,35 @@ class DecodeHandler:
         check_ids(reply_to=req.reply_to, source_node=req.source_node)
         tokens = wire.unpack_tokens(req.tokens)
         core.check_vocab(tokens)
-        if not 0 <= req.first_token < core.vocab_size:
+        n = req.sampling.n
+        if (n > 1) != (req.first_token is None):
+            raise InvalidRequest("a hand-off carries a first token exactly when its "
+                                 "request has one choice")
+        if req.first_token is not None and not 0 <= req.first_token < core.vocab_size:
             raise InvalidRequest(f"first token {req.first_token} is outside the vocabulary "
                                  f"of {core.vocab_size}")
         hashes = wire.split_hashes(req.block_hashes)
-        remaining = req.sampling.max_tokens - 1
+        remaining = req.sampling.max_tokens - (req.first_token is not None)
         if remaining < 1:
             raise InvalidRequest("a hand-off needs at least one more token to generate")
         core.check_not_cancelled(req.request_id)
         core.admit(len(tokens) + 1, remaining, req.deadline_unix_ms)
         core.claim("decode", req.request_id)
+        if n > 1:
+            core.choices[req.request_id] = n
         core.spawn(self._decode(req, tokens, hashes), f"decode-{req.request_id}",
                    background=False)
         return wire.Accepted(request_id=req.request_id, node=core.node_id)
+
+    def _runs(self, req: wire.DecodeRequest, tokens: np.ndarray
+              ) -> list[tuple[str, np.ndarray, wire.SamplingParams, tuple[int, ...]]]:
+        """The engine runs of a hand-off (id, prompt, sampling, forced output): the
+        continuation of the prefill's first token, or one run per choice."""
+        rid = req.request_id
+        if req.first_token is None:
+            return [(choice_id(rid, i), *run)
+                    for i, run in enumerate(choice_runs(req.sampling, tokens))]
+        return [(rid, *continuation(req.sampling, tokens, req.first_token))]
 
     async def _decode(self, req: wire.DecodeRequest, tokens: np.ndarray,
                       hashes: list[bytes]) -> None:
@@ -63,31 +80,39 @@ class DecodeHandler:
             await out.handoff_accepted(core.node_id)
             await self._pull(req, hashes)
             t_pull = time.perf_counter()
-            prompt, sampling, forced = continuation(req.sampling, tokens, req.first_token)
-            have = core.loader.sealed_prefix(hashes[:(len(prompt) - 1) // core.block_size])
+            runs = self._runs(req, tokens)
+            have = core.loader.sealed_prefix(hashes[:(len(runs[0][1]) - 1) // core.block_size])
             core.loader.audit_load(req.namespace, have)
             submitted = time.monotonic()
             async with core.pinned("decode", req.request_id, have):
-                last, generated = await self._generate(out, EngineRequest(
-                    request_id=req.request_id, tokens=prompt, sampling=sampling,
-                    forced_output=forced, load_slots=[e.slot for e in have],
+                ends = await self._generate_all(out, [EngineRequest(
+                    request_id=rid, tokens=prompt, sampling=sampling, forced_output=forced,
+                    load_slots=[e.slot for e in have],
                     load_checksums=[e.checksum for e in have],
-                    cache_salt=core.salt(req.namespace)))
-            if last.failed_blocks:
+                    cache_salt=core.salt(req.namespace))
+                    for rid, prompt, sampling, forced in runs])
+            if any(last.failed_blocks for last, _ in ends):
                 await core.drop_corrupt([e.hash for e in have])
             t_end = time.perf_counter()
-            queued = core.queued(submitted, last)
+            queued = core.queued(submitted, ends[0][0])
+            loaded = max(last.loaded_blocks for last, _ in ends)
             core.record(Role.DECODE, {"pull": t_pull - t0, "decode": t_end - t_pull},
-                        queued=queued, loaded=last.loaded_blocks)
-            await self._final(req, out, last, generated + 1, len(tokens),
-                              handoff_ms=(t_pull - t0) * 1e3, decode_ms=(t_end - t_pull) * 1e3,
-                              queue_ms=queued * 1e3)
+                        queued=queued, loaded=loaded)
+            await out.report(wire.DecodeReport, node=core.node_id,
+                             tokens_pulled=loaded * core.block_size,
+                             tokens_computed=sum(len(prompt) + len(forced) - last.cached_tokens
+                                                 for (_, prompt, _, forced), (last, _)
+                                                 in zip(runs, ends, strict=True)),
+                             handoff_ms=(t_pull - t0) * 1e3,
+                             decode_ms=(t_end - t_pull) * 1e3, queue_ms=queued * 1e3)
+            await self._final(req, out, ends, len(tokens))
         except Exception as e:
             core.log.warning("decode.failed", error=repr(e))
             core.count_stream_rejection(self.subject, e)
             await out.error(e)
         finally:
             core.running.discard(("decode", req.request_id))
+            core.choices.pop(req.request_id, None)
 
     async def _pull(self, req: wire.DecodeRequest, hashes: list[bytes]) -> None:
         """Pull the hand-off's blocks (a failure is a fallback: they are recomputed) and
@@ -104,40 +129,52 @@ class DecodeHandler:
             await core.bus.publish(subjects.pull_ack(req.source_node), wire.PullAck(
                 request_id=req.request_id, lease_id=req.lease_id, ok=ok))
 
-    async def _generate(self, out: ReplyStream, ereq: EngineRequest) -> tuple[EngineStep, int]:
-        """Stream the engine's tokens in chunks of ``worker.stream_interval``; the last
-        step and how many tokens were generated."""
-        core = self.core
-        interval = core.settings.worker.stream_interval
+    async def _generate_all(self, out: ReplyStream, runs: list[EngineRequest]
+                            ) -> list[tuple[EngineStep, int]]:
+        """Run the engine runs of a hand-off side by side, each streaming as its choice;
+        the last step and generated token count of each."""
+        # Reported at once: decode is chosen by load, the next router must see it.
+        with self.core.load.running(report=True):
+            if len(runs) == 1:
+                return [await self._generate(out, runs[0], None)]
+            return list(await asyncio.gather(*(self._generate(out, run, i)
+                                               for i, run in enumerate(runs))))
+
+    async def _generate(self, out: ReplyStream, ereq: EngineRequest, index: int | None
+                        ) -> tuple[EngineStep, int]:
+        """Stream one engine run's tokens (as choice ``index`` of several) in chunks of
+        ``worker.stream_interval``; its last step and how many tokens it generated."""
+        interval = self.core.settings.worker.stream_interval
         generated = 0
         last = EngineStep()
         pending: list[int] = []
         logprobs: list[wire.TokenLogprob] = []
-        # Reported at once: decode is chosen by load, the next router must see it.
-        with core.load.running(report=True):
-            async for step in core.engine.generate(ereq):
-                if step.token_ids:
-                    generated += len(step.token_ids)
-                    pending += step.token_ids
-                    logprobs += step.logprobs
-                    stopped = step.finished and step.finish_reason == "stop"
-                    if len(pending) >= interval or stopped:
-                        await out.tokens(pending, ends_with_stop_token=stopped,
-                                         logprobs=logprobs)
-                        pending, logprobs = [], []
-                last = step
-            if pending:
-                await out.tokens(pending, logprobs=logprobs)
+        async for step in self.core.engine.generate(ereq):
+            if step.token_ids:
+                generated += len(step.token_ids)
+                pending += step.token_ids
+                logprobs += step.logprobs
+                stopped = step.finished and step.finish_reason == "stop"
+                if len(pending) >= interval or stopped:
+                    await out.tokens(pending, ends_with_stop_token=stopped,
+                                     logprobs=logprobs, index=index or 0)
+                    pending, logprobs = [], []
+            last = step
+        if pending:
+            await out.tokens(pending, logprobs=logprobs, index=index or 0)
         return last, generated
 
-    async def _final(self, req: wire.DecodeRequest, out: ReplyStream, last: EngineStep,
-                     generated: int, prompt_tokens: int, *, handoff_ms: float,
-                     decode_ms: float, queue_ms: float) -> None:
-        await out.report(wire.DecodeReport, node=self.core.node_id,
-                         tokens_pulled=last.loaded_blocks * self.core.block_size,
-                         tokens_computed=prompt_tokens + 1 - last.cached_tokens,
-                         handoff_ms=handoff_ms, decode_ms=decode_ms, queue_ms=queue_ms)
-        await out.final(finish_reason=last.finish_reason or "length",
-                        stop_reason=last.stop_token,
-                        usage=wire.Usage(prompt_tokens=prompt_tokens,
-                                         completion_tokens=generated))
+    async def _final(self, req: wire.DecodeRequest, out: ReplyStream,
+                     ends: list[tuple[EngineStep, int]], prompt_tokens: int) -> None:
+        """The final message: how each run ended (by choice, when several), and the
+        tokens generated (the prefill's first one included)."""
+        first = req.first_token is not None
+        choices = [wire.ChoiceEnd(index=i, finish_reason=last.finish_reason or "length",
+                                  stop_reason=last.stop_token,
+                                  completion_tokens=generated + first)
+                   for i, (last, generated) in enumerate(ends)]
+        await out.final(finish_reason=choices[0].finish_reason,
+                        stop_reason=choices[0].stop_reason,
+                        choices=choices if not first else [],
+                        usage=wire.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(
+                            c.completion_tokens for c in choices)))

@@ -94,10 +94,14 @@ class PrefillHandler:
             submitted = time.monotonic()
             step, fresh = await self._run(req, tokens, hashes, have)
         t_done = time.perf_counter()
-        stopped = step.finished and step.finish_reason == "stop"
+        # Several choices each start from the prompt on the decode node: the prefill
+        # computed their shared KV, its own token is no choice's.
+        several = req.sampling.n > 1
+        stopped = step.finished and step.finish_reason == "stop" and not several
         try:
-            await out.tokens([step.token_ids[0]], ends_with_stop_token=stopped,
-                             logprobs=step.logprobs[:1])
+            if not several:
+                await out.tokens([step.token_ids[0]], ends_with_stop_token=stopped,
+                                 logprobs=step.logprobs[:1])
         finally:  # after the first token left: the client never waits for the event's ack
             if fresh:
                 await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
@@ -109,14 +113,16 @@ class PrefillHandler:
                          load_error=load_error, load_ms=(t_load - t0) * 1e3,
                          prefill_ms=(t_done - t_load) * 1e3, queue_ms=queued * 1e3)
         cancelled = req.request_id in core.cancelled  # e.g. a stop string in the token
-        if stopped or req.sampling.max_tokens <= 1 or cancelled:
-            await out.final(finish_reason=("abort" if cancelled and not step.finished
+        if stopped or (req.sampling.max_tokens <= 1 and not several) or cancelled:
+            await out.final(finish_reason=("abort" if cancelled and (several or
+                                                                  not step.finished)
                                            else step.finish_reason or "length"),
                             stop_reason=step.stop_token if stopped else None,
-                            usage=wire.Usage(prompt_tokens=len(tokens), completion_tokens=1,
+                            usage=wire.Usage(prompt_tokens=len(tokens),
+                                             completion_tokens=0 if several else 1,
                                              cached_tokens=step.cached_tokens))
             return
-        await self._handoff(req, hashes, step.token_ids[0], out)
+        await self._handoff(req, hashes, None if several else step.token_ids[0], out)
 
     def _sources(self, step: EngineStep, remote: int, prompt_tokens: int) -> wire.PromptTokens:
         """Where the prompt's KV came from: the engine's own cache, blocks loaded from
@@ -174,7 +180,7 @@ class PrefillHandler:
             try:
                 step = await self._first_token(EngineRequest(
                     request_id=req.request_id, tokens=tokens,
-                    sampling=first_token(req.sampling),
+                    sampling=first_token(req.sampling.choice(0)),
                     load_slots=[e.slot for e in have],
                     load_checksums=[e.checksum for e in have],
                     save_slots=[slot_of.get(h, -1) for h in hashes],
@@ -200,10 +206,11 @@ class PrefillHandler:
             raise CpdError("engine produced no token", code=ErrorCode.INTERNAL)
         return step
 
-    async def _handoff(self, req: wire.PrefillRequest, hashes: list[bytes], first: int,
-                       out: ReplyStream) -> None:
+    async def _handoff(self, req: wire.PrefillRequest, hashes: list[bytes],
+                       first: int | None, out: ReplyStream) -> None:
         """Pin the request's blocks and give it to its decode node, which owns the rest
-        of the stream once it accepts."""
+        of the stream once it accepts (with the ``first`` token, or every choice from
+        the prompt)."""
         core = self.core
         held = [e.hash for e in core.loader.sealed_prefix(hashes)]
         lease = core.pin_for_handoff(req.request_id, held)

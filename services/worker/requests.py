@@ -40,3 +40,16 @@ def continuation(s: wire.SamplingParams, prompt: np.ndarray, first: int
     return (np.append(prompt, np.asarray(first, dtype=wire.TOKEN_DTYPE)),
             msgspec.structs.replace(s, max_tokens=s.max_tokens - 1,
                                     min_tokens=max(0, s.min_tokens - 1)), ())
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's id for choice ``index`` of a request of several choices."""
+    return f"{request_id}#{index}"
+
+
+def choice_runs(s: wire.SamplingParams, prompt: np.ndarray
+                ) -> list[tuple[np.ndarray, wire.SamplingParams, tuple[int, ...]]]:
+    """A decode node's engine runs for a request of several choices: each from the
+    prompt (the prefill computed its KV, the decode node loads it once for all), with
+    its own seed (:meth:`~cpd.protocol.wire.SamplingParams.choice`)."""
+    return [(prompt, s.choice(i), ()) for i in range(s.n)]

@@ -157,7 +157,7 @@ class WorkerService(Service):
         assert self.core is not None
         req = self.decode_or_reject(msg, wire.Cancel)
         if req is not None:
-            await self.core.cancel(req.request_id)
+            await self.core.cancel(req.request_id, req.choice)
 
     # ------------------------------------------------------------- liveness, load
 

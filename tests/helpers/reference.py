@@ -7,9 +7,10 @@ Two modes, by the JSON file's entries:
 * a list of cases ``{"prompt": [...], "sampling": {...}, "stop_from": [start, length]}``:
   each prompt run with those ``SamplingParams`` fields (``max_tokens`` included); with
   ``stop_from``, the stop string is that slice of the case's output without it (so a
-  test can stop in the middle of text it does not know in advance). Each result has
-  the token ids, text, finish and stop reasons, the stop string used and, when asked,
-  each token's log probability and the top ``logprobs`` ``[id, logprob]`` by rank.
+  test can stop in the middle of text it does not know in advance; of choice 0, with
+  ``n``). Each result has the token ids, text, finish and stop reasons, the stop string
+  used and, when asked, each token's log probability and the top ``logprobs``
+  ``[id, logprob]`` by rank, of choice 0, and the same of every choice in ``choices``.
 """
 
 from __future__ import annotations
@@ -32,15 +33,20 @@ def _case(llm: Any, case: dict[str, Any]) -> dict[str, Any]:
         start, length = case["stop_from"]
         plain = llm.generate([prompt], SamplingParams(**sampling), use_tqdm=False)
         sampling["stop"] = [plain[0].outputs[0].text[start:start + length]]
-    out = llm.generate([prompt], SamplingParams(**sampling), use_tqdm=False)[0].outputs[0]
-    k = sampling.get("logprobs")
+    outs = llm.generate([prompt], SamplingParams(**sampling), use_tqdm=False)[0].outputs
+    choices = [_output(o, sampling.get("logprobs")) for o in outs]
+    return {**choices[0], "stop": sampling.get("stop"), "choices": choices}
+
+
+def _output(out: Any, k: int | None) -> dict[str, Any]:
+    """One output (choice) of a case: ids, text, finish and stop reasons, log probs."""
     logprobs = [{"logprob": d[t].logprob,
                  "top": [[u, e.logprob] for u, e in sorted(d.items(), key=lambda x: x[1].rank)
-                         if e.rank <= k]}
+                         if k is not None and e.rank <= k]}
                 for t, d in zip(out.token_ids, out.logprobs or [], strict=False)]
     return {"token_ids": list(out.token_ids), "text": out.text,
             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-            "stop": sampling.get("stop"), "logprobs": logprobs}
+            "logprobs": logprobs}
 
 
 def main(model_cache: str, prompts_file: str, max_tokens: str) -> None:

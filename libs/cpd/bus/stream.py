@@ -188,13 +188,15 @@ class ReplyStream:
 
     async def tokens(self, token_ids: list[int], text: str = "", *,
                      ends_with_stop_token: bool = False,
-                     logprobs: list[wire.TokenLogprob] | None = None) -> None:
-        """Send generated tokens (the last one the stop token that ended the request,
-        when ``ends_with_stop_token``), with their log probabilities when asked."""
+                     logprobs: list[wire.TokenLogprob] | None = None,
+                     index: int = 0) -> None:
+        """Send generated tokens of choice ``index`` (the last one the stop token that
+        ended it, when ``ends_with_stop_token``), with their log probabilities when
+        asked."""
         await self._send(wire.TokenChunk(request_id=self.request_id, seq=self.seq,
                                          token_ids=token_ids, text=text,
                                          ends_with_stop_token=ends_with_stop_token,
-                                         logprobs=logprobs or []))
+                                         logprobs=logprobs or [], index=index))
 
     async def handoff_accepted(self, node: str) -> None:
         """Say on the stream that ``node`` took the hand-off and owns the rest of it."""

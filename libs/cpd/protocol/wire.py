@@ -47,6 +47,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 64
 """vLLM's default ``max_logprobs``: the most alternatives a token's log probabilities list."""
 
 
@@ -136,6 +137,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Log probabilities of each generated token and of this many most likely ones
     # (``None``: none at all; ``0``: the generated token's only).
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Choices generated from the one prompt (its KV computed and moved once): each is
+    # a run of its own, with ``seed + index`` when seeded, as vLLM's children are.
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1
 
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
@@ -148,6 +152,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         the prompt's KV): penalties on the output and a seeded random stream."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or (self.temperature > 0 and self.seed is not None))
+
+    def choice(self, index: int) -> SamplingParams:
+        """The sampling of choice ``index`` of ``n``: one sequence, and ``seed + index``
+        when seeded (vLLM's parallel sampling)."""
+        seed = None if self.seed is None else self.seed + index
+        return msgspec.structs.replace(self, n=1, seed=seed)
 
 
 class GenerateRequest(Message, tag="generate", kw_only=True):
@@ -201,6 +211,8 @@ class TokenChunk(Message, tag="token", kw_only=True):
     ends_with_stop_token: bool = False
     # One per id when the request asked for log probabilities (``SamplingParams.logprobs``).
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    # The choice these tokens belong to (``SamplingParams.n``).
+    index: NonNegInt = 0
 
 
 class CancelGenerate(Message, tag="cancel_generate", kw_only=True):
@@ -344,6 +356,15 @@ class Route(msgspec.Struct, kw_only=True):
         return ""
 
 
+class ChoiceEnd(msgspec.Struct, kw_only=True):
+    """How one choice of a request ended (``Final.choices``)."""
+
+    index: NonNegInt
+    finish_reason: str
+    stop_reason: int | str | None = None
+    completion_tokens: NonNegInt = 0
+
+
 class Final(Message, tag="final", kw_only=True):
     """The last message of a successful stream. A worker's says how the generation
     ended (its reports precede it); the router's, to the client, adds the usage,
@@ -358,6 +379,9 @@ class Final(Message, tag="final", kw_only=True):
     usage: Usage = msgspec.field(default_factory=Usage)
     timings: Timings = msgspec.field(default_factory=Timings)
     route: Route = msgspec.field(default_factory=Route)
+    # How each choice ended, by index, when the request has several
+    # (``SamplingParams.n`` > 1); ``finish_reason`` and ``stop_reason`` are choice 0's.
+    choices: list[ChoiceEnd] = msgspec.field(default_factory=list)
 
 
 class Error(Message, tag="error", kw_only=True):
@@ -616,7 +640,9 @@ class DecodeRequest(Message, tag="decode", kw_only=True):
     request_id: str
     reply_to: str
     tokens: bytes
-    first_token: int
+    # The prefill's first token; ``None`` when the request has several choices: each
+    # then starts from the prompt on the decode node (the prefill computed the KV).
+    first_token: int | None
     sampling: SamplingParams
     namespace: str
     block_hashes: bytes
@@ -685,9 +711,11 @@ class Cancel(Message, tag="cancel", kw_only=True):
     """Router → the nodes of a request's try, on ``subjects.cancel(node)``: stop
     generating ``request_id`` (the router found a stop string, or the client is gone).
     A node aborts it in its engine; a node that has not reached it yet drops it when it
-    comes (a hand-off it refuses, a first token it does not hand off)."""
+    comes (a hand-off it refuses, a first token it does not hand off). With ``choice``,
+    only that choice of a request of several (a stop string in its text)."""
 
     request_id: str
+    choice: NonNegInt | None = None
 
 
 class PullAck(Message, tag="pull_ack", kw_only=True):
