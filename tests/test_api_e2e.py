@@ -321,3 +321,26 @@ async def test_queue_time_is_measured_on_the_nodes(vllm_cluster: VllmCluster,
     assert max(t.prefill_queue_ms for t in timings) > 0
     for t in timings:
         assert t.prefill_queue_ms <= t.prefill_ms and t.decode_queue_ms <= t.decode_ms
+
+
+@pytest.mark.parametrize("dataset", ["random", "sharegpt"])
+async def test_vllms_benchmark_client_completes_every_request(
+        system: System, model_cache: Path, tmp_path: Path, dataset: str) -> None:
+    """vLLM's own benchmark client, ``vllm bench serve``, against the gateway: random
+    prompts on the Completions API and ShareGPT-style chats on the Chat API, every
+    request completed (``cpd bench serve`` compares its figures with vLLM's server)."""
+    from transformers import AutoTokenizer
+
+    from cpd.modelbuild import build
+    from tools.bench.serve import client_argv, run_client, workloads, write_sharegpt
+
+    folder = build("tiny", model_cache)
+    sharegpt = tmp_path / "sharegpt.json"
+    write_sharegpt(sharegpt, AutoTokenizer.from_pretrained(folder), 16)
+    workload = next(w for w in workloads(sharegpt) if w.name == dataset)
+    result = tmp_path / "result.json"
+    figures = await asyncio.to_thread(run_client, client_argv(
+        workload, base_url=system.url, model="cpd-tiny", tokenizer=folder, prompts=6,
+        concurrency=3, result=result), result)
+    assert (figures["completed"], figures["failed"]) == (6, 0)
+    assert figures["median_ttft_ms"] > 0

