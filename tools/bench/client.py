@@ -30,10 +30,8 @@ into hops from the timings the gateway returns in its ``cpd`` extension.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -45,9 +43,16 @@ import msgspec
 from cpd.modelbuild import PRESETS, build
 from cpd.modelbuild.tokenizer import CORPUS
 from cpd.ops.config import Settings, load_settings
-from tools.bench.hostinfo import load_average, machine_info
+from tools.bench.hostinfo import load_average
 from tools.bench.registry import SettingsFactory
-from tools.bench.servers import PRESET, CpdUpServer, Server, VllmServer
+from tools.bench.servers import (
+    PRESET,
+    CpdUpServer,
+    Server,
+    VllmServer,
+    measured,
+    run_in_tmp,
+)
 
 SERVERS = ("cpd", "monolithic")
 APIS = ("chat", "completions")
@@ -444,19 +449,10 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
     timings: dict[str, Any] = {}
     load = {"start": load_average()}
     for srv in servers:
-        try:
-            await srv.start()
-            t0 = time.perf_counter()
-            got, failed = await _drive(srv.name, srv.base_url, name, plan, warmup)
-            samples += got
-            failures += failed
-            timings[srv.name] = {"start_s": round(srv.started_s, 1),
-                                 "measure_s": round(time.perf_counter() - t0, 1)}
-        except Exception:
-            print(f"--- {srv.name} log tail ---\n{srv.log_tail()}", file=sys.stderr)
-            raise
-        finally:
-            await asyncio.to_thread(srv.stop)
+        (got, failed), timings[srv.name] = await measured(
+            srv, lambda srv=srv: _drive(srv.name, srv.base_url, name, plan, warmup))
+        samples += got
+        failures += failed
     load["end"] = load_average()
     result = summarize(samples, failures)
     result.update(preset=PRESET, model=model.name, contexts=sizes, iterations=iterations,
@@ -468,9 +464,7 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
 def run(settings: Settings | None = None, quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able result."""
     settings = settings or load_settings()
-    with tempfile.TemporaryDirectory(prefix="cpd-bench-client-") as tmp:
-        result = asyncio.run(_measure(settings, Path(tmp), quick))
-    result["machine"] = machine_info()
+    result = run_in_tmp("cpd-bench-client-", lambda tmp: _measure(settings, tmp, quick))
     if result["requests_failed"]:
         print(f"cpd bench client: {result['requests_failed']} requests failed:\n  "
               + "\n  ".join(f"{f['server']} {f['api']} {f['context_tokens']} {f['case']}: "

@@ -20,8 +20,6 @@ import json
 import random
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +30,16 @@ import msgspec
 from cpd.modelbuild import build
 from cpd.modelbuild.tokenizer import CORPUS
 from cpd.ops.config import Settings, load_settings
-from tools.bench.hostinfo import load_average, machine_info
+from tools.bench.hostinfo import load_average
 from tools.bench.registry import SettingsFactory
-from tools.bench.servers import PRESET, CpdUpServer, Server, VllmServer
+from tools.bench.servers import (
+    PRESET,
+    CpdUpServer,
+    Server,
+    VllmServer,
+    measured,
+    run_in_tmp,
+)
 
 OUTPUT_TOKENS = 32
 CONCURRENCY = 4
@@ -185,9 +190,8 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
         servers: list[Server] = [CpdUpServer(here, settings),
                                  VllmServer(here, model, name, settings.cache.block_size)]
         for srv in servers:
-            try:
-                await srv.start()
-                t0 = time.perf_counter()
+
+            async def _workloads(srv: Server = srv, here: Path = here) -> None:
                 for w in workloads(sharegpt):
                     result = here / f"{srv.name}-{w.name}.json"
                     argv = client_argv(w, base_url=srv.base_url.removesuffix("/v1"),
@@ -195,14 +199,9 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
                                        concurrency=CONCURRENCY, result=result)
                     figures.setdefault(srv.name, {}).setdefault(w.name, []).append(
                         await asyncio.to_thread(run_client, argv, result))
-                timings.setdefault(srv.name, []).append(
-                    {"start_s": round(srv.started_s, 1),
-                     "measure_s": round(time.perf_counter() - t0, 1)})
-            except Exception:
-                print(f"--- {srv.name} log tail ---\n{srv.log_tail()}", file=sys.stderr)
-                raise
-            finally:
-                await asyncio.to_thread(srv.stop)
+
+            _, took = await measured(srv, _workloads)
+            timings.setdefault(srv.name, []).append(took)
     load["end"] = load_average()
     out = summarize(figures)
     out.update(preset=PRESET, model=model.name, prompts=prompts, concurrency=CONCURRENCY,
@@ -214,10 +213,7 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
 def run(settings: Settings | None = None, quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able result."""
     settings = settings or load_settings()
-    with tempfile.TemporaryDirectory(prefix="cpd-bench-serve-") as tmp:
-        result = asyncio.run(_measure(settings, Path(tmp), quick))
-    result["machine"] = machine_info()
-    return result
+    return run_in_tmp("cpd-bench-serve-", lambda tmp: _measure(settings, tmp, quick))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,13 +12,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from cpd.engines.servedmodel import FALLBACK_CHAT_TEMPLATE, ServedModel
 from cpd.modelbuild.runtime import prepare_cpu_env
 from cpd.ops.config import Settings
-from tools.bench.hostinfo import free_port
+from tools.bench.hostinfo import free_port, machine_info
 from tools.cluster import stop_tree
 from tools.supervisor import UP_BANNER
 
@@ -27,6 +30,8 @@ START_TIMEOUT_S = 600.0  # three engines on a busy two-core host
 STOP_TIMEOUT_S = 60.0
 HEALTH_POLL_S = 1.0
 LOG_TAIL_CHARS = 3000
+
+T = TypeVar("T")
 
 
 class Server(abc.ABC):
@@ -147,3 +152,31 @@ class VllmServer(Server):
                 "--chat-template", str(self.chat_template),
                 "--disable-log-stats", "--disable-uvicorn-access-log"]
         return argv, {**env, "PYTHONUNBUFFERED": "1"}
+
+
+async def measured(srv: Server, measure: Callable[[], Awaitable[T]]
+                   ) -> tuple[T, dict[str, float]]:
+    """Start ``srv``, ``measure`` it and stop it, whatever happens (printing its log's
+    tail when something failed): what ``measure`` returned, and the server's
+    ``start_s`` (to ready) and ``measure_s``."""
+    try:
+        await srv.start()
+        t0 = time.perf_counter()
+        result = await measure()
+        return result, {"start_s": round(srv.started_s, 1),
+                        "measure_s": round(time.perf_counter() - t0, 1)}
+    except Exception:
+        print(f"--- {srv.name} log tail ---\n{srv.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        await asyncio.to_thread(srv.stop)
+
+
+def run_in_tmp(prefix: str, measure: Callable[[Path], Coroutine[Any, Any, dict[str, Any]]]
+               ) -> dict[str, Any]:
+    """Run a server benchmark's ``measure`` in a temporary directory it may fill (removed
+    after); its result, with the machine's description."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        result = asyncio.run(measure(Path(tmp)))
+    result["machine"] = machine_info()
+    return result
