@@ -173,6 +173,25 @@ async def test_several_choices_answer_as_vllms_children(api: openai.AsyncOpenAI,
     assert resp.usage.completion_tokens == sum(len(r["token_ids"]) for r in ref)
 
 
+async def test_the_synchronous_client_whole_and_streamed(
+        system: System, prompts: dict[str, list[int]],
+        reference: dict[str, dict[str, Any]]) -> None:
+    """The official client's synchronous API (in a thread: the test's loop serves the
+    gateway): a whole reply and a stream, each vLLM's text."""
+    ref = reference["stop"]
+
+    def _both() -> tuple[str, str]:
+        with openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused",
+                           max_retries=0) as api:
+            body = _body("stop", prompts, reference)
+            whole = api.completions.create(model="cpd-tiny", **body).choices[0].text
+            streamed = "".join(c.choices[0].text for c in api.completions.create(
+                model="cpd-tiny", stream=True, **body) if c.choices)
+            return whole, streamed
+
+    assert await asyncio.to_thread(_both) == (ref["text"], ref["text"])
+
+
 async def test_several_choices_stream_side_by_side(api: openai.AsyncOpenAI,
                                                    prompts: dict[str, list[int]],
                                                    reference: dict[str, dict[str, Any]]
