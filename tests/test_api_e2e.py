@@ -1,9 +1,11 @@
 """The OpenAI API's request features on the real system (gateway, router, vLLM-CPU
-workers) through the official ``openai`` client, each checked against a monolithic vLLM
-run of the same request: penalties, logit bias, min-p, seeded sampling, min_tokens, log
-probabilities, and stop strings (found by the router, streamed or not, with the rest of
-the generation cancelled on the nodes); a client that leaves cancels its request; the
-queue time each node measures reaches the client's timings."""
+workers) through the official ``openai`` client, each checked against vLLM's own OpenAI
+server's answer to the same request (``tests/helpers/serverref.py``): penalties, logit
+bias, min-p, seeded sampling, min_tokens, log probabilities, several choices, and stop
+strings (found by the router, streamed or not, with the rest of the generation
+cancelled on the nodes); a client that leaves cancels its request; the queue time each
+node measures reaches the client's timings; vLLM's own benchmark client completes every
+request."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import load_settings
 from services.gateway import GatewayService
 from services.router import RouterService
-from tests.helpers.cluster import VllmCluster, reference_outputs
+from tests.helpers.cluster import VllmCluster
+from tests.helpers.serverref import server_answers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -84,7 +87,7 @@ async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory,
                     prompts: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
     cases = [{"prompt": prompts[name], "sampling": s, **({"stop_from": f} if f else {})}
              for name, (_, _, s, f) in CASES.items()]
-    outs = await reference_outputs(model_cache, tmp_path_factory.mktemp("sref"), cases)
+    outs = await server_answers(model_cache, tmp_path_factory.mktemp("sref"), cases)
     return dict(zip(CASES, outs, strict=True))
 
 

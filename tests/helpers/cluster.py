@@ -11,7 +11,6 @@ import sys
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 from cpd.bus import Bus
 from cpd.ops.config import Settings
@@ -173,11 +172,11 @@ class VllmCluster:
         await self.cluster.restart(node)
 
 
-async def reference_outputs(model_cache: Path, tmp: Path, prompts: list[Any],
-                            max_tokens: int = 0) -> list[Any]:
-    """Outputs of a monolithic vLLM run (``tests/helpers/reference.py``: greedy outputs
-    of ``prompts``, or the results of cases with their own sampling), computed without
-    blocking the event loop (the tests' clients and routers run in it)."""
+async def reference_outputs(model_cache: Path, tmp: Path, prompts: list[list[int]],
+                            max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` in a monolithic vLLM run
+    (``tests/helpers/reference.py``), computed without blocking the event loop (the
+    tests' clients and routers run in it)."""
     f = tmp / "prompts.json"
     f.write_text(json.dumps(prompts))
     proc = await asyncio.create_subprocess_exec(
