@@ -48,9 +48,11 @@ class Writer:
     def alloc(self, *names: str, tier: wire.Tier = DRAM) -> wire.KvEvent:
         return self.ev(wire.BlocksAllocated, blocks=[ref(n) for n in names], tier=tier)
 
-    def seal(self, *names: str, tier: wire.Tier = DRAM, nbytes: int = 64) -> wire.KvEvent:
-        return self.ev(wire.BlocksSealed, seals=[wire.BlockSeal(H(n), nbytes, 7) for n in names],
-                       tier=tier)
+    def seal(self, *names: str, tier: wire.Tier = DRAM, nbytes: int = 64,
+             checksums: tuple[int, ...] = ()) -> wire.KvEvent:
+        sums = checksums or (7,) * len(names)
+        return self.ev(wire.BlocksSealed, tier=tier, seals=[
+            wire.BlockSeal(H(n), nbytes, c) for n, c in zip(names, sums, strict=True)])
 
     def evict(self, *names: str) -> wire.KvEvent:
         return self.ev(wire.BlocksEvicted, hashes=[H(n) for n in names])
@@ -171,6 +173,25 @@ def test_lookup_statuses_pending_and_ordering() -> None:
     assert r.pending == [wire.PendingMatch("n1", 4)]
     assert idx.lookup(NS, chain_hashes("A0", "A1"), 1, include_pending=False).pending == []
     assert idx.lookup(NS, chain_hashes("C0"), 1).num_blocks == 0
+
+
+def test_a_lookup_carries_each_dram_locations_sealed_checksums() -> None:
+    """Asked for, each DRAM match lists the checksums its node sealed for the matched
+    blocks (copies computed apart may differ: each location has its own), in chain order;
+    not asked, none (the lookup stays a binary search per location)."""
+    idx = Index()
+    a, b = Writer("n0"), Writer("n1")
+    for n in ("n0", "n1"):
+        idx.heartbeat(hb(n), 0)
+    idx.apply(a.alloc("A0", "A1", "A2"))
+    idx.apply(a.seal("A0", "A1", "A2", checksums=(11, 12, (1 << 64) - 1)))
+    idx.apply(b.alloc("A0", "A1"))
+    idx.apply(b.seal("A0", "A1", checksums=(21, 22)))
+    hashes = chain_hashes("A0", "A1", "A2", "A3")
+    got = {m.node: wire.unpack_checksums(m.checksums)
+           for m in idx.lookup(NS, hashes, 1, checksums=True).matches}
+    assert got == {"n0": [11, 12, (1 << 64) - 1], "n1": [21, 22]}
+    assert all(not m.checksums for m in idx.lookup(NS, hashes, 1).matches)
 
 
 def test_a_gpu_visible_prefix_does_not_hide_dram_blocks_still_being_written() -> None:

@@ -145,6 +145,21 @@ def test_load_sources_describe_the_plan() -> None:
         (10 * BS, 10 * BS, 18 * BS, N - 38 * BS)
 
 
+def test_load_sources_carry_kvindexs_checksums_of_their_blocks() -> None:
+    """Each source names the checksums kvindex recorded for exactly its run of blocks at
+    its node (the puller checks the bytes against them); a node kvindex gave none for
+    gets none, and a GPU match's are not a DRAM source's."""
+    sums = {"p0": list(range(100, 120)), "pp1": list(range(200, 238))}
+    hits = Hits.from_reply(wire.LookupReply(num_blocks=38, matches=[
+        wire.TierMatch("pp1", wire.Tier.DRAM, 38, b"", wire.pack_checksums(sums["pp1"])),
+        wire.TierMatch("p0", wire.Tier.DRAM, 20, b"", wire.pack_checksums(sums["p0"])),
+        wire.TierMatch("p0", wire.Tier.GPU, 10, b"", wire.pack_checksums([1] * 10))]))
+    d = Router(PolicyConfig(), COST, LOAD).decide(N, BS, hits, nodes())
+    assert [(s.node, wire.unpack_checksums(s.checksums)) for s in d.plan.sources] == [
+        ("p0", sums["p0"][10:20]), ("pp1", sums["pp1"][20:38])]
+    assert hits.source("p1", 0, 3).checksums == b""
+
+
 def test_the_last_token_is_always_computed() -> None:
     router = Router(PolicyConfig(), COST, LOAD)
     d = router.decide(4 * BS, BS, Hits(dram={"p0": 4}), nodes())

@@ -148,6 +148,34 @@ async def test_corrupted_block_is_detected_by_checksum(client: TransferClient) -
         assert kv.store.free_slots == 1
 
 
+@pytest.mark.timeout(60, method="thread")
+async def test_a_peer_cannot_vouch_for_bytes_it_forged(client: TransferClient) -> None:
+    """Blocks 1 and 2 altered after sealing, served with seals that match the altered
+    bytes: a pull that believes the peer's reply takes them; one that checks the bytes
+    against what the writer sealed (kvindex's record, ``expected``) fails exactly those,
+    and seals the others."""
+    with peer("--forge", "1,2", seed=62, sizes="65536x4") as p:
+        hashes = p.hashes(range(4))
+        believing = local_store(4, 65536)
+        await client.pull(p.address, hashes, believing)
+        assert {e.hash for e in believing.store.entries()} == set(hashes)  # forged, taken
+        kv = local_store(4, 65536)
+        with pytest.raises(ChecksumMismatch):
+            await client.pull(p.address, hashes, kv, expected={
+                h: checksum(p.expected(i)) for i, h in enumerate(hashes)})
+        assert {e.hash for e in kv.store.entries()} == set(p.hashes([0, 3]))
+        assert kv.store.free_slots == 2
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_a_reply_of_another_namespace_is_refused(client: TransferClient) -> None:
+    with peer("--foreign", seed=63, sizes="65536x2") as p:
+        kv = local_store(2, 65536)
+        with pytest.raises(MalformedMessage):
+            await client.pull(p.address, p.hashes(range(2)), kv, namespace=NAMESPACE)
+        assert not list(kv.store.entries()) and kv.store.free_slots == 2
+
+
 # ------------------------------------------------------------------------- pure parts
 
 

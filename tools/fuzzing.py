@@ -425,6 +425,8 @@ _PREFILL_HOSTILE: Hostile = {
         [{"node": _hostile_node(c, r), "tier": "dram", "first_block": 0, "num_blocks": 1}],
         [{"node": "fz0", "tier": "tape", "first_block": 0, "num_blocks": 1}],
         [{"node": "fz0", "tier": "dram", "first_block": -1, "num_blocks": 1}],
+        [{"node": "fz0", "tier": "dram", "first_block": 0, "num_blocks": 2,
+          "checksums": r.choice([b"\x00" * 7, b"\x00" * 8, b"\x00" * 24, "c", 5])}],
         [{}] * 1000, "s"]),
 }
 

@@ -55,14 +55,14 @@ class Index(BlockTable):
     # ------------------------------------------------------------------ queries
 
     def lookup(self, ns: str, hashes: bytes, now: float,
-               include_pending: bool = True) -> wire.LookupReply:
+               include_pending: bool = True, checksums: bool = False) -> wire.LookupReply:
         """Longest VISIBLE prefix of ``hashes`` per live (node, tier), plus pending coverage.
 
         Per location the visible blocks of a chain form a prefix, so each location costs
         one binary search (~9 probes for a 100K-token prompt), not a scan.
         """
         return lookup_prefixes(self.blocks.get(ns), self.nodes, ns, hashes, now,
-                               include_pending)
+                               include_pending, checksums)
 
     # ---------------------------------------------------------------- heartbeats
 

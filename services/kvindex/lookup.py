@@ -17,10 +17,11 @@ from services.kvindex.records import Block, LocKey, NodeInfo, Tier
 
 
 def lookup_prefixes(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo], ns: str,
-                    hashes: bytes, now: float, include_pending: bool = True
-                    ) -> wire.LookupReply:
+                    hashes: bytes, now: float, include_pending: bool = True,
+                    checksums: bool = False) -> wire.LookupReply:
     """Longest VISIBLE prefix of ``hashes`` per live (node, tier) in ``table`` (namespace
-    ``ns``'s blocks, None if it holds none), plus pending coverage of each node's DRAM."""
+    ``ns``'s blocks, None if it holds none), plus pending coverage of each node's DRAM;
+    with ``checksums``, each DRAM match's sealed checksums (one dict probe per block)."""
     if table is None:
         return wire.LookupReply(status="unknown_namespace")
     n = len(hashes) // 16
@@ -28,6 +29,10 @@ def lookup_prefixes(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo]
     if first is None:
         return wire.LookupReply()
     matches, seen_nodes = _visible_matches(table, nodes, ns, hashes, n, first, now)
+    if checksums:
+        for m in matches:
+            if m.tier is Tier.DRAM:
+                m.checksums = _checksums(table, hashes, LocKey(m.node, m.tier), m.num_blocks)
     best = max((m.num_blocks for m in matches), default=0)
     pending: list[wire.PendingMatch] = []
     if include_pending:
@@ -95,6 +100,12 @@ def _prefix(table: dict[bytes, Block], hashes: bytes, n: int,
         else:
             hi = mid - 1
     return lo
+
+
+def _checksums(table: dict[bytes, Block], hashes: bytes, key: LocKey, n: int) -> bytes:
+    """The sealed checksums at ``key`` of the first ``n`` blocks (all VISIBLE there)."""
+    return wire.pack_checksums(table[hashes[i * 16:(i + 1) * 16]].locs[key].checksum or 0
+                               for i in range(n))
 
 
 def _visible_at(block: Block, key: LocKey) -> bool:

@@ -321,7 +321,7 @@ class KvIndexService(Service):
             raise InvalidRequest(f"{n} blocks in one lookup; the limit is "
                                  f"{self.cfg.max_lookup_blocks}")
         reply = self.index.lookup(req.namespace, req.block_hashes, time.monotonic(),
-                                  req.include_pending)
+                                  req.include_pending, req.checksums)
         reply.request_id = req.request_id
         return reply
 

@@ -19,6 +19,9 @@ class Hits:
     # node → its read capability of the request's namespace (DRAM locations): copied
     # into the LoadSource, without it the node's data plane refuses the pull.
     caps: Mapping[str, bytes] = field(default_factory=dict)
+    # node → its DRAM blocks' sealed checksums as kvindex recorded them (packed): copied
+    # into the LoadSource, the puller verifies against them, not the serving peer.
+    checksums: Mapping[str, bytes] = field(default_factory=dict)
 
     @classmethod
     def from_reply(cls, reply: wire.LookupReply | None) -> Hits:
@@ -29,5 +32,16 @@ class Hits:
         dram = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DRAM}
         caps = {m.node: m.capability for m in reply.matches
                 if m.tier is wire.Tier.DRAM and m.capability}
+        sums = {m.node: m.checksums for m in reply.matches
+                if m.tier is wire.Tier.DRAM and m.checksums}
         return cls(gpu=gpu, dram=dram, pending={p.node: p.num_blocks for p in reply.pending},
-                   caps=caps)
+                   caps=caps, checksums=sums)
+
+    def source(self, node: str, first_block: int, num_blocks: int) -> wire.LoadSource:
+        """Load ``num_blocks`` of ``node``'s DRAM blocks from ``first_block``, with its
+        capability and those blocks' recorded checksums."""
+        sums = self.checksums.get(node, b"")
+        at, end = first_block * 8, (first_block + num_blocks) * 8
+        return wire.LoadSource(node=node, tier=wire.Tier.DRAM, first_block=first_block,
+                               num_blocks=num_blocks, capability=self.caps.get(node, b""),
+                               checksums=sums[at:end] if len(sums) >= end else b"")

@@ -208,10 +208,8 @@ class Router:
         if local_dram > base:
             t = self.load.ms(local_dram - base, self.config.host_bandwidth_gbps)
             if t < self.prefill.ms(local_dram - base, base):
-                sources.append(wire.LoadSource(node=node.node, tier=wire.Tier.DRAM,
-                                               first_block=base // block_size,
-                                               num_blocks=(local_dram - base) // block_size,
-                                               capability=hits.caps.get(node.node, b"")))
+                sources.append(hits.source(node.node, base // block_size,
+                                           (local_dram - base) // block_size))
                 dram, load_ms, base = local_dram - base, load_ms + t, local_dram
         remote_tokens, remote_node = 0, ""
         if remote:
@@ -220,10 +218,8 @@ class Router:
                 bw = self._bandwidth(best[1], node)
                 t = self.load.ms(best[0] - base, bw)
                 if t < self.prefill.ms(best[0] - base, base):
-                    sources.append(wire.LoadSource(node=best[1], tier=wire.Tier.DRAM,
-                                                   first_block=base // block_size,
-                                                   num_blocks=(best[0] - base) // block_size,
-                                                   capability=hits.caps.get(best[1], b"")))
+                    sources.append(hits.source(best[1], base // block_size,
+                                               (best[0] - base) // block_size))
                     remote_tokens, remote_node = best[0] - base, best[1]
                     load_ms += t
                     base = best[0]

@@ -252,7 +252,7 @@ class RouterService(Service):
             reply = await self.bus.request(
                 subjects.KVINDEX_LOOKUP,
                 wire.LookupRequest(request_id=request_id, namespace=ns.id,
-                                   block_hashes=hashes),
+                                   block_hashes=hashes, checksums=True),
                 expect=wire.LookupReply, timeout=self.cfg.lookup_timeout_ms / 1000)
         except CpdError as e:
             if self.kvindex_state != "unavailable":

@@ -50,9 +50,12 @@ class PrefixLoader:
         self._m_planned.add(1, {"role": self.role, "stage": stage})
 
     async def pull(self, stage: Stage, peer: str, hashes: list[bytes], *, namespace: str,
-                   capability: bytes) -> tuple[int, wire.LoadError | None]:
+                   capability: bytes, checksums: bytes = b""
+                   ) -> tuple[int, wire.LoadError | None]:
         """Pull ``hashes`` from ``peer`` into the store: how many arrived, and why the
-        rest did not (``None``: all did). The failure is counted, logged and audited."""
+        rest did not (``None``: all did). With ``checksums`` (kvindex's record of what
+        the writer sealed, packed), the bytes must match them, whatever the peer says.
+        The failure is counted, logged and audited."""
         t_recv = time.time()
         address = await self.peers.address(peer)
         if address is None:
@@ -61,8 +64,10 @@ class PrefixLoader:
                 peer=peer, code=ErrorCode.UNAVAILABLE.value, detail="no heartbeat seen"))
         error = ""
         try:
+            expected = (dict(zip(hashes, wire.unpack_checksums(checksums), strict=True))
+                        if checksums else None)
             got = await self.client.pull(address, hashes, self.kv, namespace=namespace,
-                                         capability=capability)
+                                         capability=capability, expected=expected)
         except CpdError as e:  # peer gone, evicted, corrupt: the caller recomputes
             error = e.code.value
             self._log.warning(f"{_EVENT[stage]}.pull_failed", peer=peer, error=error,

@@ -8,9 +8,13 @@ with a real :class:`cpd.transfer.TransferServer`, prints one JSON line
 Misbehaviours real peers have, on request:
 
 * ``--corrupt I,J``: flip a byte of blocks I, J *after* they were sealed (memory corruption);
+* ``--forge I,J``: the same, and vouch for the forged bytes: the seals it serves carry
+  their checksum (a compromised peer; only what the writer sealed, as kvindex recorded
+  it, gives it away);
 * ``--stall-after K``: stop sending after K block messages (a coalesced run is one),
   without closing anything (a hung peer: the test then kills or pauses the process);
-* ``--legacy``: serve gets as builds before coalescing did (``BlockGet.runs`` ignored).
+* ``--legacy``: serve gets as builds before coalescing did (``BlockGet.runs`` ignored);
+* ``--foreign``: reply to gets naming another namespace than the blocks'.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from cpd.kvstore import BlockStore, KvStore
+from cpd.kvstore import BlockStore, KvStore, checksum
 from cpd.ops import telemetry
 from cpd.ops.config import DataPlaneSettings
 from cpd.protocol import wire
@@ -69,6 +73,14 @@ class LegacyServer(TransferServer):
         return await super()._handle_get(ep, conn_id, msgspec.structs.replace(req, runs=[]))
 
 
+class ForeignServer(TransferServer):
+    """Answers a get with the blocks asked for, but says they are of another namespace."""
+
+    async def _send_get(self, ep: Any, xfer_id: int, namespace: str, entries: list[Any],
+                        runs: list[tuple[int, int]]) -> None:
+        await super()._send_get(ep, xfer_id, "f" * 32, entries, runs)
+
+
 class StallingServer(TransferServer):
     """Sends ``stall_after`` block messages in total, then never posts another."""
 
@@ -94,8 +106,11 @@ async def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slot-bytes", type=int, default=0, help="default: the largest size")
     p.add_argument("--slots", type=int, default=0, help="default: one per block")
     p.add_argument("--corrupt", default="", help="indices of blocks to corrupt after sealing")
+    p.add_argument("--forge", default="",
+                   help="indices of blocks to corrupt and re-checksum after sealing")
     p.add_argument("--stall-after", type=int, default=-1)
     p.add_argument("--legacy", action="store_true", help="ignore coalesced layouts")
+    p.add_argument("--foreign", action="store_true", help="reply with another namespace")
     p.add_argument("--coalesce-message-bytes", type=int, default=-1,
                    help="dataplane.coalesce_message_bytes (default: the setting's)")
     p.add_argument("--secret", default="",
@@ -113,6 +128,12 @@ async def main(argv: list[str] | None = None) -> None:
                           [block_payload(args.seed, i, n) for i, n in enumerate(sizes)])
     for i in filter(None, args.corrupt.split(",")):
         store.data(refs[int(i)].hash)[0] ^= 0xFF
+    for i in filter(None, args.forge.split(",")):
+        h = refs[int(i)].hash
+        store.data(h)[0] ^= 0xFF
+        entry = store.get(h)
+        assert entry is not None
+        entry.checksum = checksum(store.data(h)[:entry.nbytes])
 
     settings = DataPlaneSettings(max_blocks_per_transfer=max(1024, len(sizes)))
     if args.coalesce_message_bytes >= 0:
@@ -124,6 +145,8 @@ async def main(argv: list[str] | None = None) -> None:
                                                 keyring=keyring)
     elif args.legacy:
         server = LegacyServer(kv, settings, keyring=keyring)
+    elif args.foreign:
+        server = ForeignServer(kv, settings, keyring=keyring)
     else:
         server = TransferServer(kv, settings, keyring=keyring)
     await server.start()

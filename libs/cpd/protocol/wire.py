@@ -17,6 +17,7 @@ Rules, so that old and new processes keep talking:
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -404,6 +405,9 @@ class LookupRequest(Message, tag="lookup", kw_only=True):
     namespace: str
     block_hashes: bytes  # n * HASH_BYTES
     include_pending: bool = True
+    # With each DRAM match's sealed checksums (``TierMatch.checksums``): what a puller
+    # verifies the bytes it pulls against, never the serving peer's own word.
+    checksums: bool = False
 
 
 class TierMatch(msgspec.Struct, array_like=True):
@@ -415,6 +419,9 @@ class TierMatch(msgspec.Struct, array_like=True):
     # Read capability of this node's blocks of the looked-up namespace (cpd.protocol.capability);
     # empty for tiers the data plane does not serve (GPU).
     capability: bytes = b""
+    # The matched blocks' checksums as their writer sealed them at this location, packed
+    # (``pack_checksums``), when the lookup asked (DRAM only).
+    checksums: bytes = b""
 
 
 class PendingMatch(msgspec.Struct, array_like=True):
@@ -614,6 +621,9 @@ class LoadSource(msgspec.Struct, kw_only=True):
     first_block: NonNegInt
     num_blocks: NonNegInt
     capability: bytes = b""  # from kvindex's TierMatch; presented in BlockGet
+    # The run's checksums as kvindex recorded them from the writer's seals (packed,
+    # ``pack_checksums``): the pulled bytes must match these, whatever the peer says.
+    checksums: bytes = b""
 
 
 class PrefillRequest(Message, tag="prefill", kw_only=True):
@@ -940,6 +950,22 @@ def _check_hash_width(data: bytes) -> None:
     fails decoding as malformed, before any handler reads it)."""
     if len(data) % HASH_BYTES:
         raise ValueError(f"hash array of {len(data)} bytes is not a multiple of {HASH_BYTES}")
+
+
+CHECKSUM_DTYPE = np.dtype("<u8")
+
+
+def pack_checksums(checksums: Iterable[int]) -> bytes:
+    """Block checksums (xxh3-64) as little-endian uint64s, in block order."""
+    return np.fromiter(checksums, dtype=CHECKSUM_DTYPE).tobytes()
+
+
+def unpack_checksums(packed: bytes) -> list[int]:
+    """The checksums :func:`pack_checksums` packed (a torn array is ``ValueError``)."""
+    if len(packed) % CHECKSUM_DTYPE.itemsize:
+        raise ValueError(f"{len(packed)} bytes of checksums, not a multiple of "
+                         f"{CHECKSUM_DTYPE.itemsize}")
+    return np.frombuffer(packed, dtype=CHECKSUM_DTYPE).tolist()
 
 
 def split_hashes(data: bytes) -> list[bytes]:

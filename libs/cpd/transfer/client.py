@@ -6,7 +6,7 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,13 +113,17 @@ class TransferClient:
 
     async def pull(self, address: bytes, hashes: Sequence[bytes], store: KvStore, *,
                    namespace: str = "", timeout_s: float | None = None,
-                   capability: bytes = b"") -> list[wire.BlockSeal]:
+                   capability: bytes = b"", expected: Mapping[bytes, int] | None = None
+                   ) -> list[wire.BlockSeal]:
         """Copy sealed blocks from the peer at ``address`` into the local ``store``.
 
         Blocks already held locally are not fetched. The new ones go through the local
         lifecycle (allocated → writing → sealed, or failed) like any other write; a block
         whose bytes fail the checksum is failed and :class:`~cpd.protocol.errors.ChecksumMismatch`
-        is raised after the good ones are sealed. Returns the seals of the new blocks.
+        is raised after the good ones are sealed. The checksum is ``expected``'s for the
+        blocks it names (what their writer sealed, as kvindex recorded it: a peer cannot
+        vouch for bytes it forged), else the peer's reply's. A reply for another namespace
+        than asked is refused. Returns the seals of the new blocks.
         """
         wanted = [h for h in hashes if h not in store.store]
         if not wanted:
@@ -149,7 +153,8 @@ class TransferClient:
         finally:
             store.store.return_slots([i for i in slots if i not in given])
         mine = set(allocated)
-        items = [(s.hash, s.nbytes, s.checksum, d)
+        vouched = expected or {}
+        items = [(s.hash, s.nbytes, vouched.get(s.hash, s.checksum), d)
                  for s, d in zip(reply.seals, digests, strict=True) if s.hash in mine]
         return await store.seal(items)
 
@@ -285,7 +290,7 @@ class TransferClient:
             try:
                 return await exchange.run(bufs, request, runs, functools.partial(
                     vet_get_reply, address, bufs.header, exchange.xfer_id, hashes,
-                    landing, counts), accept)
+                    landing, counts, namespace), accept)
             except BaseException:
                 # Even after a clean refusal the posted receives still point at our
                 # buffers: aborting the endpoint is what cancels them in UCX.

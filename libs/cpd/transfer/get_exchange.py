@@ -20,11 +20,16 @@ from .runtime import Batch
 
 
 def vet_get_reply(address: bytes, buf: bytearray, xfer_id: int, hashes: Sequence[bytes],
-                  landing: Sequence[np.ndarray], counts: list[int]) -> wire.BlockReply:
-    """The get reply in ``buf``, if it answers the request; else a typed error."""
+                  landing: Sequence[np.ndarray], counts: list[int],
+                  namespace: str = "") -> wire.BlockReply:
+    """The get reply in ``buf``, if it answers the request (for ``namespace``, when the
+    request named one); else a typed error."""
     reply = check_reply(unframe(buf, wire.BlockReply), xfer_id)
     if not reply.ok:
         raise reply_failure(reply)
+    if namespace and reply.namespace != namespace:
+        raise MalformedMessage(f"{address.decode()} answered a get of namespace "
+                               f"{namespace} with blocks of {reply.namespace[:64]!r}")
     if counts and not reply.coalesced:
         # Its per-block messages are not what our receives wait for.
         raise MalformedMessage(
