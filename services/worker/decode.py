@@ -53,7 +53,7 @@ class DecodeHandler:
         if remaining < 1:
             raise InvalidRequest("a hand-off needs at least one more token to generate")
         core.check_not_cancelled(req.request_id)
-        core.admit(len(tokens) + 1, remaining, req.deadline_unix_ms)
+        core.admit(len(tokens) + (req.first_token is not None), remaining, req.deadline_unix_ms)
         core.claim("decode", req.request_id)
         if n > 1:
             core.choices[req.request_id] = n
