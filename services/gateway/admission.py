@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from http import HTTPStatus
+from typing import NamedTuple
 
 from fastapi import Request
 
@@ -30,6 +31,14 @@ from services.gateway.ratelimit import RateLimiter, retry_after_header
 from services.gateway.tenants import AuthError, Tenant, TenantTable
 
 log = telemetry.get_logger("cpd.gateway")
+
+
+class Admitted(NamedTuple):
+    """A checked request: the router's request, and the prompt as the body gave it
+    (text, or token ids), which ``echo`` sends back."""
+
+    request: wire.GenerateRequest
+    prompt: str | list[int]
 
 
 class Admission:
@@ -75,7 +84,7 @@ class Admission:
                         code=ErrorCode.PAYLOAD_TOO_LARGE.value)
 
     async def wire_request(self, body: protocol.CompletionRequest | protocol.ChatRequest,
-                           request_id: str, tenant: Tenant) -> wire.GenerateRequest:
+                           request_id: str, tenant: Tenant) -> Admitted:
         """Check a parsed body and turn it into the router's request."""
         check_model(body.model, self.served_name)
         protocol.refuse_unsupported(body)
@@ -118,10 +127,11 @@ class Admission:
             log.info("gateway.request_user", request_id=request_id, user=body.user[:256])
         temperature = (protocol.DEFAULT_TEMPERATURE if body.temperature is None
                        else body.temperature)
-        return self.client.request(
+        return Admitted(self.client.request(
             ids, max_tokens=max_tokens, temperature=temperature, model=self.model.name,
             timeout_s=self.timeout_s, request_id=request_id, tenant=tenant.name,
-            **{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+            **{k: v for k, v in given.items() if v is not None}),  # type: ignore[arg-type]
+            text_or_ids)
 
     def _tenant_limit(self, tenant: Tenant, reason: str, message: str,
                       param: str) -> ApiError:

@@ -93,13 +93,13 @@ class CompletionRoutes:
         genai_request(call, body, self.served_name)
         call.stream = bool(body.stream)
         call.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        req = await self.admission.wire_request(body, call.request_id, tenant)
+        req, prompt = await self.admission.wire_request(body, call.request_id, tenant)
         model = self.admission.model
         call.choices, call.ranking = req.sampling.n, protocol.ranked(body)
         call.logprobs = logprobs.writers(req.sampling.logprobs, model,
                                          chat=kind is protocol.ChatRequest, n=call.choices)
         if isinstance(body, protocol.CompletionRequest) and body.echo:
-            call.echo = protocol.echo_text(body, model)
+            call.echo = protocol.echo_text(prompt, model)
         return self.client.stream_request(req)
 
     async def _whole(self, call: Call, first: wire.TokenChunk | wire.Final,

@@ -237,9 +237,9 @@ def completion_prompt(body: CompletionRequest, model: ServedModel) -> str | list
     return prompt
 
 
-def echo_text(body: CompletionRequest, model: ServedModel) -> str:
-    """The prompt's text, as ``echo`` sends it back before the output."""
-    prompt = completion_prompt(body, model)
+def echo_text(prompt: str | list[int], model: ServedModel) -> str:
+    """The prompt's text (:func:`completion_prompt`'s), as ``echo`` sends it back before
+    the output."""
     return prompt if isinstance(prompt, str) else model.tokenizer.decode(
         prompt, skip_special_tokens=False)
 

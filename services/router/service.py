@@ -397,17 +397,18 @@ class RouterService(Service):
                                       cancel=lambda nodes, choice: self._cancel(
                                           rid, nodes, wire.CancelReason.STOP_STRING, choice))
         except asyncio.CancelledError:  # the client left (counted above), or the router stops
-            await cancel_nodes(self.bus, rid, [plan.node, decision.decode_node])
-            if not self.cancels.by_client():
-                self.accounts.cancelled(wire.CancelReason.ROUTER_STOPPING)
+            await self._cancel(rid, [plan.node, decision.decode_node], None
+                               if self.cancels.by_client() else
+                               wire.CancelReason.ROUTER_STOPPING)
             raise
         finally:
             await reader.close()
 
     async def _cancel(self, request_id: str, nodes: list[str],
-                      reason: wire.CancelReason, choice: int | None = None) -> None:
-        """Cancel a try on its ``nodes``: the request (counted), or one of its choices."""
-        if choice is None:
+                      reason: wire.CancelReason | None, choice: int | None = None) -> None:
+        """Cancel a try on its ``nodes``: the request (counted by ``reason``, unless it
+        was counted where it came from), or one of its choices."""
+        if choice is None and reason is not None:
             self.accounts.cancelled(reason)
         await cancel_nodes(self.bus, request_id, nodes, choice)
 
