@@ -192,6 +192,10 @@ def test_a_lookup_carries_each_dram_locations_sealed_checksums() -> None:
            for m in idx.lookup(NS, hashes, 1, checksums=True).matches}
     assert got == {"n0": [11, 12, (1 << 64) - 1], "n1": [21, 22]}
     assert all(not m.checksums for m in idx.lookup(NS, hashes, 1).matches)
+    # A hand-off's puller asks about one node only (and gets no capability).
+    assert wire.unpack_checksums(idx.checksums(NS, "n1", hashes, 1)) == [21, 22]
+    assert idx.checksums(NS, "n2", hashes, 1) == b""  # no such copy
+    assert idx.checksums(NS, "n0", hashes, 10) == b""  # its lease ran out
 
 
 def test_a_gpu_visible_prefix_does_not_hide_dram_blocks_still_being_written() -> None:

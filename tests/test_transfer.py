@@ -166,6 +166,15 @@ async def test_a_peer_cannot_vouch_for_bytes_it_forged(client: TransferClient) -
         assert {e.hash for e in kv.store.entries()} == set(p.hashes([0, 3]))
         assert kv.store.free_slots == 2
 
+        async def recorded() -> dict[bytes, int]:  # looked up while the bytes travel
+            return {h: checksum(p.expected(i)) if i != 3 else -1  # 3: not recorded
+                    for i, h in enumerate(hashes)}
+
+        late = local_store(4, 65536)
+        with pytest.raises(ChecksumMismatch):
+            await client.pull(p.address, hashes, late, expected=recorded)
+        assert {e.hash for e in late.store.entries()} == set(p.hashes([0]))
+
 
 @pytest.mark.timeout(60, method="thread")
 async def test_a_reply_of_another_namespace_is_refused(client: TransferClient) -> None:

@@ -52,6 +52,8 @@ SAMPLES: list[wire.Message] = [
                      matches=[wire.TierMatch("n1", wire.Tier.DRAM, 3)],
                      pending=[wire.PendingMatch("n2", 5)]),
     wire.LookupReply(status="recovering"),
+    wire.ChecksumsRequest(request_id="r1", namespace="ns", node="p0", block_hashes=H * 2),
+    wire.ChecksumsReply(request_id="r1", checksums=wire.pack_checksums([1, (1 << 64) - 1])),
     wire.BlocksAllocated(node="n1", seq=1, namespace="ns", blocks=[wire.BlockRef(H, b"", 256)]),
     wire.BlocksWriting(node="n1", seq=2, hashes=[H]),
     wire.BlocksSealed(node="n1", seq=3, seals=[wire.BlockSeal(H, 1024, 0xDEADBEEF)],

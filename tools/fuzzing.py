@@ -286,6 +286,21 @@ _LOOKUP_HOSTILE: Hostile = {
 }
 
 
+def _checksums(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
+    ns = ctx.namespace if rng.random() < 0.5 else rng.randbytes(16).hex()
+    return {"kind": "checksums", "v": 1, "request_id": f"fz-{rng.getrandbits(32):x}",
+            "namespace": ns, "node": rng.choice(ctx.fake_nodes),
+            "block_hashes": _hashes(rng, rng.randint(0, 32))}
+
+
+_CHECKSUMS_HOSTILE: Hostile = {
+    "namespace": _hostile_namespace,
+    "block_hashes": _hostile_hashes,
+    "node": _hostile_node,
+    "request_id": lambda c, r: r.choice([BAD_UTF8, "x" * 20_000, 5]),
+}
+
+
 def _heartbeat(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
     # Worker roles only with a 1 ms lease: a router never routes to a fuzz node.
     role = rng.choice(["router", "kvindex", "prefill", "decode", "preprefill"])
@@ -562,6 +577,8 @@ FAMILIES: dict[str, Family] = {
     "generate": Family(wire.GenerateRequest, _generate, _GENERATE_HOSTILE, "tokens"),
     "status": Family(wire.StatusRequest, _status, {}, "pad"),
     "lookup": Family(wire.LookupRequest, _lookup, _LOOKUP_HOSTILE, "block_hashes"),
+    "checksums": Family(wire.ChecksumsRequest, _checksums, _CHECKSUMS_HOSTILE,
+                        "block_hashes"),
     "heartbeat": Family(wire.Heartbeat, _heartbeat, _HEARTBEAT_HOSTILE, "ucx_address"),
     "load": Family(wire.LoadReport, _load, _LOAD_HOSTILE, "pad"),
     "kv_event": Family(wire.KvEvent, _kv_event, _EVENT_HOSTILE, "trace"),

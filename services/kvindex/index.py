@@ -30,7 +30,7 @@ from cpd.protocol.hashing import Namespace
 from cpd.protocol.lifecycle import BlockState
 from services.kvindex.blocks import BlockTable
 from services.kvindex.gpu import removed_blocks, stored_blocks
-from services.kvindex.lookup import lookup_prefixes
+from services.kvindex.lookup import lookup_prefixes, recorded_checksums
 from services.kvindex.records import Changes, LocKey, NodeInfo, Tier, valid_namespace
 from services.kvindex.snapshot import (
     SNAPSHOT_VERSION,
@@ -63,6 +63,10 @@ class Index(BlockTable):
         """
         return lookup_prefixes(self.blocks.get(ns), self.nodes, ns, hashes, now,
                                include_pending, checksums)
+
+    def checksums(self, ns: str, node: str, hashes: bytes, now: float) -> bytes:
+        """What ``node`` sealed for the leading blocks of ``hashes`` it holds (packed)."""
+        return recorded_checksums(self.blocks.get(ns), self.nodes, node, hashes, now)
 
     # ---------------------------------------------------------------- heartbeats
 

@@ -102,6 +102,23 @@ def _prefix(table: dict[bytes, Block], hashes: bytes, n: int,
     return lo
 
 
+def recorded_checksums(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo],
+                       node: str, hashes: bytes, now: float) -> bytes:
+    """The checksums ``node`` sealed for the leading blocks of ``hashes`` it holds VISIBLE
+    in DRAM in its live epoch (packed; none while its lease is out)."""
+    info = nodes.get(node)
+    n = len(hashes) // 16
+    first = table.get(hashes[:16]) if table is not None and n else None
+    key = LocKey(node, Tier.DRAM)
+    loc = first.locs.get(key) if first is not None else None
+    if (info is None or not info.alive(now) or loc is None or loc.epoch != info.live_epoch
+            or loc.state is not BlockState.VISIBLE):
+        return b""
+    assert table is not None
+    return _checksums(table, hashes, key, _prefix(table, hashes, n,
+                                                  lambda b: _visible_at(b, key)))
+
+
 def _checksums(table: dict[bytes, Block], hashes: bytes, key: LocKey, n: int) -> bytes:
     """The sealed checksums at ``key`` of the first ``n`` blocks (all VISIBLE there)."""
     return wire.pack_checksums(table[hashes[i * 16:(i + 1) * 16]].locs[key].checksum or 0

@@ -119,6 +119,9 @@ class KvIndexService(Service):
         await self.add_endpoint("lookup", subjects.KVINDEX_LOOKUP, self._lookup,
                                 expect=wire.LookupRequest, queue=subjects.QUEUE_KVINDEX,
                                 inline=True)
+        await self.add_endpoint("checksums", subjects.KVINDEX_CHECKSUMS, self._checksums,
+                                expect=wire.ChecksumsRequest, queue=subjects.QUEUE_KVINDEX,
+                                inline=True)
         self.spawn(self._sweep_leases(), "lease-sweeper")
         self.spawn(self._snapshots(), "snapshots")
         if not self.recovering:
@@ -311,19 +314,33 @@ class KvIndexService(Service):
         self.lookups += 1
         if self.recovering:
             return wire.LookupReply(request_id=req.request_id, status="recovering")
-        if not valid_namespace(req.namespace):
-            raise InvalidRequest(f"namespace {req.namespace!r} is not a 32-hex-digit id")
-        n, rest = divmod(len(req.block_hashes), wire.HASH_BYTES)
-        if rest:
-            raise InvalidRequest(f"block_hashes is {len(req.block_hashes)} bytes, "
-                                 f"not a multiple of {wire.HASH_BYTES}")
-        if n > self.cfg.max_lookup_blocks:
-            raise InvalidRequest(f"{n} blocks in one lookup; the limit is "
-                                 f"{self.cfg.max_lookup_blocks}")
+        self._check_query(req.namespace, req.block_hashes)
         reply = self.index.lookup(req.namespace, req.block_hashes, time.monotonic(),
                                   req.include_pending, req.checksums)
         reply.request_id = req.request_id
         return reply
+
+    async def _checksums(self, req: wire.ChecksumsRequest, _: Request) -> wire.ChecksumsReply:
+        self._check_query(req.namespace, req.block_hashes)
+        try:
+            subjects.check_token(req.node, "node")
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        return wire.ChecksumsReply(request_id=req.request_id, checksums=b"" if self.recovering
+                                   else self.index.checksums(req.namespace, req.node,
+                                                             req.block_hashes, time.monotonic()))
+
+    def _check_query(self, namespace: str, block_hashes: bytes) -> None:
+        """Refuse, typed, a query's malformed namespace or hash array, or too many blocks."""
+        if not valid_namespace(namespace):
+            raise InvalidRequest(f"namespace {namespace!r} is not a 32-hex-digit id")
+        n, rest = divmod(len(block_hashes), wire.HASH_BYTES)
+        if rest:
+            raise InvalidRequest(f"block_hashes is {len(block_hashes)} bytes, "
+                                 f"not a multiple of {wire.HASH_BYTES}")
+        if n > self.cfg.max_lookup_blocks:
+            raise InvalidRequest(f"{n} blocks in one lookup; the limit is "
+                                 f"{self.cfg.max_lookup_blocks}")
 
 
 def serve(settings: Settings) -> None:

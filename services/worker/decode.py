@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 
 import numpy as np
@@ -21,6 +22,12 @@ from cpd.protocol.errors import CpdError, InvalidRequest
 from cpd.protocol.roles import Role
 from services.worker.core import WorkerCore
 from services.worker.requests import check_ids, choice_id, choice_runs, continuation
+
+# A hand-off's puller waits this long for kvindex to record what the prefill node sealed
+# (its events are acked before the hand-off; kvindex applies them within milliseconds),
+# asking again this often.
+_RECORD_WAIT_S = 0.5
+_RECORD_POLL_S = 0.005
 
 
 class DecodeHandler:
@@ -116,18 +123,39 @@ class DecodeHandler:
 
     async def _pull(self, req: wire.DecodeRequest, hashes: list[bytes]) -> None:
         """Pull the hand-off's blocks (a failure is a fallback: they are recomputed) and
-        ack, so the prefill node releases its lease."""
+        ack, so the prefill node releases its lease. Their bytes must be what the prefill
+        node sealed as kvindex recorded it, looked up while they travel."""
         core = self.core
         ok = True
         if hashes and req.source_node != core.node_id:
             core.loader.planned("handoff")
-            _, failure = await core.loader.pull("handoff", req.source_node, hashes,
-                                                namespace=req.namespace,
-                                                capability=req.capability)
+            _, failure = await core.loader.pull(
+                "handoff", req.source_node, hashes, namespace=req.namespace,
+                capability=req.capability,
+                expected=functools.partial(self._recorded, req, hashes))
             ok = failure is None
         with contextlib.suppress(CpdError):
             await core.bus.publish(subjects.pull_ack(req.source_node), wire.PullAck(
                 request_id=req.request_id, lease_id=req.lease_id, ok=ok))
+
+    async def _recorded(self, req: wire.DecodeRequest, hashes: list[bytes]
+                        ) -> dict[bytes, int]:
+        """What the hand-off's prefill node sealed for ``hashes``, as kvindex recorded it,
+        waiting up to :data:`_RECORD_WAIT_S` for seal events still on their way; a block
+        not recorded by then gets -1, which no bytes match (it is recomputed)."""
+        ask = wire.ChecksumsRequest(request_id=req.request_id, namespace=req.namespace,
+                                    node=req.source_node, block_hashes=b"".join(hashes))
+        end = time.monotonic() + _RECORD_WAIT_S
+        got: list[int] = []
+        while True:
+            with contextlib.suppress(CpdError, ValueError):
+                reply = await self.core.bus.request(
+                    subjects.KVINDEX_CHECKSUMS, ask, expect=wire.ChecksumsReply,
+                    timeout=max(0.01, end - time.monotonic()))
+                got = wire.unpack_checksums(reply.checksums)
+            if len(got) >= len(hashes) or time.monotonic() >= end:
+                return {h: got[i] if i < len(got) else -1 for i, h in enumerate(hashes)}
+            await asyncio.sleep(_RECORD_POLL_S)
 
     async def _generate_all(self, out: ReplyStream, runs: list[EngineRequest]
                             ) -> list[tuple[EngineStep, int]]:

@@ -15,7 +15,7 @@ from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.lifecycle import BlockState
 from cpd.protocol.roles import PREFILL_ROLES
-from cpd.transfer import TransferClient
+from cpd.transfer import Expected, TransferClient
 from services.worker.peers import Peers
 
 Stage = Literal["prefix", "handoff"]
@@ -50,12 +50,12 @@ class PrefixLoader:
         self._m_planned.add(1, {"role": self.role, "stage": stage})
 
     async def pull(self, stage: Stage, peer: str, hashes: list[bytes], *, namespace: str,
-                   capability: bytes, checksums: bytes = b""
+                   capability: bytes, expected: Expected | None = None
                    ) -> tuple[int, wire.LoadError | None]:
         """Pull ``hashes`` from ``peer`` into the store: how many arrived, and why the
-        rest did not (``None``: all did). With ``checksums`` (kvindex's record of what
-        the writer sealed, packed), the bytes must match them, whatever the peer says.
-        The failure is counted, logged and audited."""
+        rest did not (``None``: all did). With ``expected`` (kvindex's record of what the
+        writer sealed, by hash, or a function finding it), the bytes must match it,
+        whatever the peer says. The failure is counted, logged and audited."""
         t_recv = time.time()
         address = await self.peers.address(peer)
         if address is None:
@@ -64,8 +64,6 @@ class PrefixLoader:
                 peer=peer, code=ErrorCode.UNAVAILABLE.value, detail="no heartbeat seen"))
         error = ""
         try:
-            expected = (dict(zip(hashes, wire.unpack_checksums(checksums), strict=True))
-                        if checksums else None)
             got = await self.client.pull(address, hashes, self.kv, namespace=namespace,
                                          capability=capability, expected=expected)
         except CpdError as e:  # peer gone, evicted, corrupt: the caller recomputes

@@ -153,10 +153,10 @@ class PrefillHandler:
             want = hashes[src.first_block:src.first_block + src.num_blocks]
             if src.node == node or not want:
                 continue
-            got, failure = await loader.pull("prefix", src.node, want,
-                                             namespace=req.namespace,
-                                             capability=src.capability,
-                                             checksums=src.checksums)
+            got, failure = await loader.pull(
+                "prefix", src.node, want, namespace=req.namespace, capability=src.capability,
+                expected=dict(zip(want, wire.unpack_checksums(src.checksums), strict=True))
+                if src.checksums else None)
             remote += got
             if failure is not None:  # recompute from here
                 break

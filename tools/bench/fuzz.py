@@ -105,6 +105,8 @@ def targets() -> list[Target]:
                "publish", ("router",), (("router", subjects.GENERATE_CANCEL),)),
         Target(subjects.KVINDEX_LOOKUP, "lookup", subjects.KVINDEX_LOOKUP, "request",
                ("kvi",), (("kvi", subjects.KVINDEX_LOOKUP),)),
+        Target(subjects.KVINDEX_CHECKSUMS, "checksums", subjects.KVINDEX_CHECKSUMS, "request",
+               ("kvi",), (("kvi", subjects.KVINDEX_CHECKSUMS),)),
         Target(subjects.HEARTBEAT_ALL, "heartbeat", hb, "publish",
                ("router", "kvi", *WORKERS),
                tuple((n, subjects.HEARTBEAT_ALL) for n in ("router", "kvi", *WORKERS))),

@@ -128,7 +128,8 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             publish += (s.for_node(s.run, Role.DECODE),)        # hand-off to any decode node
             subscribe += (s.for_node(s.pull_ack, node=n),)   # decode's "pull done"
         else:
-            publish += (s.for_node(s.pull_ack),)             # to the pinning node
+            publish += (s.for_node(s.pull_ack),              # to the pinning node
+                        s.KVINDEX_CHECKSUMS)                 # what the hand-off's writer sealed
         return Grants(publish, subscribe, responses=True)
 
     return {
@@ -137,7 +138,8 @@ def permission_table(node: str = "") -> dict[str, Grants]:
                      s.KV_DEADLETTER, s.for_node(s.kv_reannounce),
                      s.kv_events(s.KVINDEX_EVENTS_NODE),  # its own lease-expiry events
                      s.JS_API_INFO, *s.js_stream_admin(s.KV_STREAM)),
-            subscribe=(*own("kvindex"), s.KVINDEX_LOOKUP, s.HEARTBEAT_ALL),
+            subscribe=(*own("kvindex"), s.KVINDEX_LOOKUP, s.KVINDEX_CHECKSUMS,
+                       s.HEARTBEAT_ALL),
             responses=True),
         "router": Grants(
             publish=(*service_pub("router"), s.KVINDEX_LOOKUP,

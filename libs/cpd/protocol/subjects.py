@@ -20,6 +20,7 @@ GENERATE: Final = f"{PREFIX}.generate"
 GENERATE_CANCEL: Final = f"{PREFIX}.generate.cancel"
 """Every router (no queue group): a client stopped reading a stream (``CancelGenerate``)."""
 KVINDEX_LOOKUP: Final = f"{PREFIX}.kvindex.lookup"
+KVINDEX_CHECKSUMS: Final = f"{PREFIX}.kvindex.checksums"  # a hand-off puller's check
 ROUTER_STATUS: Final = f"{PREFIX}.router.status"
 KV_EVENTS_ALL: Final = f"{PREFIX}.kv.events.>"
 KV_VISIBLE: Final = f"{PREFIX}.kv.visible"

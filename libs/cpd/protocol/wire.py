@@ -410,6 +410,26 @@ class LookupRequest(Message, tag="lookup", kw_only=True):
     checksums: bool = False
 
 
+class ChecksumsRequest(Message, tag="checksums", kw_only=True):
+    """A decode node → kvindex (``cpd.v1.kvindex.checksums``): the checksums ``node``
+    sealed for the leading ``block_hashes`` it holds VISIBLE in DRAM. A hand-off's puller
+    checks the bytes it pulled against them. Only checksums: no capability, and only the
+    node asked about."""
+
+    request_id: str = ""
+    namespace: str
+    node: str
+    block_hashes: bytes  # n * HASH_BYTES
+
+
+class ChecksumsReply(Message, tag="checksums_reply", kw_only=True):
+    """kvindex's record for a ``ChecksumsRequest``: the checksums of the leading blocks
+    it has (packed, ``pack_checksums``; fewer than asked while events are on their way)."""
+
+    request_id: str = ""
+    checksums: bytes = b""
+
+
 class TierMatch(msgspec.Struct, array_like=True):
     """``num_blocks`` leading blocks are VISIBLE on ``node`` in ``tier``."""
 
@@ -853,7 +873,7 @@ class BlockReply(Message, tag="blk_reply", kw_only=True):
 
 AnyMessage = (
     GenerateRequest | TokenChunk | Final | Error | CancelGenerate
-    | LookupRequest | LookupReply
+    | LookupRequest | LookupReply | ChecksumsRequest | ChecksumsReply
     | BlocksAllocated | BlocksWriting | BlocksSealed | BlocksEvicted | BlocksFailed
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
     | BlocksVisible | BlocksInvalidated

@@ -39,7 +39,7 @@ still aimed at our buffers before those buffers are reused. Errors are typed:
 :class:`~cpd.protocol.errors.CapabilityDenied`.
 """
 
-from .client import Fetched, TransferClient
+from .client import Expected, Fetched, TransferClient
 from .framing import (
                       CTRL_TAG,
                       coalesce_runs,
@@ -52,6 +52,7 @@ from .meter import BandwidthMeter
 from .runtime import active_transports, init_ucx, shutdown_ucx, ucx_options
 from .server import TransferServer
 
-__all__ = ["CTRL_TAG", "BandwidthMeter", "Fetched", "TransferClient", "TransferServer",
-           "active_transports", "coalesce_runs", "decode_address", "encode_address",
-           "header_capacity", "init_ucx", "shutdown_ucx", "ucx_options", "xfer_tag"]
+__all__ = ["CTRL_TAG", "BandwidthMeter", "Expected", "Fetched", "TransferClient",
+           "TransferServer", "active_transports", "coalesce_runs", "decode_address",
+           "encode_address", "header_capacity", "init_ucx", "shutdown_ucx", "ucx_options",
+           "xfer_tag"]

@@ -42,6 +42,9 @@ from .meter import BandwidthMeter, TransferMetrics
 from .permits import PermitBuffers, Permits
 from .runtime import Batch, progress_while_busy, truncated_error, ucx_error
 
+Expected = Mapping[bytes, int] | Callable[[], Awaitable[Mapping[bytes, int]]]
+"""What blocks' bytes must checksum to, by hash: a mapping, or a function giving one."""
+
 log = telemetry.get_logger("cpd.transfer")
 
 
@@ -113,7 +116,7 @@ class TransferClient:
 
     async def pull(self, address: bytes, hashes: Sequence[bytes], store: KvStore, *,
                    namespace: str = "", timeout_s: float | None = None,
-                   capability: bytes = b"", expected: Mapping[bytes, int] | None = None
+                   capability: bytes = b"", expected: Expected | None = None
                    ) -> list[wire.BlockSeal]:
         """Copy sealed blocks from the peer at ``address`` into the local ``store``.
 
@@ -122,8 +125,9 @@ class TransferClient:
         whose bytes fail the checksum is failed and :class:`~cpd.protocol.errors.ChecksumMismatch`
         is raised after the good ones are sealed. The checksum is ``expected``'s for the
         blocks it names (what their writer sealed, as kvindex recorded it: a peer cannot
-        vouch for bytes it forged), else the peer's reply's. A reply for another namespace
-        than asked is refused. Returns the seals of the new blocks.
+        vouch for bytes it forged; a function is awaited once the bytes landed, so its
+        answer is sought meanwhile), else the peer's reply's. A reply for another
+        namespace than asked is refused. Returns the seals of the new blocks.
         """
         wanted = [h for h in hashes if h not in store.store]
         if not wanted:
@@ -153,7 +157,11 @@ class TransferClient:
         finally:
             store.store.return_slots([i for i in slots if i not in given])
         mine = set(allocated)
-        vouched = expected or {}
+        try:
+            vouched = (await expected() if callable(expected) else expected) or {}
+        except BaseException:
+            await store.fail(allocated, "transfer failed")
+            raise
         items = [(s.hash, s.nbytes, vouched.get(s.hash, s.checksum), d)
                  for s, d in zip(reply.seals, digests, strict=True) if s.hash in mine]
         return await store.seal(items)
