@@ -225,17 +225,18 @@ class Client:
         req = self.request(prompt, **options)  # type: ignore[arg-type]
         parts = [Choice(index=i, token_ids=[], text="", finish_reason="")
                  for i in range(req.sampling.n)]
+        texts: list[list[str]] = [[] for _ in parts]
         async for msg in self.stream_request(req):
             if isinstance(msg, wire.TokenChunk):
                 c = parts[msg.index]
                 c.token_ids.extend(msg.token_ids)
-                c.text += msg.text
+                texts[msg.index].append(msg.text)
                 c.logprobs.extend(msg.logprobs)
                 continue
-            for end in msg.choices or [wire.ChoiceEnd(
-                    index=0, finish_reason=msg.finish_reason, stop_reason=msg.stop_reason)]:
-                parts[end.index].finish_reason = end.finish_reason
-                parts[end.index].stop_reason = end.stop_reason
+            for end in msg.ends():
+                c = parts[end.index]
+                c.text, c.finish_reason = "".join(texts[end.index]), end.finish_reason
+                c.stop_reason = end.stop_reason
             first = parts[0]
             return Completion(request_id=req.request_id, token_ids=first.token_ids,
                               text=first.text, finish_reason=first.finish_reason,

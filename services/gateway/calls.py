@@ -94,7 +94,7 @@ class Outcomes:
         call.span.set_attributes({
             genai.GEN_AI_RESPONSE_ID: call.request_id,
             genai.GEN_AI_RESPONSE_FINISH_REASONS: [protocol.finish_reason(e)
-                                                   for e in protocol.ends(final)],
+                                                   for e in final.ends()],
             genai.GEN_AI_USAGE_INPUT_TOKENS: final.usage.prompt_tokens,
             genai.GEN_AI_USAGE_OUTPUT_TOKENS: final.usage.completion_tokens})
         call.span.set_attribute("cpd.route.path", final.route.path)

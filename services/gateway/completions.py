@@ -123,7 +123,7 @@ class CompletionRoutes:
             return self.outcomes.fail(call, internal_error(e, call))
         self.outcomes.succeed(call, msg)
         call.span.end()
-        ends = protocol.ends(msg)
+        ends = msg.ends()
         order, with_logprobs = [e.index for e in ends], bool(call.logprobs)
         if call.ranking is not None:  # best_of: the best n, best first
             order, with_logprobs = call.ranking.best(entries), call.ranking.logprobs

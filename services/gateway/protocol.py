@@ -271,12 +271,6 @@ def _text_of(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)  # as vLLM joins the text parts a template gets as one string
 
 
-def ends(final: wire.Final) -> list[wire.ChoiceEnd]:
-    """How each choice of the request ended, by index (one, unless it asked for ``n``)."""
-    return final.choices or [wire.ChoiceEnd(index=0, finish_reason=final.finish_reason,
-                                            stop_reason=final.stop_reason)]
-
-
 def stop_reason(end: wire.ChoiceEnd) -> int | str | None:
     """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice."""
     return end.stop_reason if finish_reason(end) == "stop" else None

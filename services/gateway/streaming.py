@@ -85,7 +85,7 @@ class SseStreamer:
                     if chunk := self._delta(call, msg):
                         yield chunk
                     msg = await next_message(messages)
-                *ends, last = protocol.ends(msg)
+                *ends, last = msg.ends()
                 for end in ends:  # each choice's end in a chunk of its own, as vLLM's
                     yield self._chunk(call, [shape.delta_choice(end.index, "", end)])
                 yield self._chunk(call, [shape.delta_choice(last.index, "", last)],

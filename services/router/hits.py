@@ -41,7 +41,8 @@ class Hits:
         """Load ``num_blocks`` of ``node``'s DRAM blocks from ``first_block``, with its
         capability and those blocks' recorded checksums."""
         sums = self.checksums.get(node, b"")
-        at, end = first_block * 8, (first_block + num_blocks) * 8
+        at, end = (first_block * wire.CHECKSUM_BYTES,
+                   (first_block + num_blocks) * wire.CHECKSUM_BYTES)
         return wire.LoadSource(node=node, tier=wire.Tier.DRAM, first_block=first_block,
                                num_blocks=num_blocks, capability=self.caps.get(node, b""),
                                checksums=sums[at:end] if len(sums) >= end else b"")

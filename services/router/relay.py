@@ -171,10 +171,8 @@ class Relay:
                         await cancel([owner], choice.index)
                 case wire.HandoffAccepted():
                     self.accepted(msg)
-                case wire.PrefillReport():
-                    self.reports = replace(self.reports, prefill=msg)
-                case wire.DecodeReport():
-                    self.reports = replace(self.reports, decode=msg)
+                case wire.PrefillReport() | wire.DecodeReport():
+                    self._report(msg)
                 case wire.Final():
                     return msg
 
@@ -198,13 +196,18 @@ class Relay:
                 msg = await reader.next(min(left, check_s))
             except CpdError:
                 break
-            if isinstance(msg, wire.PrefillReport):
-                self.reports = replace(self.reports, prefill=msg)
-            elif isinstance(msg, wire.DecodeReport):
-                self.reports = replace(self.reports, decode=msg)
+            if isinstance(msg, wire.PrefillReport | wire.DecodeReport):
+                self._report(msg)
             elif isinstance(msg, wire.Final):
                 break
         return final
+
+    def _report(self, msg: wire.PrefillReport | wire.DecodeReport) -> None:
+        """Keep a node's report of the current try."""
+        if isinstance(msg, wire.PrefillReport):
+            self.reports = replace(self.reports, prefill=msg)
+        else:
+            self.reports = replace(self.reports, decode=msg)
 
     async def tokens(self, ids: list[int], *, ends_with_stop_token: bool = False,
                      logprobs: list[wire.TokenLogprob] | None = None, index: int = 0

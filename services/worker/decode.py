@@ -163,12 +163,10 @@ class DecodeHandler:
         the last step and generated token count of each."""
         # Reported at once: decode is chosen by load, the next router must see it.
         with self.core.load.running(report=True):
-            if len(runs) == 1:
-                return [await self._generate(out, runs[0], None)]
             return list(await asyncio.gather(*(self._generate(out, run, i)
                                                for i, run in enumerate(runs))))
 
-    async def _generate(self, out: ReplyStream, ereq: EngineRequest, index: int | None
+    async def _generate(self, out: ReplyStream, ereq: EngineRequest, index: int
                         ) -> tuple[EngineStep, int]:
         """Stream one engine run's tokens (as choice ``index`` of several) in chunks of
         ``worker.stream_interval``; its last step and how many tokens it generated."""
@@ -185,11 +183,11 @@ class DecodeHandler:
                 stopped = step.finished and step.finish_reason == "stop"
                 if len(pending) >= interval or stopped:
                     await out.tokens(pending, ends_with_stop_token=stopped,
-                                     logprobs=logprobs, index=index or 0)
+                                     logprobs=logprobs, index=index)
                     pending, logprobs = [], []
             last = step
         if pending:
-            await out.tokens(pending, logprobs=logprobs, index=index or 0)
+            await out.tokens(pending, logprobs=logprobs, index=index)
         return last, generated
 
     async def _final(self, req: wire.DecodeRequest, out: ReplyStream,

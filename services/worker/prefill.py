@@ -85,7 +85,8 @@ class PrefillHandler:
         hashes = wire.split_hashes(req.block_hashes)
         if len(hashes) != len(tokens) // core.block_size:
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
-        if any(s.checksums and len(s.checksums) != 8 * s.num_blocks for s in req.sources):
+        if any(s.checksums and len(s.checksums) != wire.CHECKSUM_BYTES * s.num_blocks
+               for s in req.sources):
             raise InvalidRequest("a load source's checksums do not cover its blocks")
         # New tokens as the router planned them (cached ones cost next to nothing): the
         # router prices the held prefill as it priced the request.

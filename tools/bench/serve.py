@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -131,12 +132,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One server's figures for one workload over its rounds: the median of each (the
     request counts summed)."""
@@ -145,7 +140,7 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in rounds if r.get(key) is not None]
         if values:
             out[key] = sum(values) if key in ("completed", "failed") else round(
-                _median(values), 3)
+                statistics.median(values), 3)
     return out
 
 

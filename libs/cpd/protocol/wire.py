@@ -384,6 +384,11 @@ class Final(Message, tag="final", kw_only=True):
     # (``SamplingParams.n`` > 1); ``finish_reason`` and ``stop_reason`` are choice 0's.
     choices: list[ChoiceEnd] = msgspec.field(default_factory=list)
 
+    def ends(self) -> list[ChoiceEnd]:
+        """How each choice ended, by index (one, unless the request asked for ``n``)."""
+        return self.choices or [ChoiceEnd(index=0, finish_reason=self.finish_reason,
+                                          stop_reason=self.stop_reason)]
+
 
 class Error(Message, tag="error", kw_only=True):
     """The last message of a failed stream, or the reply to a bad request."""
@@ -973,6 +978,7 @@ def _check_hash_width(data: bytes) -> None:
 
 
 CHECKSUM_DTYPE = np.dtype("<u8")
+CHECKSUM_BYTES = CHECKSUM_DTYPE.itemsize
 
 
 def pack_checksums(checksums: Iterable[int]) -> bytes:
@@ -982,9 +988,9 @@ def pack_checksums(checksums: Iterable[int]) -> bytes:
 
 def unpack_checksums(packed: bytes) -> list[int]:
     """The checksums :func:`pack_checksums` packed (a torn array is ``ValueError``)."""
-    if len(packed) % CHECKSUM_DTYPE.itemsize:
+    if len(packed) % CHECKSUM_BYTES:
         raise ValueError(f"{len(packed)} bytes of checksums, not a multiple of "
-                         f"{CHECKSUM_DTYPE.itemsize}")
+                         f"{CHECKSUM_BYTES}")
     return np.frombuffer(packed, dtype=CHECKSUM_DTYPE).tolist()
 
 
