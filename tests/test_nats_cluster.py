@@ -68,10 +68,20 @@ def test_cli_cluster_includes_the_least_privilege_config(tmp_path: Path) -> None
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
-    ports = free_ports(9)
-    members = [natscluster.Member(f"nats-{i}", "127.0.0.1", *ports[3 * i:3 * i + 3])
-               for i in range(3)]
-    c = NatsCluster(tmp_path / "nats", members).start()
+    for attempt in range(3):
+        # A free port may be taken by another process before a member binds it (the
+        # suite's engines listen too): then the cluster starts again on fresh ports.
+        ports = free_ports(9)
+        members = [natscluster.Member(f"nats-{i}", "127.0.0.1", *ports[3 * i:3 * i + 3])
+                   for i in range(3)]
+        c = NatsCluster(tmp_path / f"nats-{attempt}", members)
+        try:
+            c.start()
+            break
+        except CpdError:
+            c.stop()
+            if attempt == 2:
+                raise
     try:
         yield c
     finally:
