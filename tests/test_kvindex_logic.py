@@ -17,7 +17,7 @@ from services.kvindex.index import SNAPSHOT_VERSION, Index, LocKey
 
 NS = "0" * 31 + "1"
 NS2 = "0" * 31 + "2"
-DRAM, GPU = wire.Tier.DRAM, wire.Tier.GPU
+DRAM, GPU, DISK = wire.Tier.DRAM, wire.Tier.GPU, wire.Tier.DISK
 
 
 def H(name: str) -> bytes:
@@ -341,6 +341,37 @@ def test_snapshot_versions(data: bytes, refused: type[Exception] | None) -> None
     assert idx.num_locations == 1
     idx.heartbeat(hb("n0"), 0)
     assert idx.lookup(NS, chain_hashes("A0"), 1).matches == [wire.TierMatch("n0", DRAM, 1)]
+
+
+def test_disk_blocks_are_served_locations_cleared_apart_from_dram() -> None:
+    """A node's disk tier is a location of its own: visible once sealed with bytes, with
+    the node's capability and checksums (its data plane serves it), and a re-announce of
+    one tier clears that tier alone."""
+    idx, w = Index(), Writer("n0")
+    idx.heartbeat(hb("n0"), 0)
+    idx.apply(w.alloc("A0", "A1"))
+    idx.apply(w.seal("A0", "A1", checksums=(5, 6)))
+    idx.apply(w.alloc("A0", "A1", "A2", tier=DISK))
+    idx.apply(w.seal("A0", "A1", tier=DISK, nbytes=0))  # no bytes: never visible
+    idx.apply(w.ev(wire.BlocksSealed, tier=DISK, seals=[wire.BlockSeal(H("A2"), 64, 9)],
+                   capability=b"cap"))
+    idx.apply(w.alloc("C0", tier=DISK))
+    idx.apply(w.seal("C0", tier=DISK, checksums=(3,)))
+    hashes = chain_hashes("A0", "A1", "A2")
+    got = {m.tier: m.num_blocks for m in idx.lookup(NS, hashes, 1).matches}
+    assert got == {DRAM: 2}  # A0 and A1 on disk came with no bytes
+    idx.apply(w.ev(wire.NodeCleared, tier=DISK))
+    idx.apply(w.alloc("A0", "A1", "A2", tier=DISK))
+    idx.apply(w.ev(wire.BlocksSealed, tier=DISK, capability=b"cap", seals=[
+        wire.BlockSeal(H(n), 64, c) for n, c in (("A0", 5), ("A1", 6), ("A2", 9))]))
+    reply = idx.lookup(NS, hashes, 1, checksums=True)
+    by_tier = {m.tier: m for m in reply.matches}
+    assert (by_tier[DISK].num_blocks, by_tier[DRAM].num_blocks) == (3, 2)
+    assert by_tier[DISK].capability == by_tier[DRAM].capability == b"cap"
+    assert wire.unpack_checksums(by_tier[DISK].checksums) == [5, 6, 9]
+    assert idx.lookup(NS, chain_hashes("C0"), 1).num_blocks == 0  # cleared with its tier
+    idx.apply(w.ev(wire.NodeCleared, tier=DRAM))
+    assert [(m.tier, m.num_blocks) for m in idx.lookup(NS, hashes, 1).matches] == [(DISK, 3)]
 
 
 def test_locations_are_keyed_by_node_and_tier() -> None:

@@ -104,6 +104,14 @@ CASES = [
          loads=COLD_BUSY, path="overflow", reason=RouteReason.PREPREFILL_BUSY),
     Case("some reuse but pre-prefill idle: no overflow", Hits(dram={"p0": 10}),
          path="cold", node="pp0"),
+    Case("local disk hit: warm on that node, read back and loaded",
+         Hits(disk={"p1": 36}), path="warm", node="p1", dram=36 * BS),
+    Case("a peer's disk past its DRAM: loaded over UCX", Hits(dram={"pp0": 10},
+         disk={"pp0": 38}), path="warm", node="p0", remote=38 * BS, remote_node="pp0"),
+    Case("disk reads slower than recomputing: cold", Hits(disk={"p0": 38, "pp0": 38}),
+         config={"disk_bandwidth_gbps": 1e-5}, path="cold"),
+    Case("slow disk, its DRAM part still loads", Hits(dram={"p0": 30}, disk={"p0": 38}),
+         config={"disk_bandwidth_gbps": 1e-5}, path="warm", node="p0", dram=30 * BS),
 ]
 
 
@@ -158,6 +166,20 @@ def test_load_sources_carry_kvindexs_checksums_of_their_blocks() -> None:
     assert [(s.node, wire.unpack_checksums(s.checksums)) for s in d.plan.sources] == [
         ("p0", sums["p0"][10:20]), ("pp1", sums["pp1"][20:38])]
     assert hits.source("p1", 0, 3).checksums == b""
+
+
+def test_a_disk_source_names_its_tier_and_the_longest_locations_checksums() -> None:
+    sums = list(range(300, 338))
+    hits = Hits.from_reply(wire.LookupReply(num_blocks=38, matches=[
+        wire.TierMatch("pp0", wire.Tier.DISK, 38, b"cap", wire.pack_checksums(sums)),
+        wire.TierMatch("pp0", wire.Tier.DRAM, 12, b"cap", wire.pack_checksums(sums[:12]))]))
+    assert (hits.dram, hits.disk, hits.served) == ({"pp0": 12}, {"pp0": 38}, {"pp0": 38})
+    d = Router(PolicyConfig(), COST, LOAD).decide(N, BS, hits, nodes())
+    (src,) = d.plan.sources
+    assert (src.node, src.tier, src.first_block, src.num_blocks, src.capability) == (
+        "pp0", wire.Tier.DISK, 0, 38, b"cap")
+    assert wire.unpack_checksums(src.checksums) == sums
+    assert hits.source("pp0", 0, 12).tier is wire.Tier.DRAM
 
 
 def test_the_last_token_is_always_computed() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import BlockState, can_transition
+from cpd.protocol.wire import SERVED_TIERS
 from services.kvindex.records import (
     Block,
     Changes,
@@ -99,7 +100,7 @@ class BlockTable:
             loc = block.locs.get(key) if block else None
             if block is None or loc is None or loc.state is not BlockState.SEALED:
                 continue
-            if key.tier is Tier.DRAM and (loc.checksum is None or loc.nbytes <= 0):
+            if key.tier in SERVED_TIERS and (loc.checksum is None or loc.nbytes <= 0):
                 continue
             if block.parent:
                 parent = table.get(block.parent)

@@ -28,6 +28,7 @@ import msgspec
 from cpd.protocol import wire
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.lifecycle import BlockState
+from cpd.protocol.wire import SERVED_TIERS
 from services.kvindex.blocks import BlockTable
 from services.kvindex.gpu import removed_blocks, stored_blocks
 from services.kvindex.lookup import lookup_prefixes, recorded_checksums
@@ -186,7 +187,7 @@ class Index(BlockTable):
             for h in ev.hashes:
                 self._step(ns, h, key, BlockState.WRITING, ch)
         elif isinstance(ev, wire.BlocksSealed):
-            if ev.capability and ev.tier is Tier.DRAM:
+            if ev.capability and ev.tier in SERVED_TIERS:
                 info.caps[ns] = ev.capability
             for seal in ev.seals:
                 loc = self._step(ns, seal.hash, key, BlockState.SEALED, ch)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import PENDING, BlockState
+from cpd.protocol.wire import SERVED_TIERS
 from services.kvindex.records import Block, LocKey, NodeInfo, Tier
 
 
@@ -31,7 +32,7 @@ def lookup_prefixes(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo]
     matches, seen_nodes = _visible_matches(table, nodes, ns, hashes, n, first, now)
     if checksums:
         for m in matches:
-            if m.tier is Tier.DRAM:
+            if m.tier in SERVED_TIERS:
                 m.checksums = _checksums(table, hashes, LocKey(m.node, m.tier), m.num_blocks)
     best = max((m.num_blocks for m in matches), default=0)
     pending: list[wire.PendingMatch] = []
@@ -62,8 +63,9 @@ def _visible_matches(table: dict[bytes, Block], nodes: dict[str, NodeInfo], ns: 
                 seen_nodes.setdefault(node, 0)
             continue
         lo = _prefix(table, hashes, n, lambda b, k=key: _visible_at(b, k))
-        # Only DRAM is served over the data plane; the capability is per namespace.
-        cap = info.caps.get(ns, b"") if tier is Tier.DRAM else b""
+        # Only DRAM and disk are served over the data plane; the capability is per
+        # namespace.
+        cap = info.caps.get(ns, b"") if tier in SERVED_TIERS else b""
         matches.append(wire.TierMatch(node, tier, lo, cap))
         if tier is Tier.DRAM:
             seen_nodes[node] = max(seen_nodes.get(node, 0), lo)

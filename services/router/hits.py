@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -16,12 +17,15 @@ class Hits:
     gpu: Mapping[str, int] = field(default_factory=dict)
     dram: Mapping[str, int] = field(default_factory=dict)
     pending: Mapping[str, int] = field(default_factory=dict)
-    # node → its read capability of the request's namespace (DRAM locations): copied
-    # into the LoadSource, without it the node's data plane refuses the pull.
+    # node → its read capability of the request's namespace (DRAM and disk locations):
+    # copied into the LoadSource, without it the node's data plane refuses the pull.
     caps: Mapping[str, bytes] = field(default_factory=dict)
-    # node → its DRAM blocks' sealed checksums as kvindex recorded them (packed): copied
-    # into the LoadSource, the puller verifies against them, not the serving peer.
+    # node → its served blocks' sealed checksums as kvindex recorded them (packed, from
+    # its longest served location): copied into the LoadSource, the puller verifies
+    # against them, not the serving peer.
     checksums: Mapping[str, bytes] = field(default_factory=dict)
+    # node → blocks visible on its disk tier (read into its arena before they are served).
+    disk: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_reply(cls, reply: wire.LookupReply | None) -> Hits:
@@ -30,19 +34,37 @@ class Hits:
             return cls(ok=False)
         gpu = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.GPU}
         dram = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DRAM}
-        caps = {m.node: m.capability for m in reply.matches
-                if m.tier is wire.Tier.DRAM and m.capability}
-        sums = {m.node: m.checksums for m in reply.matches
-                if m.tier is wire.Tier.DRAM and m.checksums}
+        disk = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DISK}
+        served = sorted((m for m in reply.matches if m.tier in wire.SERVED_TIERS),
+                        key=lambda m: m.num_blocks)
+        caps = {m.node: m.capability for m in served if m.capability}
+        sums = {m.node: m.checksums for m in served if m.checksums}  # the longest last
         return cls(gpu=gpu, dram=dram, pending={p.node: p.num_blocks for p in reply.pending},
-                   caps=caps, checksums=sums)
+                   caps=caps, checksums=sums, disk=disk)
+
+    @functools.cached_property
+    def served(self) -> Mapping[str, int]:
+        """node → blocks its data plane can serve: its DRAM or, when longer, disk prefix."""
+        if not self.disk:
+            return self.dram
+        return {n: max(self.dram.get(n, 0), self.disk.get(n, 0))
+                for n in {*self.dram, *self.disk}}
+
+    def from_disk(self, node: str, first_block: int, end_block: int) -> int:
+        """How many of blocks ``first_block``..``end_block`` ``node`` must read from its
+        disk tier (those past its DRAM prefix)."""
+        if not self.disk:
+            return 0
+        return max(0, end_block - max(first_block, self.dram.get(node, 0)))
 
     def source(self, node: str, first_block: int, num_blocks: int) -> wire.LoadSource:
-        """Load ``num_blocks`` of ``node``'s DRAM blocks from ``first_block``, with its
+        """Load ``num_blocks`` of ``node``'s served blocks from ``first_block``, with its
         capability and those blocks' recorded checksums."""
         sums = self.checksums.get(node, b"")
         at, end = (first_block * wire.CHECKSUM_BYTES,
                    (first_block + num_blocks) * wire.CHECKSUM_BYTES)
-        return wire.LoadSource(node=node, tier=wire.Tier.DRAM, first_block=first_block,
+        tier = wire.Tier.DISK if self.from_disk(node, first_block, first_block + num_blocks) \
+            else wire.Tier.DRAM
+        return wire.LoadSource(node=node, tier=tier, first_block=first_block,
                                num_blocks=num_blocks, capability=self.caps.get(node, b""),
                                checksums=sums[at:end] if len(sums) >= end else b"")

@@ -78,6 +78,8 @@ class PolicyConfig:
     default_bandwidth_gbps: float = 1.0
     # Loading from a node's own DRAM into its engine.
     host_bandwidth_gbps: float = 8.0
+    # Reading blocks from a node's disk tier into its arena.
+    disk_bandwidth_gbps: float = 2.0
     single_flight: bool = True
     max_single_flight_wait_ms: float = 30_000.0
 
@@ -90,6 +92,7 @@ class PolicyConfig:
                    overflow_margin_ms=router.overflow_margin_ms,
                    default_bandwidth_gbps=router.default_bandwidth_gbps,
                    host_bandwidth_gbps=router.host_bandwidth_gbps,
+                   disk_bandwidth_gbps=router.disk_bandwidth_gbps,
                    single_flight=router.single_flight,
                    max_single_flight_wait_ms=router.max_single_flight_wait_ms)
 
@@ -204,19 +207,19 @@ class Router:
         dram = 0
         sources: list[wire.LoadSource] = []
         load_ms = 0.0
-        local_dram = min(hits.dram.get(node.node, 0) * block_size, cap) if local else 0
+        local_dram, t = self._local_load(hits, node.node, base, cap, block_size) \
+            if local else (0, 0.0)
         if local_dram > base:
-            t = self.load.ms(local_dram - base, self.config.host_bandwidth_gbps)
-            if t < self.prefill.ms(local_dram - base, base):
-                sources.append(hits.source(node.node, base // block_size,
-                                           (local_dram - base) // block_size))
-                dram, load_ms, base = local_dram - base, load_ms + t, local_dram
+            sources.append(hits.source(node.node, base // block_size,
+                                       (local_dram - base) // block_size))
+            dram, load_ms, base = local_dram - base, load_ms + t, local_dram
         remote_tokens, remote_node = 0, ""
         if remote:
             best = self._best_peer(hits, cap, block_size, node.node)
             if best[0] > base:
                 bw = self._bandwidth(best[1], node)
-                t = self.load.ms(best[0] - base, bw)
+                t = self.load.ms(best[0] - base, bw) + \
+                    self._disk_ms(hits, best[1], base, best[0], block_size)
                 if t < self.prefill.ms(best[0] - base, base):
                     sources.append(hits.source(best[1], base // block_size,
                                                (best[0] - base) // block_size))
@@ -237,7 +240,7 @@ class Router:
         top = self._top
         if top is None or top[0] is not hits or top[1:3] != (cap, bs):
             top = self._top = (hits, cap, bs, heapq.nlargest(
-                2, ((min(b * bs, cap), peer) for peer, b in hits.dram.items())))
+                2, ((min(b * bs, cap), peer) for peer, b in hits.served.items())))
         return next((best for best in top[3] if best[1] != node), (0, ""))
 
     def queue_ms(self, node: NodeLoad, own_ms: float) -> float:
@@ -247,6 +250,25 @@ class Router:
             cached = self._ahead[id(node)] = (node, ahead_ms(
                 node.prefills, node.dispatched_ms, self.prefill, node.shares_steps))
         return wait_ms(cached[1], own_ms, node.shares_steps)
+
+    def _local_load(self, hits: Hits, node: str, base: int, cap: int, bs: int
+                    ) -> tuple[int, float]:
+        """How far ``node`` loads its own served blocks past ``base`` tokens, and in how
+        long: through its disk prefix, else its DRAM prefix, when that beats recomputing."""
+        for blocks in dict.fromkeys((hits.served.get(node, 0), hits.dram.get(node, 0))):
+            end = min(blocks * bs, cap)
+            if end <= base:
+                continue
+            t = self.load.ms(end - base, self.config.host_bandwidth_gbps) + \
+                self._disk_ms(hits, node, base, end, bs)
+            if t < self.prefill.ms(end - base, base):
+                return end, t
+        return 0, 0.0
+
+    def _disk_ms(self, hits: Hits, node: str, start: int, end: int, bs: int) -> float:
+        """Reading the part of tokens ``start``..``end`` that ``node`` holds on disk only."""
+        blocks = hits.from_disk(node, start // bs, end // bs)
+        return self.load.ms(blocks * bs, self.config.disk_bandwidth_gbps) if blocks else 0.0
 
     def _bandwidth(self, src: str, dst: NodeLoad) -> float:
         # Each worker measures what it achieves when pulling; the puller's figure counts.

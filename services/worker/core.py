@@ -14,6 +14,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from opentelemetry.metrics import Observation
 from cpd.bus import BAD_INPUT, Bus
 from cpd.engines import Engine, EngineStep
 from cpd.engines.servedmodel import ServedModel
-from cpd.kvstore import BlockEntry, BlockStore, KvStore
+from cpd.kvstore import BlockEntry, BlockStore, DiskTier, KvStore
 from cpd.kvstore import events as kvevents
 from cpd.ops import metrics, telemetry
 from cpd.ops.audit import AuditLog
@@ -112,7 +113,8 @@ class WorkerCore:
         kv = KvStore(BlockStore(slots.shape[1], slots.shape[0], node=node, arena=slots,
                                 capability=keyring.issue,
                                 eviction=settings.dataplane.eviction),
-                     kvevents.KvEventPublisher(js, node, epoch=epoch))
+                     kvevents.KvEventPublisher(js, node, epoch=epoch),
+                     disk=_disk_tier(settings, node, slots.shape[1], keyring))
         opened: list[Any] = [kv]
         try:
             await kv.start(bus.nc, sweep_interval_s=settings.dataplane.lease_sweep_interval_s,
@@ -134,7 +136,7 @@ class WorkerCore:
         return cls(settings=settings, node_id=node, bus=bus, log=log, spawn=spawn,
                    reject=reject, parts=parts, kv=kv, server=server, client=client,
                    loader=loader, load=load, keyring=keyring,
-                   metrics=_instruments(role, node, kv.store))
+                   metrics=_instruments(role, node, kv))
 
     @property
     def engine(self) -> Engine:
@@ -276,9 +278,22 @@ class WorkerCore:
             self.metrics.kv_bytes.add(loaded * slot, {"role": role, "direction": "load"})
 
 
-def _instruments(role: str, node: str, store: BlockStore) -> _Instruments:
+def _disk_tier(settings: Settings, node: str, slot_bytes: int,
+               keyring: Keyring) -> DiskTier | None:
+    """The node's disk tier (``dataplane.disk_dir``), in a folder of its own."""
+    dp = settings.dataplane
+    if not dp.disk_dir:
+        return None
+    return DiskTier(Path(dp.disk_dir) / node, dp.disk_bytes, slot_bytes, node=node,
+                    capability=keyring.issue, eviction=dp.eviction, fsync=dp.disk_fsync)
+
+
+def _instruments(role: str, node: str, kv: KvStore) -> _Instruments:
     m = telemetry.meter()
     attrs = {"role": role, "node": node}
+    store = kv.store
+    if kv.disk is not None:
+        _disk_instruments(m, attrs, kv.disk)
     kv_bytes = metrics.counter(m, metrics.WORKER_KV, [
         {"role": role, "direction": d} for d in ("write", "load")])
     metrics.gauge(m, metrics.WORKER_DRAM_USED,
@@ -289,3 +304,14 @@ def _instruments(role: str, node: str, store: BlockStore) -> _Instruments:
                              lambda _: [Observation(store.evictions, attrs)])
     return _Instruments(kv_bytes=kv_bytes, phase=metrics.histogram(m, metrics.WORKER_PHASE),
                         queue=metrics.histogram(m, metrics.WORKER_QUEUE))
+
+
+def _disk_instruments(m: Any, attrs: dict[str, str], disk: DiskTier) -> None:
+    metrics.gauge(m, metrics.WORKER_DISK_USED,
+                  lambda _: [Observation(disk.used_bytes, attrs)])
+    metrics.gauge(m, metrics.WORKER_DISK_CAPACITY,
+                  lambda _: [Observation(disk.total_bytes, attrs)])
+    metrics.observed_counter(m, metrics.WORKER_DISK_BLOCKS, lambda _: [
+        Observation(n, {**attrs, "op": op}) for op, n in (
+            ("written", disk.written), ("read", disk.read), ("dropped", disk.dropped),
+            ("evicted", disk.index.evictions))])

@@ -152,6 +152,8 @@ class PrefillHandler:
             loader.planned("prefix")
         for src in sorted(req.sources, key=lambda x: x.first_block):
             want = hashes[src.first_block:src.first_block + src.num_blocks]
+            if src.node == node:  # own blocks, read back first if on the disk tier
+                await self.core.kv.promote(want, req.namespace)
             if src.node == node or not want:
                 continue
             got, failure = await loader.pull(

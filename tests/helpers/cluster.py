@@ -36,8 +36,9 @@ def free_ports(n: int = 1) -> list[int]:
 
 
 async def wait_visible(bus: Bus, ns: Namespace, prompt: list[int], node: str, blocks: int,
-                       timeout: float = 30) -> None:
-    """Until kvindex says ``blocks`` of ``prompt``'s blocks are visible in ``node``'s DRAM."""
+                       timeout: float = 30, tier: wire.Tier = wire.Tier.DRAM) -> None:
+    """Until kvindex says ``blocks`` of ``prompt``'s blocks are visible in ``node``'s
+    ``tier``."""
     hashes = block_hashes(ns, prompt)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -45,7 +46,7 @@ async def wait_visible(bus: Bus, ns: Namespace, prompt: list[int], node: str, bl
             r = await bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
                 namespace=ns.id, block_hashes=hashes), expect=wire.LookupReply)
             if {(m.node, m.tier): m.num_blocks for m in r.matches}.get(
-                    (node, wire.Tier.DRAM), 0) >= blocks:
+                    (node, tier), 0) >= blocks:
                 return
         except CpdError:
             pass
@@ -144,10 +145,11 @@ class VllmCluster:
         """A graceful stop of kvindex; the test goes on without it."""
         await self.cluster.stop_node(KVINDEX)
 
-    async def start_worker(self, node: str, role: str) -> None:
-        """Add a worker; returns once it heart-beats."""
+    async def start_worker(self, node: str, role: str, *overrides: str) -> None:
+        """Add a worker (with settings ``overrides`` of its own); returns once it
+        heart-beats."""
         self.roles[node] = role
-        await self.cluster.add(NodeSpec(node, role))  # type: ignore[arg-type]
+        await self.cluster.add(NodeSpec(node, role, overrides=overrides))  # type: ignore[arg-type]
 
     async def stop_worker(self, node: str) -> None:
         """A graceful stop of one worker; the test goes on without it."""

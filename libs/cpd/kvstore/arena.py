@@ -123,12 +123,17 @@ class BlockStore:
                  tier: wire.Tier = wire.Tier.DRAM, arena: Any = None,
                  clock: Callable[[], float] = time.monotonic,
                  capability: Callable[[str], bytes] | None = None,
-                 eviction: str | PolicyFactory = "lru") -> None:
+                 eviction: str | PolicyFactory = "lru", backed: bool = True,
+                 on_removed: Callable[[list[BlockEntry]], None] | None = None) -> None:
         """``capability``: namespace → this node's read capability (a
         :meth:`cpd.protocol.capability.Keyring.issue`), attached to every ``BlocksSealed`` event so
         kvindex can hand it to readers; ``None`` attaches none (open data plane).
         ``eviction``: a policy of :data:`~cpd.kvstore.eviction.POLICIES` by name (what
-        ``dataplane.eviction`` selects) or a factory of one."""
+        ``dataplane.eviction`` selects) or a factory of one. ``backed=False`` keeps the
+        bookkeeping without bytes in memory (a tier whose blocks live elsewhere, such as
+        :class:`~cpd.kvstore.disk.DiskTier`'s files): slots only count capacity, and
+        :meth:`seal` needs each block's digest. ``on_removed`` is called with the sealed
+        blocks that leave (evicted or discarded), as they leave."""
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError("slot_bytes and num_slots must be positive")
         self.capability = capability
@@ -137,7 +142,11 @@ class BlockStore:
         self.node = node
         self.tier = tier
         self.clock = clock
-        if arena is None:
+        self.backed = backed
+        self._on_removed = on_removed
+        if not backed:
+            flat = np.zeros(0, dtype=np.uint8)
+        elif arena is None:
             # np.zeros maps pages lazily; the arena is reused, so each page faults once.
             flat = np.zeros(slot_bytes * num_slots, dtype=np.uint8)
         else:
@@ -145,7 +154,8 @@ class BlockStore:
             if flat.nbytes < slot_bytes * num_slots:
                 raise ValueError(f"arena of {flat.nbytes} bytes is smaller than "
                                  f"{num_slots} slots of {slot_bytes}")
-        self.arena = flat[:slot_bytes * num_slots].reshape(num_slots, slot_bytes)
+        self.arena = flat.reshape(0, slot_bytes) if not backed else \
+            flat[:slot_bytes * num_slots].reshape(num_slots, slot_bytes)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._entries: dict[bytes, BlockEntry] = {}
         # Children present here whose parent is not (yet) held: adopted on the parent's arrival.
@@ -310,6 +320,8 @@ class BlockStore:
             if not 0 <= nbytes <= self.slot_bytes:
                 raise ValueError(f"nbytes {nbytes} outside a slot of {self.slot_bytes}")
             if digest is None:
+                if not self.backed:
+                    raise ValueError("a store without bytes seals with the caller's digest")
                 digest = checksum(self.arena[entry.slot, :nbytes])
             if expected is not None and digest != expected:
                 bad.append(h)
@@ -350,12 +362,16 @@ class BlockStore:
         an eviction kvindex applies. Pinned blocks stay until their leases end (a reader
         verifies every block it receives); returns what was dropped."""
         by_ns: dict[str, list[bytes]] = defaultdict(list)
+        gone: list[BlockEntry] = []
         for h in hashes:
             entry = self._entries.get(h)
             if entry is None or entry.state is not BlockState.SEALED or entry.pins:
                 continue
             self._remove(entry)
+            gone.append(entry)
             by_ns[entry.namespace].append(h)
+        if gone and self._on_removed is not None:
+            self._on_removed(gone)
         for ns, hs in by_ns.items():
             self._emit(wire.BlocksEvicted, ns, "hashes", hs)
         return [h for hs in by_ns.values() for h in hs]
@@ -527,6 +543,8 @@ class BlockStore:
         by_ns: dict[str, list[bytes]] = defaultdict(list)
         for entry in evicted:
             by_ns[entry.namespace].append(entry.hash)
+        if self._on_removed is not None:
+            self._on_removed(list(evicted))
         evicted.clear()
         for ns, hs in by_ns.items():
             self._emit(wire.BlocksEvicted, ns, "hashes", hs)

@@ -4,12 +4,20 @@
 operation it publishes the outbox through :class:`~cpd.kvstore.events.KvEventPublisher`
 into ``CPD_KV`` (in order, and put back if the publish fails), sweeps expired leases, and
 answers kvindex's re-announce requests (``NodeCleared`` followed by the full state).
+
+With a :class:`~cpd.kvstore.disk.DiskTier` below the arena, every block sealed in DRAM is
+written behind to its file (the arena slot pinned while it is copied), and
+:meth:`KvStore.promote` reads blocks back into the arena when a reader needs them there:
+the data plane serves a peer's get, a prefill loads its own cached prefix. The disk's
+lifecycle events (tier ``DISK``) go out through the same publisher, in the same order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -17,12 +25,17 @@ import numpy as np
 
 from cpd.ops import telemetry
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import (
-    CpdError,
-)
+from cpd.protocol.errors import ArenaFull, CpdError
+from cpd.protocol.lifecycle import BlockState
 
 from .arena import BlockEntry, BlockStore, Lease, SealItem, as_byte_array
+from .disk import DiskTier
 from .events import KvEventPublisher
+
+# A written-behind batch pins its arena slots for at most this long.
+_SPILL_PIN_S = 60.0
+# Blocks written behind in one batch (one thread hop).
+_SPILL_BATCH = 256
 
 log = telemetry.get_logger("cpd.kvstore")
 
@@ -36,12 +49,17 @@ class KvStore:
     without kvindex.
     """
 
-    def __init__(self, store: BlockStore, publisher: KvEventPublisher | None) -> None:
+    def __init__(self, store: BlockStore, publisher: KvEventPublisher | None, *,
+                 disk: DiskTier | None = None) -> None:
         self.store = store
         self.publisher = publisher
+        self.disk = disk
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
         self._sub: Any = None
+        self._spills: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        self._leases = itertools.count()
+        self.promoted = 0  # blocks read back from disk into the arena
 
     @property
     def node(self) -> str:
@@ -50,7 +68,13 @@ class KvStore:
     async def flush(self) -> None:
         """Publish pending lifecycle events, in order; unpublished ones stay queued."""
         async with self._lock:
-            await self._publish(self.store.drain_events())
+            await self._publish(self._drain())
+
+    def _drain(self) -> list[wire.KvEvent]:
+        events = self.store.drain_events()
+        if self.disk is not None:
+            events += self.disk.index.drain_events()
+        return events
 
     async def _publish(self, events: list[wire.KvEvent]) -> None:
         if self.publisher is None:
@@ -78,9 +102,11 @@ class KvStore:
 
     async def seal(self, items: Iterable[SealItem]) -> list[wire.BlockSeal]:
         try:
-            return self.store.seal(items)
+            seals = self.store.seal(items)
         finally:
             await self.flush()
+        self._write_behind(seals)
+        return seals
 
     async def fail(self, hashes: Iterable[bytes], reason: str) -> None:
         try:
@@ -144,8 +170,10 @@ class KvStore:
     async def reannounce(self) -> int:
         """Publish ``NodeCleared`` and then every held block (kvindex's rebuild)."""
         async with self._lock:
-            await self._publish(self.store.drain_events())
+            await self._publish(self._drain())
             events = self.store.snapshot_events()
+            if self.disk is not None:
+                events += self.disk.index.snapshot_events()
             await self._publish(events)
         return len(events)
 
@@ -153,8 +181,17 @@ class KvStore:
                     on_reject: Callable[[str, CpdError], None] | None = None) -> None:
         """Sweep expired leases every ``sweep_interval_s`` and, given a NATS connection,
         answer ``Reannounce`` requests on :func:`cpd.protocol.subjects.kv_reannounce`
-        (``on_reject(subject, error)`` counts a malformed one)."""
+        (``on_reject(subject, error)`` counts a malformed one). With a disk tier, the
+        block files a previous incarnation left are announced first."""
         self._on_reject = on_reject
+        if self.disk is not None:
+            found = await asyncio.to_thread(self.disk.scan)
+            held = self.disk.register(found)
+            await self.flush()
+            log.info("kvstore.disk_loaded", node=self.node, files=len(found), held=held,
+                     dropped=self.disk.dropped)
+            self._tasks.append(asyncio.create_task(self._spill_loop(),
+                                                   name=f"kvstore-spill-{self.node}"))
         self._tasks.append(asyncio.create_task(self._sweep(sweep_interval_s),
                                                name=f"kvstore-sweep-{self.node}"))
         if nc is not None:
@@ -177,6 +214,103 @@ class KvStore:
         self._tasks.clear()
         with contextlib.suppress(CpdError):
             await self.flush()
+
+    # ------------------------------------------------------------------- disk tier
+
+    def _write_behind(self, seals: Sequence[wire.BlockSeal]) -> None:
+        if self.disk is not None and seals:
+            self._spills.put_nowait([s.hash for s in seals])
+
+    async def _spill_loop(self) -> None:
+        while True:
+            hashes = await self._spills.get()
+            while not self._spills.empty() and len(hashes) < _SPILL_BATCH:
+                hashes += self._spills.get_nowait()
+            try:
+                await self._spill(hashes)
+            except CpdError as e:  # a publish failed: the events stay queued
+                log.warning("kvstore.spill_failed", node=self.node, error=e.code.value)
+
+    async def _spill(self, hashes: list[bytes]) -> None:
+        """Write the sealed DRAM blocks of ``hashes`` not yet on disk to their files."""
+        disk, store = self.disk, self.store
+        assert disk is not None
+        todo = [e for h in dict.fromkeys(hashes)
+                if (e := store.get(h)) is not None and e.state is BlockState.SEALED
+                and h not in disk]
+        if not todo:
+            return
+        lease = f"spill-{next(self._leases)}"
+        store.pin(lease, [e.hash for e in todo], _SPILL_PIN_S)
+        try:
+            for ns, group in _by_namespace(todo).items():
+                try:
+                    fresh = disk.index.allocate(ns, [e.ref for e in group])
+                except ArenaFull:  # every disk block is being read or written
+                    continue
+                new = [e for e, f in zip(group, fresh, strict=True) if f is not None]
+                disk.index.begin_write([e.hash for e in new])
+                ok = await asyncio.to_thread(self._write_files, ns, new)
+                disk.index.seal([(e.hash, e.nbytes, None, e.checksum)
+                                 for e, good in zip(new, ok, strict=True) if good])
+                disk.index.fail([e.hash for e, good in zip(new, ok, strict=True)
+                                 if not good], "write error")
+        finally:
+            store.unpin(lease)
+            await self.flush()
+
+    def _write_files(self, namespace: str, entries: list[BlockEntry]) -> list[bool]:
+        assert self.disk is not None
+        arena = self.store.arena
+        return [self.disk.write(namespace, e.ref, arena[e.slot, :e.nbytes], e.checksum)
+                for e in entries]
+
+    async def promote(self, hashes: Sequence[bytes], namespace: str | None = None) -> int:
+        """Read the blocks of ``hashes`` (of ``namespace``, when given) that are on disk
+        but not in the arena into it, sealed with the checksum they were written with; a
+        torn or altered file is dropped from the disk tier instead. All of a namespace's
+        blocks or none of them: the arena must have room. Returns how many were read."""
+        disk, store = self.disk, self.store
+        if disk is None:
+            return 0
+        todo = [d for h in dict.fromkeys(hashes)
+                if h not in store and (d := disk.sealed(h)) is not None
+                and namespace in (None, d.namespace)]
+        if not todo:
+            return 0
+        lease = f"promote-{next(self._leases)}"
+        disk.index.pin(lease, [d.hash for d in todo], _SPILL_PIN_S)
+        read, bad = 0, []
+        try:
+            for ns, group in _by_namespace(todo).items():
+                read += await self._promote(ns, group, bad)
+        finally:
+            disk.index.unpin(lease)
+            if bad:  # unpinned now, so they can go
+                dropped = disk.drop(bad)
+                log.warning("kvstore.disk_block_dropped", node=self.node, blocks=len(dropped))
+            await self.flush()
+        self.promoted += read
+        return read
+
+    async def _promote(self, namespace: str, group: list[BlockEntry], bad: list[bytes]) -> int:
+        disk, store = self.disk, self.store
+        assert disk is not None
+        try:
+            slots = store.allocate(namespace, [d.ref for d in group])
+        except ArenaFull:
+            return 0
+        pairs = [(d, e) for d, e in zip(group, slots, strict=True) if e is not None]
+        store.begin_write([e.hash for _, e in pairs])
+        ok = await asyncio.to_thread(
+            lambda: [disk.read_into(d, store.arena[e.slot]) for d, e in pairs])
+        good = [(d, e) for (d, e), fine in zip(pairs, ok, strict=True) if fine]
+        failed = [d.hash for (d, _), fine in zip(pairs, ok, strict=True) if not fine]
+        store.seal([(e.hash, d.nbytes, None, d.checksum) for d, e in good])
+        if failed:
+            store.fail(failed, "disk read")
+            bad += failed
+        return len(good)
 
     async def _sweep(self, interval_s: float) -> None:
         while True:
@@ -221,3 +355,10 @@ class KvStore:
         if msg.reply:
             with contextlib.suppress(Exception):
                 await msg.respond(b"")
+
+
+def _by_namespace(entries: Iterable[BlockEntry]) -> dict[str, list[BlockEntry]]:
+    out: dict[str, list[BlockEntry]] = defaultdict(list)
+    for e in entries:
+        out[e.namespace].append(e)
+    return out

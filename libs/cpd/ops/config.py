@@ -158,6 +158,9 @@ class RouterSettings(_Section):
     default_bandwidth_gbps: Positive = 1.0
     # A node loading from its own DRAM into its engine (GB/s).
     host_bandwidth_gbps: Positive = 8.0
+    # A node reading blocks from its disk tier (dataplane.disk_dir) into its arena (GB/s):
+    # a prefix held only on disk is loaded when that beats recomputing it.
+    disk_bandwidth_gbps: Positive = 2.0
     # Fixed cost of one peer transfer besides its bytes (ms): the request and reply
     # header round trip, the slot bookkeeping and the lifecycle events (2-7 ms measured
     # per pull on a two-core host; docs/architecture.md, "Routing").
@@ -363,6 +366,15 @@ class DataPlaneSettings(_Section):
     # Port peers are told to connect to (in the heartbeat) when it differs from the
     # listener's, e.g. behind a forwarder; 0: the listener's own port.
     advertise_port: Port = 0
+    # Local disk tier below the arena (cpd.kvstore.disk): every sealed block is written
+    # behind to a file under <disk_dir>/<node id>, read back into the arena when a reader
+    # needs it, and announced again after a restart. Empty: no disk tier.
+    disk_dir: str = ""
+    # The tier's capacity; it evicts by dataplane.eviction like the arena.
+    disk_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 30
+    # fsync each block file before naming it: blocks survive a power loss, at a cost per
+    # write. Without it a crash of the machine may lose recent blocks, never serve them torn.
+    disk_fsync: bool = False
 
     def __post_init__(self) -> None:
         if "tcp" not in [t.strip() for t in self.ucx_tls.split(",")]:

@@ -204,6 +204,15 @@ WORKER_DRAM_CAPACITY = _m(
 WORKER_EVICTIONS = _m(
     "cpd_worker_evictions", "observed_counter", "blocks evicted from the DRAM arena",
     labels=("role", "node"))
+WORKER_DISK_USED = _m(
+    "cpd_worker_disk_used", "gauge", "disk tier bytes in use (block slots)", "By",
+    ("role", "node"))
+WORKER_DISK_CAPACITY = _m(
+    "cpd_worker_disk_capacity", "gauge", "disk tier bytes in all", "By", ("role", "node"))
+WORKER_DISK_BLOCKS = _m(
+    "cpd_worker_disk_blocks", "observed_counter",
+    "disk tier blocks by operation: written (behind the arena), read (back into it), "
+    "dropped (a torn, altered or unreadable file), evicted", labels=("role", "node", "op"))
 
 # ------------------------------------------------------------------------ data plane
 

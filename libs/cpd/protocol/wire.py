@@ -57,6 +57,12 @@ class Tier(enum.StrEnum):
 
     GPU = "gpu"
     DRAM = "dram"
+    DISK = "disk"
+
+
+SERVED_TIERS = frozenset({Tier.DRAM, Tier.DISK})
+"""Tiers whose blocks a worker's data plane serves (a disk block is read into the arena
+first); the engine's GPU tier is loaded only by its own node."""
 
 
 class TokenSource(enum.StrEnum):

@@ -220,6 +220,8 @@ class TransferServer:
         hashes, runs = await self._parse_get(ep, req)
         timeout = self._timeout(req.timeout_ms)
         async with asyncio.timeout(timeout), self._slots:
+            # Blocks on this node's disk tier are read into the arena first.
+            await self.kv.promote(hashes, req.namespace)
             missing = [h for h in hashes if not self._servable(h, req.namespace)]
             if missing:
                 err = BlockEvicted(f"{len(missing)} of {len(hashes)} blocks are not held")
