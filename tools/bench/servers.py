@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -100,13 +100,19 @@ class Server(abc.ABC):
 
 
 class CpdUpServer(Server):
-    """``cpd up``: NATS, kvindex, pre-prefill, prefill, decode, router, gateway."""
+    """``cpd up``: NATS, kvindex, pre-prefill, prefill, decode, router, gateway; ``env``
+    (settings as ``CPD_…`` variables) and ``args`` (``cpd up``'s flags) vary it, under
+    another ``name``."""
 
     name = "cpd"
 
-    def __init__(self, tmp: Path, settings: Settings) -> None:
+    def __init__(self, tmp: Path, settings: Settings, *, name: str = "cpd",
+                 env: Mapping[str, str] | None = None, args: Sequence[str] = ()) -> None:
+        self.name = name
         super().__init__(tmp)
         self.settings = settings
+        self.extra_env = dict(env or {})
+        self.args = list(args)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         env = {**os.environ, "CPD_GATEWAY__PORT": str(self.port),
@@ -115,8 +121,10 @@ class CpdUpServer(Server):
                "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "cpd" / "snap"),
                "CPD_MODEL__PRESET": PRESET, "CPD_WORKER__ENGINE": "vllm",
                "CPD_MODEL__CACHE_DIR": str(self.settings.model_cache_dir),
-               "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1"}
-        return [sys.executable, "-m", "tools.cli", "up", "--port", str(free_port())], env
+               "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1",
+               **self.extra_env}
+        return [sys.executable, "-m", "tools.cli", "up", "--port", str(free_port()),
+                *self.args], env
 
     def serving(self) -> bool:
         # The gateway answers once a router does; requests need the workers too, which
@@ -132,8 +140,9 @@ class VllmServer(Server):
     name = "monolithic"
 
     def __init__(self, tmp: Path, model: ServedModel, served_name: str,
-                 block_size: int) -> None:
+                 block_size: int, *, args: Sequence[str] = ()) -> None:
         super().__init__(tmp)
+        self.args = list(args)  # more of vLLM's server flags
         self.folder = model.folder
         self.served_name = served_name
         self.block_size = block_size
@@ -150,7 +159,7 @@ class VllmServer(Server):
                 "--block-size", str(self.block_size), "--enable-prefix-caching",
                 "--gpu-memory-utilization", "0.15", "--seed", "0",
                 "--chat-template", str(self.chat_template),
-                "--disable-log-stats", "--disable-uvicorn-access-log"]
+                "--disable-log-stats", "--disable-uvicorn-access-log", *self.args]
         return argv, {**env, "PYTHONUNBUFFERED": "1"}
 
 

@@ -1,0 +1,114 @@
+"""``cpd bench workingset``: the visits it sends, the figures it derives from what came
+back, and (slow) its ``--quick`` run against ``cpd up`` and vLLM's own server."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpd.modelbuild import build
+from tools.bench.corpus import CorpusPrompts
+from tools.bench.servers import PRESET
+from tools.bench.workingset import (
+    CONFIGS_QUICK,
+    PASSES,
+    RATIOS_QUICK,
+    TARGETS,
+    Result,
+    Visit,
+    headline,
+    make_visits,
+    per_size,
+    sessions_for,
+)
+
+
+@pytest.mark.parametrize(("ratio", "blocks", "bs", "tokens", "sessions"), [
+    (1.0, 64, 256, 2048, 8), (2.0, 64, 256, 2048, 16), (0.25, 64, 256, 2048, 2),
+    (0.01, 64, 256, 2048, 1), (8.0, 32, 256, 2048, 32), (2.0, 64, 256, 4096, 8)])
+def test_a_working_set_is_sessions_filling_that_many_engine_caches(
+        ratio: float, blocks: int, bs: int, tokens: int, sessions: int) -> None:
+    assert sessions_for(ratio, blocks, bs, tokens) == sessions
+
+
+def test_every_visit_extends_its_sessions_last_prompt(model_cache: Path) -> None:
+    prompts = CorpusPrompts(build(PRESET, model_cache), random.Random(1))
+    visits = make_visits(prompts, [0.5, 1.0], 16, 256, 1024, random.Random(2))
+    assert [v.ratio for v in visits] == [0.5] * 6 + [1.0] * 12
+    assert [v.step for v in visits[:6]] == [p for p in PASSES for _ in range(2)]
+    last: dict[tuple[float, int], str] = {}
+    for v in visits:
+        before = last.get((v.ratio, v.session))
+        assert before is None or (v.prompt.startswith(before) and len(v.prompt) > len(before))
+        last[(v.ratio, v.session)] = v.prompt
+    # The sessions of one size are distinct, and of different sizes too.
+    firsts = [v.prompt[:40] for v in visits if v.step == "start"]
+    assert len(set(firsts)) == len(firsts) == 6
+    shuffled = [v.session for v in visits if v.ratio == 1.0 and v.step == "shuffled"]
+    assert sorted(shuffled) == list(range(4))
+
+
+def _r(ratio: float, session: int, step: str, ttft: float, prompt: int, cached: int,
+       dram: int = 0) -> Result:
+    return Result(Visit(ratio, session, step, ""), ttft, prompt, cached,
+                  {"gpu": 0, "dram": dram, "remote": cached - dram})
+
+
+def test_reuse_and_ttft_count_the_revisits_only() -> None:
+    rows = per_size([
+        _r(2.0, 0, "start", 900, 1000, 0), _r(2.0, 1, "start", 800, 1000, 0),
+        _r(2.0, 0, "in_order", 100, 1000, 1000, dram=500),
+        _r(2.0, 1, "in_order", 300, 1000, 0),
+        _r(2.0, 1, "shuffled", 200, 2000, 1500), _r(2.0, 0, "shuffled", 150, 2000, 500)])
+    (row,) = rows
+    assert (row["sessions"], row["revisits"]) == (2, 4)
+    assert row["reuse"] == 3000 / 6000
+    assert row["reuse_by_pass"] == {"in_order": 0.5, "shuffled": 2000 / 4000}
+    assert row["reuse_by_tier"] == {"gpu": 0.0, "dram": round(500 / 6000, 4),
+                                    "remote": round(2500 / 6000, 4)}
+    assert (row["ttft_p50_ms"], row["cold_ttft_p50_ms"]) == (200, 900)
+
+
+def test_headline_keys_compare_with_monolithic_at_each_size() -> None:
+    def row(ratio: float, reuse: float, p50: float) -> dict:
+        return {"ratio": ratio, "reuse": reuse, "ttft_p50_ms": p50}
+
+    out = headline({"cpd": [row(0.5, 0.99, 90), row(2.0, 0.92, 50), row(8.0, 0.3, 500)],
+                    "cpd_disk": [row(8.0, 0.85, 120)],
+                    "monolithic": [row(0.5, 0.99, 100), row(2.0, 0.0, 250),
+                                   row(8.0, 0.0, 400)]})
+    assert (out["reuse_at_2x_engine"], out["reuse_at_2x_engine_monolithic"]) == (0.92, 0.0)
+    assert out["reuse_at_8x_engine_disk"] == 0.85
+    assert out["ttft_p50_at_2x_over_monolithic"] == 0.2
+    assert out["worst_ttft_p50_over_monolithic"] == 1.25
+    assert out["worst_ttft_p50_over_monolithic_disk"] == 0.3
+    assert out["met"] == {"reuse_at_2x_engine": True, "ttft_p50_at_2x_over_monolithic": True,
+                          "worst_ttft_p50_over_monolithic": False,
+                          "reuse_at_8x_engine_disk": True}
+    assert set(TARGETS) >= set(out["met"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_quick_run_serves_every_request_on_both_servers(model_cache: Path,
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "ws.json"
+    env = {**os.environ, "CPD_MODEL__CACHE_DIR": str(model_cache)}
+    subprocess.run([sys.executable, "-m", "tools.cli", "bench", "workingset", "--quick",
+                    "--json", str(out)], check=True, env=env, timeout=1400,
+                   cwd=Path(__file__).resolve().parents[1])
+    result = json.loads(out.read_text())
+    assert result["requests_failed"] == 0
+    assert result["configs"] == list(CONFIGS_QUICK)
+    for config in CONFIGS_QUICK:
+        assert [r["ratio"] for r in result["sizes"][config]] == list(RATIOS_QUICK)
+    # Half an engine's cache holds every session on either server.
+    assert result["sizes"]["monolithic"][0]["reuse"] > 0.8
+    assert result["sizes"]["cpd"][0]["reuse"] > 0.8
+    assert "reuse_at_2x_engine" in result and "ttft_p50_at_2x_over_monolithic" in result
