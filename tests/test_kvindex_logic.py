@@ -374,6 +374,39 @@ def test_disk_blocks_are_served_locations_cleared_apart_from_dram() -> None:
     assert [(m.tier, m.num_blocks) for m in idx.lookup(NS, hashes, 1).matches] == [(DISK, 3)]
 
 
+def test_dram_copies_hear_when_they_gain_or_lose_their_other_copies() -> None:
+    """A DRAM block's only served copy says nothing (a block never named is the last
+    one); a second copy makes both DRAM ones shared; a third changes nothing for the
+    first two; losing copies down to one makes that one, if in DRAM, the last again. A
+    node's own disk copy counts as a copy elsewhere."""
+    idx = Index()
+    a, b, c = Writer("n0"), Writer("n1"), Writer("n2")
+    for n in ("n0", "n1", "n2"):
+        idx.heartbeat(hb(n), 0)
+
+    def copies(ev: wire.KvEvent) -> list[tuple[str, str, bool]]:
+        return [(node, h.decode().rstrip("."), shared)
+                for _, node, h, shared in idx.apply(ev).copies]
+
+    assert copies(a.alloc("A0")) == [] and copies(a.seal("A0")) == []
+    assert copies(b.alloc("A0")) == []
+    assert copies(b.seal("A0")) == [("n1", "A0", True), ("n0", "A0", True)]
+    copies(c.alloc("A0"))
+    assert copies(c.seal("A0")) == [("n2", "A0", True)]
+    assert copies(b.evict("A0")) == []
+    assert copies(c.evict("A0")) == [("n0", "A0", False)]
+    # n0's own disk copy: its DRAM copy is shared; the disk copy hears nothing.
+    copies(a.alloc("A0", tier=DISK))
+    assert copies(a.seal("A0", tier=DISK)) == [("n0", "A0", True)]
+    assert copies(a.evict("A0")) == []  # the DRAM copy left; disk holds the last copy
+    # A node's lease expiring counts as its copies leaving.
+    copies(b.alloc("C0"))
+    copies(b.seal("C0"))
+    copies(a.alloc("C0"))
+    assert copies(a.seal("C0")) == [("n0", "C0", True), ("n1", "C0", True)]
+    assert copies(wire.LeaseExpired(node="n0", seq=0, epoch=1)) == [("n1", "C0", False)]
+
+
 def test_locations_are_keyed_by_node_and_tier() -> None:
     """Copies of one block on one node are told apart by tier; the key is never parsed,
     so even a node id with a slash in it keeps its locations apart."""

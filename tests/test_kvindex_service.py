@@ -427,3 +427,23 @@ async def test_events_and_heartbeats_naming_another_node_are_refused(env: tuple)
         return (await _lookup(bus, hs)).num_blocks == 4
     await _until(taken)
     await hb.stop()
+
+
+async def test_each_node_hears_which_of_its_blocks_have_copies_elsewhere(env: tuple) -> None:
+    """A second node's copy makes both copies shared; when it leaves, the first node
+    hears its copy is the last one (``cpd.v1.kv.copies.<node>``)."""
+    _, bus, js = env
+    hs, refs = _chain(3, seed=7)
+    subs = {n: await bus.nc.subscribe(subjects.kv_copies(n)) for n in ("c0", "c1")}
+    beats = [Heartbeats(bus, n, epoch=3) for n in ("c0", "c1")]
+    pubs = {n: kvevents.KvEventPublisher(js, n, epoch=3) for n in ("c0", "c1")}
+    await _write(pubs["c0"], refs)
+    await _write(pubs["c1"], refs)
+    for n in ("c0", "c1"):
+        note = wire.decode((await subs[n].next_msg(timeout=5)).data, wire.BlockCopies)
+        assert (note.namespace, note.shared, note.last) == (NS.id, hs, b"")
+    await pubs["c1"].evicted(NS.id, [r.hash for r in reversed(refs)])
+    note = wire.decode((await subs["c0"].next_msg(timeout=5)).data, wire.BlockCopies)
+    assert (note.shared, set(wire.split_hashes(note.last))) == (b"", set(wire.split_hashes(hs)))
+    for b in beats:
+        await b.stop()

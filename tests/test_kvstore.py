@@ -441,3 +441,42 @@ async def test_lifecycle_events_land_in_the_cpd_kv_stream(bus) -> None:
     assert {(e.node, e.epoch) for e in got} == {(node, 7)}
     assert got[2].seals[1].checksum == checksum(np.full(64, 1, np.uint8))
     assert got[3].hashes == [h(2)] and got[7].blocks == refs[:1]
+
+
+# ------------------------------------------------------------ copies elsewhere go first
+
+
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+@pytest.mark.parametrize(("shared", "last", "pinned", "evicted"), [
+    ((), (), (), [h(1), h(2)]),                      # the policy's order
+    ((3,), (), (), [h(3), h(1)]),                    # a copy elsewhere leaves first
+    ((3, 4), (), (), [h(3), h(4)]),                  # least recently used among them
+    ((3,), (3,), (), [h(1), h(2)]),                  # the last copy again: policy order
+    ((3,), (), (3,), [h(1), h(2)]),                  # pinned: stays
+    ((6,), (), (), [h(1), h(2)]),                    # a parent with its child held: stays
+])
+def test_blocks_with_a_copy_elsewhere_leave_first(policy: str, shared: tuple, last: tuple,
+                                                  pinned: tuple, evicted: list) -> None:
+    """Roots 1-4 used in order, then a chain 5 → 6 → 7: kvindex's word on copies
+    decides before the policy, prefix-closed and never for a pinned block."""
+    s = BlockStore(64, 7, node="n1", clock=Clock(), eviction=policy)
+    roots = [wire.BlockRef(h(i), b"", 16) for i in range(1, 5)]
+    for r in [*roots, *chain(5, 3)]:
+        s.allocate(NS, [r])
+        s.seal([r.hash])
+    s.drain_events()
+    s.mark_copies([h(i) for i in shared], [])
+    s.mark_copies([], [h(i) for i in last])
+    for i in pinned:
+        s.pin(f"p{i}", [h(i)], ttl_s=60)
+    assert s.evict(2) == 2
+    gone = [e for ev in s.drain_events() if isinstance(ev, wire.BlocksEvicted)
+            for e in ev.hashes]
+    assert gone == evicted
+
+
+def test_copies_of_blocks_not_held_are_ignored() -> None:
+    s = sealed_store(2, chain(1, 2))
+    assert s.mark_copies([h(9)], [h(8)]) == 0
+    assert s.mark_copies([h(2)], [h(1)]) == 2
+    assert s.get(h(2)).shared and not s.get(h(1)).shared

@@ -516,6 +516,18 @@ _REANNOUNCE_HOSTILE: Hostile = {
 }
 
 
+def _copies(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
+    return {"kind": "kv_copies", "v": 1, "namespace": ctx.namespace,
+            "shared": _hashes(rng, rng.randint(0, 4)), "last": _hashes(rng, rng.randint(0, 4))}
+
+
+_COPIES_HOSTILE: Hostile = {
+    "namespace": _hostile_namespace,
+    "shared": lambda c, r: r.choice([b"\x00" * 15, b"\x00" * 17, "text", None, 7]),
+    "last": lambda c, r: r.choice([b"\x00" * 31, "text", None, [1, 2]]),
+}
+
+
 def _ucx_header(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
     n = rng.randint(1, 4)
     if rng.random() < 0.5:
@@ -587,6 +599,7 @@ FAMILIES: dict[str, Family] = {
     "reset": Family(wire.ResetCache, _reset, _RESET_HOSTILE, "reason"),
     "pull_ack": Family(wire.PullAck, _pull_ack, _PULL_ACK_HOSTILE, "lease_id"),
     "reannounce": Family(wire.Reannounce, _reannounce, _REANNOUNCE_HOSTILE, "reason"),
+    "copies": Family(wire.BlockCopies, _copies, _COPIES_HOSTILE, "shared"),
     "cancel": Family(wire.Cancel, _cancel, _CANCEL_HOSTILE, "request_id"),
     "cancel_generate": Family(wire.CancelGenerate, _cancel_generate, _CANCEL_GENERATE_HOSTILE,
                               "reply_to"),

@@ -110,6 +110,7 @@ class BlockTable:
             loc.state = BlockState.VISIBLE
             ch.transitions += 1
             ch.visible.append((ns, key.node, key.tier, h))
+            _copy_added(ns, h, block, key, ch)
             if block.children:
                 todo.extend(block.children)
 
@@ -132,6 +133,7 @@ class BlockTable:
             ch.transitions += 1
             if loc.state is BlockState.VISIBLE:
                 ch.invalidated.append((ns, key.node, key.tier, cur))
+                _copy_removed(ns, cur, block, key, ch)
             if block.children:
                 todo.extend(block.children)
             self._gc(ns, table, cur, block)
@@ -162,6 +164,32 @@ class BlockTable:
             loc = self.location(ns, h, node, tier)
             if loc is not None and which(loc):
                 self._remove(ns, h, LocKey(node, tier), ch)
+
+
+def _served_copies(block: Block, but: LocKey | None = None) -> list[LocKey]:
+    return [k for k, loc in block.locs.items()
+            if k != but and k.tier in SERVED_TIERS and loc.state is BlockState.VISIBLE]
+
+
+def _copy_added(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> None:
+    """``h`` turned visible at ``key``: DRAM copies that stopped being the only served
+    one (and the new one, if it is in DRAM) are shared now."""
+    if key.tier not in SERVED_TIERS:
+        return
+    others = _served_copies(block, but=key)
+    if others and key.tier is Tier.DRAM:
+        ch.copies.append((ns, key.node, h, True))
+    if len(others) == 1 and others[0].tier is Tier.DRAM:
+        ch.copies.append((ns, others[0].node, h, True))
+
+
+def _copy_removed(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> None:
+    """A visible copy of ``h`` at ``key`` left: a DRAM copy left alone is the last one."""
+    if key.tier not in SERVED_TIERS:
+        return
+    left = _served_copies(block)
+    if len(left) == 1 and left[0].tier is Tier.DRAM:
+        ch.copies.append((ns, left[0].node, h, False))
 
 
 def _link(table: dict[bytes, Block], parent: bytes, child: bytes) -> None:

@@ -113,6 +113,9 @@ class Changes:
 
     visible: list[tuple[str, str, Tier, bytes]] = field(default_factory=list)
     invalidated: list[tuple[str, str, Tier, bytes]] = field(default_factory=list)
+    # (namespace, node, hash, shared): a node's DRAM block gained a served copy elsewhere
+    # (shared) or lost its last other one (not shared), in the order it happened.
+    copies: list[tuple[str, str, bytes, bool]] = field(default_factory=list)
     reannounce: set[str] = field(default_factory=set)
     illegal: list[str] = field(default_factory=list)
     duplicates: int = 0

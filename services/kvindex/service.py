@@ -266,10 +266,22 @@ class KvIndexService(Service):
             self._m_evictions.add(len(hs))
             await self._send(subjects.KV_INVALIDATE, wire.BlocksInvalidated(
                 namespace=ns, node=node, tier=tier, block_hashes=b"".join(hs)))
+        await self._publish_copies(ch)
         for node in ch.reannounce:
             self.log.info("kvindex.reannounce_requested", target=node)
             await self._send(subjects.kv_reannounce(node),
                              wire.Reannounce(reason="kvindex needs the node's blocks"))
+
+    async def _publish_copies(self, ch: Changes) -> None:
+        """Tell each node which of its DRAM blocks gained or lost their other copies (the
+        last word on a block wins)."""
+        state: dict[tuple[str, str], dict[bytes, bool]] = defaultdict(dict)
+        for ns, node, h, shared in ch.copies:
+            state[(node, ns)][h] = shared
+        for (node, ns), blocks in state.items():
+            await self._send(subjects.kv_copies(node), wire.BlockCopies(
+                namespace=ns, shared=b"".join(h for h, s in blocks.items() if s),
+                last=b"".join(h for h, s in blocks.items() if not s)))
 
     async def _send(self, subject: str, msg: wire.Message) -> None:
         try:

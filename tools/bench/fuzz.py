@@ -127,6 +127,8 @@ def targets() -> list[Target]:
                    (node,), ((node, subjects.admin(role, node)),)),
             Target(subjects.kv_reannounce(node), "reannounce", subjects.kv_reannounce(node),
                    "publish", (node,), ((node, subjects.kv_reannounce(node)),)),
+            Target(subjects.kv_copies(node), "copies", subjects.kv_copies(node),
+                   "publish", (node,), ((node, subjects.kv_copies(node)),)),
             Target(subjects.cancel(node), "cancel", subjects.cancel(node), "publish", (node,),
                    ((node, subjects.cancel(node)),)),
         ]

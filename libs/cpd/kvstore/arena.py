@@ -7,13 +7,16 @@ view into the arena (what the engine writes into and what UCX sends from / recei
 :class:`BlockStore` has no I/O and no clock of its own: slots, lifecycle
 ``ALLOCATED → WRITING → SEALED → (evicted)``, pins under leases, and eviction that is
 *prefix-closed* (a block leaves only after every child of it in this store has left)
-and never touches pinned or unsealed blocks, in the order of a policy
-(:mod:`cpd.kvstore.eviction`: LRU, or LRU with frequency admission). Each transition
+and never touches pinned or unsealed blocks: blocks kvindex says have a copy elsewhere
+first (least recently used first), then in the order of a policy
+(:mod:`cpd.kvstore.eviction`: LRU, or LRU with frequency admission), so that the
+cluster's arenas pool their capacity rather than hold the same blocks. Each transition
 appends the lifecycle event kvindex needs to an outbox (:meth:`BlockStore.drain_events`).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -93,6 +96,9 @@ class BlockEntry:
     ref_tick: int = 0
     freq: int = 0
     in_window: bool = False
+    # kvindex said another served copy exists (a peer's DRAM or disk, this node's disk):
+    # such blocks leave first (:meth:`BlockStore.mark_copies`).
+    shared: bool = False
 
     @property
     def ref(self) -> wire.BlockRef:
@@ -165,6 +171,8 @@ class BlockStore:
                 raise ValueError(f"unknown eviction policy {eviction!r}")
             eviction = POLICIES[eviction]
         self._policy: EvictionPolicy = eviction(num_slots, self._entries)
+        # Lazy heap of (tick, hash) of evictable blocks with a copy elsewhere.
+        self._shared: list[tuple[int, bytes]] = []
         self._leases: dict[str, Lease] = {}
         self._outbox: list[wire.KvEvent] = []
         self._evicted: list[BlockEntry] = []  # evicted by the current operation
@@ -378,13 +386,29 @@ class BlockStore:
 
     def touch(self, hashes: Iterable[bytes]) -> None:
         """Mark blocks as just used (a hit): the eviction policy's recency and count."""
-        get, used, offer = self._entries.get, self._policy.used, self._policy.offer
+        get, used, offer = self._entries.get, self._policy.used, self._offer
         for h in hashes:
             entry = get(h)
             if entry is not None:
                 used(entry)
                 if evictable(entry):
                     offer(entry)
+
+    def mark_copies(self, shared: Iterable[bytes], last: Iterable[bytes]) -> int:
+        """kvindex's word on which held blocks have a served copy elsewhere (``shared``:
+        they leave first) and which are the last one (``last``); returns how many
+        blocks it named that are held."""
+        named = 0
+        for flag, hashes in ((True, shared), (False, last)):
+            for h in hashes:
+                entry = self._entries.get(h)
+                if entry is None:
+                    continue
+                named += 1
+                entry.shared = flag
+                if flag and evictable(entry):
+                    heapq.heappush(self._shared, (entry.tick, entry.hash))
+        return named
 
     def evict(self, count: int) -> int:
         """Evict up to ``count`` blocks in prefix-closed policy order; returns how many."""
@@ -525,10 +549,29 @@ class BlockStore:
 
     def _maybe_evictable(self, entry: BlockEntry) -> None:
         if evictable(entry):
-            self._policy.offer(entry)
+            self._offer(entry)
+
+    def _offer(self, entry: BlockEntry) -> None:
+        self._policy.offer(entry)
+        if entry.shared:
+            heapq.heappush(self._shared, (entry.tick, entry.hash))
+            if len(self._shared) > 4 * len(self._entries) + 64:
+                self._shared = [(e.tick, e.hash) for e in self._entries.values()
+                                if e.shared and evictable(e)]
+                heapq.heapify(self._shared)
+
+    def _shared_victim(self) -> BlockEntry | None:
+        """The least recently used evictable block with a copy elsewhere, if any."""
+        heap = self._shared
+        while heap:
+            tick, h = heapq.heappop(heap)
+            entry = self._entries.get(h)
+            if entry is not None and entry.shared and entry.tick == tick and evictable(entry):
+                return entry
+        return None
 
     def _evict_one(self) -> bool:
-        entry = self._policy.victim()
+        entry = self._shared_victim() or self._policy.victim()
         if entry is None:
             return False
         self._remove(entry, evicted=True)

@@ -19,7 +19,7 @@ import contextlib
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,8 @@ from cpd.protocol.lifecycle import BlockState
 from .arena import BlockEntry, BlockStore, Lease, SealItem, as_byte_array
 from .disk import DiskTier
 from .events import KvEventPublisher
+
+_M = TypeVar("_M", bound=wire.Message)
 
 # A written-behind batch pins its arena slots for at most this long.
 _SPILL_PIN_S = 60.0
@@ -57,6 +59,8 @@ class KvStore:
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
         self._sub: Any = None
+        self._copies_sub: Any = None
+        self._on_reject: Callable[[str, CpdError], None] | None = None
         self._spills: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._leases = itertools.count()
         self.promoted = 0  # blocks read back from disk into the arena
@@ -197,13 +201,16 @@ class KvStore:
         if nc is not None:
             self._sub = await nc.subscribe(subjects.kv_reannounce(self.node),
                                            cb=self._on_reannounce)
+            self._copies_sub = await nc.subscribe(subjects.kv_copies(self.node),
+                                                  cb=self._on_copies)
 
     async def close(self) -> None:
         """Stop the sweeper and the re-announce subscription; publish what is pending."""
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        for sub in (self._sub, self._copies_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._sub = self._copies_sub = None
         for task in list(getattr(self, "_reannouncing", ())):
             task.cancel()
         for task in self._tasks:
@@ -319,14 +326,26 @@ class KvStore:
             if expired:
                 log.info("leases expired", node=self.node, leases=len(expired))
 
-    async def _on_reannounce(self, msg: Any) -> None:
+    def _decode(self, msg: Any, kind: type[_M]) -> _M | None:
         try:
-            req = wire.decode(msg.data, wire.Reannounce)
+            return wire.decode(msg.data, kind)
         except CpdError as e:
-            if getattr(self, "_on_reject", None) is not None:
+            if self._on_reject is not None:
                 self._on_reject(msg.subject, e)
             else:
-                log.warning("bad reannounce request", error=str(e))
+                log.warning("kvstore.bad_message", subject=msg.subject, error=e.code.value)
+            return None
+
+    async def _on_copies(self, msg: Any) -> None:
+        """kvindex's word on which blocks have copies elsewhere (eviction order)."""
+        copies = self._decode(msg, wire.BlockCopies)
+        if copies is not None:
+            self.store.mark_copies(wire.split_hashes(copies.shared),
+                                   wire.split_hashes(copies.last))
+
+    async def _on_reannounce(self, msg: Any) -> None:
+        req = self._decode(msg, wire.Reannounce)
+        if req is None:
             return
         # A re-announce publishes every held block: requests that arrive while one waits
         # to run share it (a flood must not queue thousands of full re-announces), and

@@ -122,6 +122,7 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             s.for_node(s.run, role, node=n),
             s.for_node(s.admin, role, node=n),
             s.for_node(s.kv_reannounce, node=n),
+            s.for_node(s.kv_copies, node=n),      # which of its blocks have copies elsewhere
             s.for_node(s.cancel, node=n),         # the router's "stop generating"
         )
         if role in PREFILL_ROLES:
@@ -135,7 +136,7 @@ def permission_table(node: str = "") -> dict[str, Grants]:
     return {
         "kvindex": Grants(
             publish=(*service_pub("kvindex"), s.KV_VISIBLE, s.KV_INVALIDATE,
-                     s.KV_DEADLETTER, s.for_node(s.kv_reannounce),
+                     s.KV_DEADLETTER, s.for_node(s.kv_reannounce), s.for_node(s.kv_copies),
                      s.kv_events(s.KVINDEX_EVENTS_NODE),  # its own lease-expiry events
                      s.JS_API_INFO, *s.js_stream_admin(s.KV_STREAM)),
             subscribe=(*own("kvindex"), s.KVINDEX_LOOKUP, s.KVINDEX_CHECKSUMS,

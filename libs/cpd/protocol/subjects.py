@@ -63,6 +63,11 @@ def kv_reannounce(node: str) -> str:
     return f"{PREFIX}.kv.reannounce.{check_token(node, 'node id')}"
 
 
+def kv_copies(node: str) -> str:
+    """Subject kvindex tells one node which of its DRAM blocks have a copy elsewhere on."""
+    return f"{PREFIX}.kv.copies.{check_token(node, 'node id')}"
+
+
 def pull_ack(node: str) -> str:
     """Subject a decode node acks a finished pull on, to the node that pinned the blocks."""
     return f"{PREFIX}.kv.ack.{check_token(node, 'node id')}"

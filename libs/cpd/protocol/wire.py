@@ -588,6 +588,22 @@ class BlocksInvalidated(Message, tag="kv_invalidated", kw_only=True):
         _check_hash_width(self.block_hashes)
 
 
+class BlockCopies(Message, tag="kv_copies", kw_only=True):
+    """kvindex → one node, on ``cpd.v1.kv.copies.<node>``: which of the node's DRAM blocks
+    of ``namespace`` now have another served copy in the cluster (``shared``: a peer's
+    DRAM or disk, or this node's own disk) and which became the last one (``last``). An
+    arena evicts blocks with a copy elsewhere first, so the cluster's arenas pool their
+    capacity instead of holding the same blocks. A block never named is a last copy."""
+
+    namespace: str
+    shared: bytes = b""
+    last: bytes = b""
+
+    def __post_init__(self) -> None:
+        _check_hash_width(self.shared)
+        _check_hash_width(self.last)
+
+
 # ------------------------------------------------------------------------ node liveness
 
 
@@ -887,7 +903,7 @@ AnyMessage = (
     | LookupRequest | LookupReply | ChecksumsRequest | ChecksumsReply
     | BlocksAllocated | BlocksWriting | BlocksSealed | BlocksEvicted | BlocksFailed
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
-    | BlocksVisible | BlocksInvalidated
+    | BlocksVisible | BlocksInvalidated | BlockCopies
     | Heartbeat | LoadReport
     | PrefillRequest | DecodeRequest | Accepted | HandoffAccepted | PrefillReport
     | DecodeReport | ResetCache | PullAck | Cancel
