@@ -28,6 +28,8 @@ FLAGS: dict[str, set[str]] = {
     "ttft": {"--quick"},
     "client": {"--quick"},
     "serve": {"--quick"},
+    "workingset": {"--quick", "--configs", "--ratios", "--engine-blocks", "--session-tokens",
+                   "--concurrency"},
     "router": {"--quick", "--blocks"},
     "sweep": {"--quick", "--workload", "--trace", "--preset", "--time-scale", "--qps",
               "--ramp-s", "--steady-s", "--settle-s", "--topologies", "--stop-after",
@@ -54,6 +56,12 @@ PARSES: list[tuple[str, dict[str, object]]] = [
     ("client --quick", {"quick": True}),
     ("serve --quick --json s.json", {"quick": True, "json": "s.json"}),
     ("router --quick --blocks 20000", {"quick": True, "blocks": 20000}),
+    ("workingset", {"quick": False, "configs": None, "ratios": None, "engine_blocks": None,
+                    "session_tokens": 2048, "concurrency": 2}),
+    ("workingset --configs cpd cpd_disk --ratios 2 8 --engine-blocks 96 --session-tokens 4096 "
+     "--concurrency 4 --json w.json",
+     {"configs": ["cpd", "cpd_disk"], "ratios": [2.0, 8.0], "engine_blocks": 96,
+      "session_tokens": 4096, "concurrency": 4, "json": "w.json"}),
     ("sweep", {"quick": False, "workload": "coding-agent", "trace": None, "preset": None,
                "time_scale": None, "qps": None, "stop_after": None, "out": None}),
     ("sweep --quick --workload mooncake --trace t.jsonl --preset b200-tp4-llama-3.1-8b-fp8 "
