@@ -156,7 +156,9 @@ def live(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterato
     env = {**os.environ, "CPD_NATS__EMBEDDED_STORE_DIR": str(tmp / "nats"),
            "CPD_TELEMETRY__LOG_JSON": "false", "CPD_GATEWAY__PORT": str(gateway_port),
            "CPD_MODEL__CACHE_DIR": str(model_cache),
-           "CPD_TELEMETRY__PROMETHEUS_PORT": str(metrics_port)}
+           "CPD_TELEMETRY__PROMETHEUS_PORT": str(metrics_port),
+           # A disk tier under every arena, so its series are exported too.
+           "CPD_DATAPLANE__DISK_DIR": str(tmp / "disk")}
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
