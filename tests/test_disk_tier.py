@@ -111,6 +111,18 @@ def test_capacity_evicts_in_policy_order_and_removes_the_files(tmp_path: Path) -
     assert sum(1 for _ in tmp_path.glob("??/*.kvb")) == 1
 
 
+def test_the_read_rate_is_a_running_mean_of_measured_batches(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 64 * SLOT, SLOT, node="n1")
+    assert disk.read_gbps == 0.0
+    disk.measured(2_000_000_000, 1.0)
+    assert disk.read_gbps == 2.0
+    disk.measured(1_000_000_000, 1.0)
+    assert disk.read_gbps == pytest.approx(2.0 - 0.2 * 1.0)
+    disk.measured(0, 1.0)  # nothing read: no figure
+    disk.measured(10, 0.0)
+    assert disk.read_gbps == pytest.approx(1.8)
+
+
 def test_a_dropped_block_loses_its_file(tmp_path: Path) -> None:
     disk = written(tmp_path, chain(1, 2))
     assert disk.drop([h(2)]) == [h(2)] and not disk.path(h(2)).exists()
@@ -167,6 +179,7 @@ async def test_a_store_writes_behind_reads_back_and_finds_its_files_again(
         assert await kv.promote([h(1), h(2)]) == 2
         assert np.array_equal(kv.store.data(h(1)), payload(0))
         assert kv.store.get(h(2)).state is BlockState.SEALED and kv.promoted == 2
+        assert kv.disk.read_gbps > 0  # measured: what the router prices disk loads with
     finally:
         await kv.close()
     events = await _events(js, node)

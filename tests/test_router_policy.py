@@ -112,6 +112,11 @@ CASES = [
          config={"disk_bandwidth_gbps": 1e-5}, path="cold"),
     Case("slow disk, its DRAM part still loads", Hits(dram={"p0": 30}, disk={"p0": 38}),
          config={"disk_bandwidth_gbps": 1e-5}, path="warm", node="p0", dram=30 * BS),
+    Case("a peer's measured disk rate, not the configured one, prices its disk",
+         Hits(disk={"pp0": 38}), loads={"pp0": {"disk_gbps": 1e-5}}, path="cold"),
+    Case("a fast measured disk beats a configured slow one", Hits(disk={"pp0": 38}),
+         loads={"pp0": {"disk_gbps": 4.0}}, config={"disk_bandwidth_gbps": 1e-5},
+         path="warm", node="p0", remote=38 * BS, remote_node="pp0"),
 ]
 
 

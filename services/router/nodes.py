@@ -99,6 +99,7 @@ class NodeTable:
                                 queued_new_tokens=r.queued_new_tokens if r else 0,
                                 in_flight=r.in_flight if r else 0,
                                 bandwidth_gbps=r.kv_bandwidth_gbps if r else 0.0,
+                                disk_gbps=r.disk_read_gbps if r else 0.0,
                                 prefills=tuple(r.prefills) if r else (),
                                 dispatched_ms=tuple(n.dispatched_ms),
                                 shares_steps=bool(r and r.prefill_token_cap)))
@@ -119,7 +120,9 @@ class NodeTable:
                 queue_depth=r.queue_depth, queued_new_tokens=r.queued_new_tokens,
                 est_queue_ms=queue_ms, in_flight=r.in_flight,
                 dram_used_bytes=r.dram_used_bytes, dram_total_bytes=r.dram_total_bytes,
-                kv_bandwidth_gbps=r.kv_bandwidth_gbps, capacity_blocks=n.capacity_blocks))
+                kv_bandwidth_gbps=r.kv_bandwidth_gbps, capacity_blocks=n.capacity_blocks,
+                disk_used_bytes=r.disk_used_bytes, disk_total_bytes=r.disk_total_bytes,
+                disk_read_gbps=r.disk_read_gbps))
         return out
 
     def forget_dead(self, now: float, after_s: float) -> None:

@@ -27,108 +27,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
-from cpd.ops.config import RouterSettings
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.roles import PREFILL_ROLES, Role
 from cpd.protocol.wire import RouteReason
 from services.router.cost import LoadCost, PrefillCost
 from services.router.hits import Hits
+from services.router.plans import NodeLoad, Plan, PolicyConfig, PolicyName, Wait
 from services.router.queueing import ahead_ms, wait_ms
 
-PolicyName = Literal["cpd", "pd-kv", "pd-rr"]
-
+__all__ = ["POLICIES", "Decision", "NoCapacity", "NodeLoad", "Plan", "PolicyConfig",
+           "PolicyName", "Router", "RoutingPolicy", "Wait", "choose_decode"]
 
 class NoCapacity(CpdError):
     """No live node can take this request (none of the needed role is up)."""
 
     code = ErrorCode.UNAVAILABLE
     retryable = True
-
-
-@dataclass(frozen=True)
-class NodeLoad:
-    """A worker as the router sees it (from its load reports and heartbeats)."""
-
-    node: str
-    role: Role
-    queued_new_tokens: int = 0
-    in_flight: int = 0
-    bandwidth_gbps: float = 0.0  # measured by the worker; 0 until it has measured
-    # Its queue, as the router prices it (services.router.queueing): the prefills it
-    # reported holding, the estimated ms of each request sent to it since, and whether
-    # its prefills share steps (a long-prefill cap).
-    prefills: tuple[wire.PrefillWork, ...] = ()
-    dispatched_ms: tuple[float, ...] = ()
-    shares_steps: bool = False
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of the routing policies (from :class:`cpd.ops.config.RouterSettings`)."""
-
-    name: PolicyName = "cpd"
-    # Reuse below this share of the prompt makes a request cold.
-    cold_reuse_ratio: float = 0.5
-    # Reuse below this many tokens makes a request cold whatever the share.
-    min_reuse_tokens: int = 256
-    # Cross-tier overflow only when it finishes sooner by more than this.
-    overflow_margin_ms: float = 100.0
-    # Until a node reports a measured bandwidth.
-    default_bandwidth_gbps: float = 1.0
-    # Loading from a node's own DRAM into its engine.
-    host_bandwidth_gbps: float = 8.0
-    # Reading blocks from a node's disk tier into its arena.
-    disk_bandwidth_gbps: float = 2.0
-    single_flight: bool = True
-    max_single_flight_wait_ms: float = 30_000.0
-
-    @classmethod
-    def from_settings(cls, router: RouterSettings) -> PolicyConfig:
-        """The policy of ``[router]`` (the router service and the planner both build
-        theirs here, so they cannot drift apart)."""
-        return cls(name=router.policy, cold_reuse_ratio=router.cold_reuse_ratio,
-                   min_reuse_tokens=router.min_reuse_tokens,
-                   overflow_margin_ms=router.overflow_margin_ms,
-                   default_bandwidth_gbps=router.default_bandwidth_gbps,
-                   host_bandwidth_gbps=router.host_bandwidth_gbps,
-                   disk_bandwidth_gbps=router.disk_bandwidth_gbps,
-                   single_flight=router.single_flight,
-                   max_single_flight_wait_ms=router.max_single_flight_wait_ms)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One way to prefill the request on one node, with its estimated cost."""
-
-    node: str
-    role: Role
-    gpu_tokens: int = 0
-    dram_tokens: int = 0
-    remote_tokens: int = 0
-    remote_node: str = ""
-    computed_tokens: int = 0
-    queue_ms: float = 0.0
-    load_ms: float = 0.0
-    compute_ms: float = 0.0
-    sources: tuple[wire.LoadSource, ...] = ()
-
-    @property
-    def ttft_ms(self) -> float:
-        return self.queue_ms + self.load_ms + self.compute_ms
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.gpu_tokens + self.dram_tokens + self.remote_tokens
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Single-flight: wait for ``node`` to make ``blocks`` blocks visible, then re-route."""
-
-    node: str
-    blocks: int
-    max_wait_ms: float
 
 
 @dataclass(frozen=True)
@@ -179,6 +94,8 @@ class Router:
         # peers with the longest DRAM hits (the best remote source of any node is one).
         self._ahead: dict[int, tuple[NodeLoad, list[float]]] = {}
         self._top: tuple[Hits, int, int, list[tuple[int, str]]] | None = None
+        # Per decision: the disk read rates nodes measured (node → GB/s).
+        self._disk: dict[str, float] = {}
 
     def decide(self, prompt_tokens: int, block_size: int, hits: Hits,
                nodes: Iterable[NodeLoad]) -> Decision:
@@ -188,6 +105,7 @@ class Router:
         nodes = list(nodes)
         self._ahead.clear()
         self._top = None
+        self._disk = {n.node: n.disk_gbps for n in nodes if n.disk_gbps}
         decode = choose_decode(nodes)
         if not hits.ok:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
@@ -266,9 +184,12 @@ class Router:
         return 0, 0.0
 
     def _disk_ms(self, hits: Hits, node: str, start: int, end: int, bs: int) -> float:
-        """Reading the part of tokens ``start``..``end`` that ``node`` holds on disk only."""
+        """Reading the part of tokens ``start``..``end`` that ``node`` holds on disk only,
+        at the read rate ``node`` measured (the configured one until it has)."""
         blocks = hits.from_disk(node, start // bs, end // bs)
-        return self.load.ms(blocks * bs, self.config.disk_bandwidth_gbps) if blocks else 0.0
+        if not blocks:
+            return 0.0
+        return self.load.ms(blocks * bs, self._disk.get(node) or self.config.disk_bandwidth_gbps)
 
     def _bandwidth(self, src: str, dst: NodeLoad) -> float:
         # Each worker measures what it achieves when pulling; the puller's figure counts.

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cpd.kvstore import BlockStore
+from cpd.kvstore import KvStore
 from cpd.protocol import wire
 
 
@@ -75,12 +75,16 @@ class WorkerLoad:
                                  if p.engine_start else 0.0)
                 for p in list(self._prefills.values())[:wire.MAX_REPORTED_PREFILLS]]
 
-    def report(self, node: str, role: str, store: BlockStore, *, kv_bandwidth_gbps: float,
+    def report(self, node: str, role: str, kv: KvStore, *, kv_bandwidth_gbps: float,
                prefill_token_cap: int) -> wire.LoadReport:
         """The load report of ``node``."""
+        store, disk = kv.store, kv.disk
         return wire.LoadReport(
             node=node, role=role, queue_depth=self.waiting,  # type: ignore[arg-type]
             queued_new_tokens=self.queued_tokens, in_flight=self.in_flight,
             dram_used_bytes=store.used_bytes, dram_total_bytes=store.total_bytes,
             kv_bandwidth_gbps=kv_bandwidth_gbps, prefills=self.prefill_work(),
-            prefill_token_cap=prefill_token_cap)
+            prefill_token_cap=prefill_token_cap,
+            disk_used_bytes=disk.used_bytes if disk else 0,
+            disk_total_bytes=disk.total_bytes if disk else 0,
+            disk_read_gbps=disk.read_gbps if disk else 0.0)

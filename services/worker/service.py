@@ -185,7 +185,7 @@ class WorkerService(Service):
         """This node's load as routers read it."""
         assert self.core is not None
         return self.load.report(
-            self.node_id, self.role, self.core.kv.store,
+            self.node_id, self.role, self.core.kv,
             kv_bandwidth_gbps=self.core.client.meter.gbps,
             prefill_token_cap=self.settings.worker.long_prefill_token_threshold)
 

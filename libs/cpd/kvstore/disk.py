@@ -40,6 +40,7 @@ _SUFFIX = ".kvb"
 _TMP = ".tmp"
 _MAX_HEADER = 1 << 16
 _REGISTER_BATCH = 256
+_READ_EWMA = 0.2  # weight of the latest batch in the measured read rate
 
 
 class _Header(msgspec.Struct, array_like=True):
@@ -84,6 +85,7 @@ class DiskTier:
         self.written = 0       # blocks written to files
         self.read = 0          # blocks read back intact
         self.dropped = 0       # files found torn, altered or unreadable
+        self.read_gbps = 0.0   # measured read rate (EWMA of :meth:`measured` batches)
 
     def path(self, block_hash: bytes) -> Path:
         """The file of ``block_hash``."""
@@ -149,6 +151,15 @@ class DiskTier:
             return False
         self.read += 1
         return True
+
+    def measured(self, nbytes: int, seconds: float) -> None:
+        """Fold one batch of reads (``nbytes`` in ``seconds``, checks included) into
+        :attr:`read_gbps`, which the router prices disk loads with."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        gbps = nbytes / seconds / 1e9
+        self.read_gbps = gbps if not self.read_gbps else \
+            self.read_gbps + _READ_EWMA * (gbps - self.read_gbps)
 
     def scan(self) -> list[DiskBlock]:
         """Every complete-looking block file under the folder; temporary files (a write a

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -309,8 +310,11 @@ class KvStore:
             return 0
         pairs = [(d, e) for d, e in zip(group, slots, strict=True) if e is not None]
         store.begin_write([e.hash for _, e in pairs])
+        t0 = time.perf_counter()
         ok = await asyncio.to_thread(
             lambda: [disk.read_into(d, store.arena[e.slot]) for d, e in pairs])
+        disk.measured(sum(d.nbytes for (d, _), fine in zip(pairs, ok, strict=True) if fine),
+                      time.perf_counter() - t0)
         good = [(d, e) for (d, e), fine in zip(pairs, ok, strict=True) if fine]
         failed = [d.hash for (d, _), fine in zip(pairs, ok, strict=True) if not fine]
         store.seal([(e.hash, d.nbytes, None, d.checksum) for d, e in good])

@@ -158,8 +158,9 @@ class RouterSettings(_Section):
     default_bandwidth_gbps: Positive = 1.0
     # A node loading from its own DRAM into its engine (GB/s).
     host_bandwidth_gbps: Positive = 8.0
-    # A node reading blocks from its disk tier (dataplane.disk_dir) into its arena (GB/s):
-    # a prefix held only on disk is loaded when that beats recomputing it.
+    # A node reading blocks from its disk tier (dataplane.disk_dir) into its arena (GB/s),
+    # until it reports a measured read rate: a prefix held only on disk is loaded when
+    # that beats recomputing it.
     disk_bandwidth_gbps: Positive = 2.0
     # Fixed cost of one peer transfer besides its bytes (ms): the request and reply
     # header round trip, the slot bookkeeping and the lifecycle events (2-7 ms measured

@@ -655,6 +655,11 @@ class LoadReport(Message, tag="load", kw_only=True):
     prefills: Annotated[list[PrefillWork], msgspec.Meta(
         max_length=MAX_REPORTED_PREFILLS)] = msgspec.field(default_factory=list)
     prefill_token_cap: NonNegInt = 0
+    # Its disk tier: bytes in use and in all, and the read rate it measured (GB/s; 0
+    # until it has read, or without a disk tier): the router prices disk loads with it.
+    disk_used_bytes: NonNegInt = 0
+    disk_total_bytes: NonNegInt = 0
+    disk_read_gbps: NonNegFloat = 0.0
 
 
 # ----------------------------------------------------------------------- worker requests
@@ -807,6 +812,9 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     dram_total_bytes: NonNegInt = 0
     kv_bandwidth_gbps: NonNegFloat = 0.0
     capacity_blocks: NonNegInt = 0
+    disk_used_bytes: NonNegInt = 0
+    disk_total_bytes: NonNegInt = 0
+    disk_read_gbps: NonNegFloat = 0.0
 
 
 class RouterStats(msgspec.Struct, kw_only=True):
