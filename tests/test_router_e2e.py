@@ -47,10 +47,11 @@ def _family(name: str, prefix_blocks: int, tails: list[int]) -> dict[str, list[i
 STORY = _family("story", 5, [40, 70, 33])
 KVI = _family("kvi", 4, [50, 20, 30])
 PEER = _family("peer", 6, [10, 90])
+BRK = _family("brk", 5, [20, 40])
 HTTP = _family("http", 3, [25, 61, 17])
 BAD = _family("bad", 3, [15, 44, 29])
 FLIGHT = _family("flight", 24, [30, 50])
-PROMPTS = {**STORY, **KVI, **PEER, **HTTP, **BAD, **FLIGHT,
+PROMPTS = {**STORY, **KVI, **PEER, **BRK, **HTTP, **BAD, **FLIGHT,
            "short": _tokens(100), "long": _tokens(700)}
 
 
@@ -101,6 +102,13 @@ async def _generate(client: Client, prompt: list[int], max_tokens: int = 10,
 
 async def _wait_visible(c: VllmCluster, prompt: list[int], node: str, blocks: int) -> None:
     await wait_visible(c.bus, c.ns, prompt, node, blocks)
+
+
+async def _holds(c: VllmCluster, prompt: list[int], node: str) -> int:
+    """Blocks of ``prompt`` kvindex lists as visible in ``node``'s DRAM now."""
+    r = await c.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+        namespace=c.ns.id, block_hashes=block_hashes(c.ns, prompt)), expect=wire.LookupReply)
+    return {(m.node, m.tier): m.num_blocks for m in r.matches}.get((node, wire.Tier.DRAM), 0)
 
 
 async def test_three_request_story_cold_then_warm_remote_then_warm_local(
@@ -335,7 +343,11 @@ async def test_a_peer_lost_before_the_load_means_recompute_with_identical_output
     await make_router()
     cold = await _generate(client, PEER["peer0"])
     assert cold.route.prefill_node == "pp0"
+    other = await _generate(client, BRK["brk0"])
+    assert other.route.prefill_node == "pp0"
     await _wait_visible(vllm_cluster, PEER["peer1"], "pp0", 6)
+    for node in ("pp0", "d0"):  # the decode node holds a copy from the hand-off
+        await _wait_visible(vllm_cluster, BRK["brk1"], node, 5)
     vllm_cluster.kill("pp0")
     try:
         # kvindex still holds pp0's blocks visible (its lease has not lapsed yet), so the
@@ -345,6 +357,15 @@ async def test_a_peer_lost_before_the_load_means_recompute_with_identical_output
         assert warm.token_ids == reference["peer1"][:10]
         assert (r.prefill_node, r.tokens.remote) == ("p0", 0), r.reason
         assert r.tokens.computed == len(PEER["peer1"]) - r.tokens.gpu - r.tokens.dram
+        assert r.load_error is not None and r.load_error.peer == "pp0"
+        # That failure opened this router's breaker for pp0: a prompt whose prefix pp0
+        # and the decode node both hold (pp0 would win the tie) loads from d0 instead of
+        # failing on pp0 again, though kvindex still lists pp0's copy.
+        assert await _holds(vllm_cluster, BRK["brk1"], "pp0") == 5
+        again = await _generate(client, BRK["brk1"])
+        assert again.token_ids == reference["brk1"][:10]
+        a = again.route
+        assert (a.remote_node, a.tokens.remote, a.load_error) == ("d0", 5 * BS, None), a
     finally:
         await vllm_cluster.restart("pp0")
 

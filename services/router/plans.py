@@ -52,6 +52,9 @@ class PolicyConfig:
     disk_bandwidth_gbps: float = 2.0
     single_flight: bool = True
     max_single_flight_wait_ms: float = 30_000.0
+    # A KV source whose planned load failed is not planned again for this long,
+    # doubled on each failure in a row (services.router.breaker).
+    source_breaker_s: float = 2.0
 
     @classmethod
     def from_settings(cls, router: RouterSettings) -> PolicyConfig:
@@ -64,7 +67,8 @@ class PolicyConfig:
                    host_bandwidth_gbps=router.host_bandwidth_gbps,
                    disk_bandwidth_gbps=router.disk_bandwidth_gbps,
                    single_flight=router.single_flight,
-                   max_single_flight_wait_ms=router.max_single_flight_wait_ms)
+                   max_single_flight_wait_ms=router.max_single_flight_wait_ms,
+                   source_breaker_s=router.source_breaker_s)
 
 
 @dataclass(frozen=True)

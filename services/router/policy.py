@@ -31,6 +31,7 @@ from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.roles import PREFILL_ROLES, Role
 from cpd.protocol.wire import RouteReason
+from services.router.breaker import SourceBreaker
 from services.router.cost import LoadCost, PrefillCost
 from services.router.hits import Hits
 from services.router.plans import NodeLoad, Plan, PolicyConfig, PolicyName, Wait
@@ -96,6 +97,11 @@ class Router:
         self._top: tuple[Hits, int, int, list[tuple[int, str]]] | None = None
         # Per decision: the disk read rates nodes measured (node → GB/s).
         self._disk: dict[str, float] = {}
+        self.breaker = SourceBreaker(open_s=config.source_breaker_s)
+
+    def observe(self, route: wire.Route) -> None:
+        """Learn from a finished request's route which KV sources failed or served."""
+        self.breaker.observe(route)
 
     def decide(self, prompt_tokens: int, block_size: int, hits: Hits,
                nodes: Iterable[NodeLoad]) -> Decision:
@@ -109,6 +115,7 @@ class Router:
         decode = choose_decode(nodes)
         if not hits.ok:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
+        hits = self.breaker.filter(hits)  # no source whose last load failed
         d = self.policy.choose(self, prompt_tokens, block_size, hits, nodes, decode)
         return d if hits.ok else replace(d, lookup_missed=True)
 

@@ -100,7 +100,6 @@ class RouterService(Service):
         self.model = self._model or await asyncio.to_thread(profile.served_model)
         self.block_size = self.settings.cache.block_size
         self.nodes.namespace = self.model.namespace.id
-        c = self.cfg
         self.policy = make_policy(self.settings, profile)
         nc = self.bus.nc
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
@@ -114,7 +113,7 @@ class RouterService(Service):
                                 expect=wire.StatusRequest, queue=subjects.QUEUE_ROUTER)
         self.spawn(self._forget_dead_nodes(), "node-gc")
         self.spawn(self.keepalives.run(lambda: self.stopping), "keepalives")
-        self.log.info("router.ready", policy=c.policy, model=self.model.name,
+        self.log.info("router.ready", policy=self.cfg.policy, model=self.model.name,
                       namespace=self.model.namespace.id)
 
     # --------------------------------------------------------------- node table
@@ -364,6 +363,7 @@ class RouterService(Service):
                              times=times, failovers=failovers, choices=relay.ends(final))
             self.accounts.finished(final, decision.path, self.log, first_at=relay.first_at,
                                    sent=relay.sent, now=now)
+            self.policy.observe(final.route)
             await relay.final(final)
             return
 

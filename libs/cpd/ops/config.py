@@ -168,6 +168,10 @@ class RouterSettings(_Section):
     transfer_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     single_flight: bool = True
     max_single_flight_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 30_000.0
+    # A KV source (peer) whose planned load failed (gone, timed out, refusing, serving
+    # bytes other than sealed) is not planned again for this long, doubled on each failure
+    # in a row up to a minute; then one request tries it (services/router/breaker.py).
+    source_breaker_s: Positive = 2.0
     # Prefill cost seeds (ms): fixed + per token + per token x context (docs/architecture.md,
     # "Routing").
     prefill_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
