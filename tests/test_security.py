@@ -30,7 +30,7 @@ from cpd.ops import security
 from cpd.ops.config import NatsSettings, load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import CpdError, NatsAuthFailed, PermissionDenied
+from cpd.protocol.errors import CpdError, ErrorCode, NatsAuthFailed, PermissionDenied
 from cpd.protocol.roles import WORKER_ROLES
 from cpd.sim.workloads import block_token_ids
 from services.kvindex import KvIndexService
@@ -410,6 +410,10 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
             assert again.token_ids == done.token_ids
             # ... and pulled over UCX from the pre-prefill node (kvindex's lookup said where).
             assert again.route.prefill_node == "prefill-0" and again.route.tokens.remote > 0
+            # A bus client may not act for a tenant: only the gateway and an admin may.
+            with pytest.raises(CpdError) as forged:
+                await client.generate(prompt, max_tokens=4, tenant="acme", timeout_s=30)
+            assert forged.value.code is ErrorCode.FORGED_SENDER
         # The processes really run as their own identities: each got its own inbox.
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         inboxes = set()

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from cpd.ops.config import GatewaySettings, TenantSettings
+from cpd.protocol import wire
 from services.gateway.errors import ApiError
 
-DEFAULT_TENANT = "default"
+DEFAULT_TENANT = wire.DEFAULT_TENANT
 """The tenant of every request when no tenants are configured (the base namespace)."""
 
 _BEARER = "bearer "

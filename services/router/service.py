@@ -15,9 +15,10 @@ client); admission slots are held exactly as long as requests run.
 
 Apart from this module: ``relay`` (a stream across tries, its owner), ``choices`` and
 ``stops`` (each choice's text, its stop strings), ``outcome`` (the final message, from
-the workers' reports), ``accounting``, ``keepalive``, ``policy`` and ``hits`` (the pure
-decision), ``configured`` (the policy from the settings), ``nodes``, ``admission``,
-``waiters`` (single-flight wake-ups), ``cost`` and ``queueing`` (the cost model).
+the workers' reports), ``accounting``, ``keepalive``, ``policy``, ``plans``, ``hits`` and
+``breaker`` (the pure decision), ``configured`` (the policy from the settings), ``nodes``,
+``admission``, ``tenancy`` (whose tenant a request runs under), ``waiters`` (single-flight
+wake-ups), ``cost`` and ``queueing`` (the cost model).
 """
 
 from __future__ import annotations
@@ -38,12 +39,7 @@ from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import (
-    CpdError,
-    DeadlineExceeded,
-    InvalidRequest,
-    UnknownNamespace,
-)
+from cpd.protocol.errors import CpdError, DeadlineExceeded, InvalidRequest, UnknownNamespace
 from cpd.protocol.hashing import BlockHasher, Namespace
 from services.router.accounting import RouterAccounts
 from services.router.admission import Admission
@@ -55,6 +51,7 @@ from services.router.nodes import NodeTable
 from services.router.outcome import RouterTimes, RoutingCost, assemble
 from services.router.policy import Decision, NoCapacity, Wait
 from services.router.relay import AttemptFailed, Relay, fresh_engine_id, resumed_tokens
+from services.router.tenancy import tenant_for
 from services.router.waiters import PrefixWaiters
 
 # A single-flight waiter is woken by kvindex's visibility events; it also looks itself
@@ -163,6 +160,7 @@ class RouterService(Service):
     async def _on_generate(self, req: wire.GenerateRequest, r: Request) -> None:
         if not r.reply_to:
             raise InvalidRequest("a generate request needs a reply inbox")
+        req.tenant = tenant_for(req, r.reply_to, identities=bool(self.settings.nats.inbox_prefix))
         with (self.keepalives.watching(r.stream(req.request_id)) as out,
               self.cancels.running(req.request_id, r.reply_to)):
             try:

@@ -309,7 +309,8 @@ class Service:
 
 BAD_INPUT = frozenset({ErrorCode.MALFORMED, ErrorCode.SCHEMA_VERSION, ErrorCode.UNKNOWN_KIND,
                        ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.INVALID_REQUEST,
-                       ErrorCode.UNKNOWN_NAMESPACE, ErrorCode.PROMPT_TOO_LONG})
+                       ErrorCode.UNKNOWN_NAMESPACE, ErrorCode.PROMPT_TOO_LONG,
+                       ErrorCode.FORGED_SENDER})
 """Error codes that mean "the sender's message was wrong" (counted as rejections)."""
 
 

@@ -52,6 +52,10 @@ MAX_CHOICES = 64
 """vLLM's default ``max_logprobs``: the most alternatives a token's log probabilities list."""
 
 
+DEFAULT_TENANT = "default"
+"""The tenant of a request that names none (a local cluster, a bus client)."""
+
+
 class Tier(enum.StrEnum):
     """Where a cached block lives (docs/architecture.md, "KV tiers and the data plane")."""
 
@@ -176,7 +180,7 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     tokens: bytes | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     model: str = ""
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     cache_salt: str = ""
     priority: Int64 = 0
     # 0 = the router's default deadline; bounded (~35 years) so deadlines derived from it
