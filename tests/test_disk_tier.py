@@ -212,3 +212,23 @@ async def test_a_store_writes_behind_reads_back_and_finds_its_files_again(
     evicted = [x for e in later if e.tier is wire.Tier.DISK
                and isinstance(e, wire.BlocksEvicted) for x in e.hashes]
     assert sorted(announced) == [h(1), h(2), h(3)] and evicted == [h(3)]
+
+
+async def test_a_read_cut_short_by_its_callers_deadline_gives_its_slots_back(
+        tmp_path: Path) -> None:
+    """A promote cancelled mid-read (a get's deadline) lets the read finish before the
+    arena slots it writes into go back; the disk copy stays, unpinned."""
+    kv = KvStore(BlockStore(SLOT, 2, node="n1"), None,
+                 disk=DiskTier(tmp_path, 16 * SLOT, SLOT, node="n1"))
+    ref = wire.BlockRef(h(1), b"", 16)
+    assert kv.disk.write(NS, ref, payload(0), checksum(payload(0)))
+    kv.disk.register(kv.disk.scan())
+    task = asyncio.create_task(kv.promote([h(1)]))
+    await asyncio.sleep(0)  # it is reading now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert h(1) not in kv.store and kv.store.free_slots == 2
+    assert kv.disk.sealed(h(1)).pins == 0
+    assert await kv.promote([h(1)]) == 1  # and reads fine afterwards
+    assert np.array_equal(kv.store.data(h(1)), payload(0))

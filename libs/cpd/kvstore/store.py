@@ -311,8 +311,17 @@ class KvStore:
         pairs = [(d, e) for d, e in zip(group, slots, strict=True) if e is not None]
         store.begin_write([e.hash for _, e in pairs])
         t0 = time.perf_counter()
-        ok = await asyncio.to_thread(
-            lambda: [disk.read_into(d, store.arena[e.slot]) for d, e in pairs])
+        reading = asyncio.ensure_future(asyncio.to_thread(
+            lambda: [disk.read_into(d, store.arena[e.slot]) for d, e in pairs]))
+        try:
+            ok = await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            # The thread still writes into the slots: only once it is done may they go
+            # back (a caller's deadline must not hand a slot being written to a new block).
+            with contextlib.suppress(Exception):
+                await reading
+            store.fail([e.hash for _, e in pairs], "cancelled")
+            raise
         disk.measured(sum(d.nbytes for (d, _), fine in zip(pairs, ok, strict=True) if fine),
                       time.perf_counter() - t0)
         good = [(d, e) for (d, e), fine in zip(pairs, ok, strict=True) if fine]
