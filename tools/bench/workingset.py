@@ -18,8 +18,9 @@ Both servers' engines get the same KV cache of ``--engine-blocks`` blocks (vLLM'
 engine" means the same thing on both. Configurations (``--configs``): ``cpd`` (``cpd
 up``: one pre-prefill, one prefill, one decode node), ``cpd_2pp`` (two pre-prefill
 nodes), ``cpd_disk`` (a disk tier under every arena) and ``monolithic`` (vLLM's own
-OpenAI server). One server runs at a time; the sizes run in increasing order on it,
-each with sessions of its own.
+OpenAI server). One server runs at a time, started afresh for every size (no size
+inherits another's cache) and sent a warm-up of its own sessions (a quarter of one
+engine's cache, unmeasured) before the size's.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ RATIOS_QUICK = (0.5, 2.0)
 PASSES = ("start", "in_order", "shuffled")
 REVISITS = ("in_order", "shuffled")
 TURN_TOKENS = 48
+# Sessions a fresh server gets first, unmeasured: this share of one engine's cache.
+WARMUP_RATIO = 0.25
 MAX_TOKENS = 4
 SEED = 20261204
 REQUEST_TIMEOUT_S = 300.0
@@ -152,6 +155,16 @@ async def drive(base_url: str, model: str, visits: Sequence[Visit], concurrency:
     return results, failures
 
 
+async def _warm_then_drive(base_url: str, model: str, warmup: Sequence[Visit],
+                           visits: Sequence[Visit], concurrency: int
+                           ) -> tuple[list[Result], list[str]]:
+    """``warmup`` first, unmeasured (a fresh server's first requests pay its
+    connections and first allocations), then ``visits``."""
+    _, failed = await drive(base_url, model, warmup, concurrency)
+    results, failures = await drive(base_url, model, visits, concurrency)
+    return results, [f"warm-up: {f}" for f in failed] + failures
+
+
 def _pct(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
@@ -215,6 +228,7 @@ def headline(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def _servers(config: str, tmp: Path, settings: Settings, model: Any, name: str,
              engine_blocks: int, slot_bytes: int) -> Server:
+    tmp.mkdir(parents=True, exist_ok=True)
     if config == "monolithic":
         return VllmServer(tmp, model, name, settings.cache.block_size, args=[
             "--num-gpu-blocks-override", str(engine_blocks), "--enable-prompt-tokens-details"])
@@ -242,21 +256,32 @@ async def _measure(settings: Settings, tmp: Path, *, configs: Sequence[str],
     model, bs = profile.served_model(), settings.cache.block_size
     name = settings.gateway.served_model_name or f"cpd-{PRESET}"
     # Every server gets the very same requests: drawn once.
-    visits = make_visits(CorpusPrompts(folder, random.Random(SEED)), ratios, engine_blocks,
-                         bs, session_tokens, random.Random(SEED + 1))
+    prompts = CorpusPrompts(folder, random.Random(SEED))
+    visits = make_visits(prompts, ratios, engine_blocks, bs, session_tokens,
+                         random.Random(SEED + 1))
+    warmup = make_visits(prompts, [WARMUP_RATIO], engine_blocks, bs, session_tokens,
+                         random.Random(SEED + 2))
     by_config: dict[str, list[dict[str, Any]]] = {}
     failures: dict[str, list[str]] = {}
     timings: dict[str, Any] = {}
     load = {"start": load_average()}
     for config in configs:
-        srv = _servers(config, tmp, settings, model, name, engine_blocks, profile.slot_bytes)
-        (results, failed), timings[config] = await measured(
-            srv, lambda srv=srv: drive(srv.base_url, name, visits, concurrency))
+        results: list[Result] = []
+        failures[config], timings[config] = [], {}
+        for ratio in ratios:  # a fresh server per size: no size inherits another's cache
+            srv = _servers(config, tmp / f"{config}-{ratio}", settings, model, name,
+                           engine_blocks, profile.slot_bytes)
+            mine = [v for v in visits if v.ratio == ratio]
+            (got, failed), timings[config][str(ratio)] = await measured(
+                srv, lambda srv=srv, mine=mine: _warm_then_drive(srv.base_url, name, warmup,
+                                                                 mine, concurrency))
+            results += got
+            failures[config] += failed
         by_config[config] = per_size(results)
-        failures[config] = failed
     load["end"] = load_average()
     return {**headline(by_config), "sizes": by_config,
             "requests": len(visits) * len(configs),
+            "warmup_requests": len(warmup) * len(configs) * len(ratios),
             "requests_failed": sum(len(f) for f in failures.values()), "failures": failures,
             "engine_blocks": engine_blocks, "block_size": bs,
             "engine_kv_tokens": engine_blocks * bs, "slot_bytes": profile.slot_bytes,
