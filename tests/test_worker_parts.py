@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cpd.kvstore import BlockStore
+from cpd.kvstore import BlockStore, DiskTier, KvStore
 from cpd.protocol import wire
 from services.worker.arena import Arena, remove_stale_files
 from services.worker.load import WorkerLoad
@@ -53,12 +53,13 @@ async def test_a_planned_peer_heard_late_is_waited_for_briefly() -> None:
 def test_load_counts_held_prefills_and_running_requests() -> None:
     changes: list[int] = []
     load = WorkerLoad(on_change=lambda: changes.append(1))
-    store = BlockStore(1024, 4, node="n0")
+    kv = KvStore(BlockStore(1024, 4, node="n0"), None)
     with load.holding(1000, 3000) as held:
         with load.holding(200, 0):
-            report = load.report("n0", "prefill", store, kv_bandwidth_gbps=1.5,
+            report = load.report("n0", "prefill", kv, kv_bandwidth_gbps=1.5,
                                  prefill_token_cap=0)
             assert (report.queue_depth, report.queued_new_tokens) == (2, 1200)
+            assert (report.dram_total_bytes, report.disk_total_bytes) == (4096, 0)
             assert [p.new_tokens for p in report.prefills] == [1000, 200]
         held.engine_start = 1.0
         with load.running():
@@ -67,6 +68,16 @@ def test_load_counts_held_prefills_and_running_requests() -> None:
             pass
     assert (load.waiting, load.queued_tokens, load.in_flight) == (0, 0, 0)
     assert len(changes) == 4 + 2  # held and released twice each; one reported run
+
+
+def test_the_load_report_carries_the_disk_tier_and_its_read_rate(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 8 << 20, 1 << 20, node="n0")
+    disk.measured(3_000_000_000, 1.0)
+    kv = KvStore(BlockStore(1 << 20, 2, node="n0"), None, disk=disk)
+    report = WorkerLoad(on_change=lambda: None).report(
+        "n0", "prefill", kv, kv_bandwidth_gbps=1.0, prefill_token_cap=0)
+    assert (report.disk_used_bytes, report.disk_total_bytes, report.disk_read_gbps) == (
+        0, 8 << 20, 3.0)
 
 
 def test_arena_files_are_removed_and_a_dead_predecessors_are_swept(tmp_path: Path) -> None:
