@@ -95,8 +95,10 @@ class Router:
         # peers with the longest DRAM hits (the best remote source of any node is one).
         self._ahead: dict[int, tuple[NodeLoad, list[float]]] = {}
         self._top: tuple[Hits, int, int, list[tuple[int, str]]] | None = None
-        # Per decision: the disk read rates nodes measured (node → GB/s).
-        self._disk: dict[str, float] = {}
+        # Per decision: its nodes, and the disk read rates they measured (node → GB/s),
+        # gathered only when a plan reads from disk (most decisions do not).
+        self._nodes: list[NodeLoad] = []
+        self._disk: dict[str, float] | None = None
         self.breaker = SourceBreaker(open_s=config.source_breaker_s)
 
     def observe(self, route: wire.Route) -> None:
@@ -111,7 +113,7 @@ class Router:
         nodes = list(nodes)
         self._ahead.clear()
         self._top = None
-        self._disk = {n.node: n.disk_gbps for n in nodes if n.disk_gbps}
+        self._nodes, self._disk = nodes, None
         decode = choose_decode(nodes)
         if not hits.ok:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
@@ -196,6 +198,8 @@ class Router:
         blocks = hits.from_disk(node, start // bs, end // bs)
         if not blocks:
             return 0.0
+        if self._disk is None:
+            self._disk = {n.node: n.disk_gbps for n in self._nodes if n.disk_gbps}
         return self.load.ms(blocks * bs, self._disk.get(node) or self.config.disk_bandwidth_gbps)
 
     def _bandwidth(self, src: str, dst: NodeLoad) -> float:

@@ -41,9 +41,10 @@ def requester(reply_to: str) -> str | None:
 def tenant_for(req: wire.GenerateRequest, reply_to: str, *, identities: bool) -> str:
     """The tenant ``req`` runs under, sent with reply inbox ``reply_to``; raises
     :class:`ForgedTenant` when its sender may not act for the tenant it names."""
-    if not identities or requester(reply_to) in SETS_TENANTS:
+    kind = requester(reply_to) if identities else None
+    if not identities or kind in SETS_TENANTS:
         return req.tenant
     if req.tenant != wire.DEFAULT_TENANT:
-        raise ForgedTenant(f"a {requester(reply_to) or 'plain'} requester may not act for "
+        raise ForgedTenant(f"a {kind or 'plain'} requester may not act for "
                            f"tenant {req.tenant!r}")
     return req.tenant

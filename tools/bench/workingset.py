@@ -226,7 +226,7 @@ def headline(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def _servers(config: str, tmp: Path, settings: Settings, model: Any, name: str,
+def _server(config: str, tmp: Path, settings: Settings, model: Any, name: str,
              engine_blocks: int, slot_bytes: int) -> Server:
     tmp.mkdir(parents=True, exist_ok=True)
     if config == "monolithic":
@@ -269,7 +269,7 @@ async def _measure(settings: Settings, tmp: Path, *, configs: Sequence[str],
         results: list[Result] = []
         failures[config], timings[config] = [], {}
         for ratio in ratios:  # a fresh server per size: no size inherits another's cache
-            srv = _servers(config, tmp / f"{config}-{ratio}", settings, model, name,
+            srv = _server(config, tmp / f"{config}-{ratio}", settings, model, name,
                            engine_blocks, profile.slot_bytes)
             mine = [v for v in visits if v.ratio == ratio]
             (got, failed), timings[config][str(ratio)] = await measured(

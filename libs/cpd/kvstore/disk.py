@@ -203,7 +203,6 @@ class DiskTier:
 
     def drop(self, hashes: Iterable[bytes]) -> list[bytes]:
         """Forget blocks whose files turned out bad (their files go too)."""
-        hashes = list(hashes)
         dropped = self.index.discard(hashes)
         self.dropped += len(dropped)
         return dropped

@@ -322,10 +322,9 @@ class KvStore:
                 await reading
             store.fail([e.hash for _, e in pairs], "cancelled")
             raise
-        disk.measured(sum(d.nbytes for (d, _), fine in zip(pairs, ok, strict=True) if fine),
-                      time.perf_counter() - t0)
-        good = [(d, e) for (d, e), fine in zip(pairs, ok, strict=True) if fine]
+        good = [pair for pair, fine in zip(pairs, ok, strict=True) if fine]
         failed = [d.hash for (d, _), fine in zip(pairs, ok, strict=True) if not fine]
+        disk.measured(sum(d.nbytes for d, _ in good), time.perf_counter() - t0)
         store.seal([(e.hash, d.nbytes, None, d.checksum) for d, e in good])
         if failed:
             store.fail(failed, "disk read")
