@@ -4,8 +4,10 @@ eviction (against a naive reference model), and publishing into a real ``CPD_KV`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
+import nats.errors
 import numpy as np
 import pytest
 import torch
@@ -14,14 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js import api
 
+from cpd.bus import Bus
 from cpd.engines.profile import engine_profile
 from cpd.kvstore import BlockStore, KvStore, as_byte_array, checksum
 from cpd.kvstore import events as kvevents
 from cpd.kvstore.events import MAX_BLOCKS_PER_EVENT, KvEventPublisher
 from cpd.modelbuild import PRESETS
 from cpd.ops.config import load_settings
+from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import ArenaFull, BlockEvicted, ChecksumMismatch
+from cpd.protocol.errors import ArenaFull, BlockEvicted, ChecksumMismatch, CpdError, ErrorCode
 from cpd.protocol.lifecycle import BlockState
 
 NS = "ns1"
@@ -441,6 +445,57 @@ async def test_lifecycle_events_land_in_the_cpd_kv_stream(bus) -> None:
     assert {(e.node, e.epoch) for e in got} == {(node, 7)}
     assert got[2].seals[1].checksum == checksum(np.full(64, 1, np.uint8))
     assert got[3].hashes == [h(2)] and got[7].blocks == refs[:1]
+
+
+@pytest.mark.timeout(120)
+async def test_events_go_out_behind_the_caller_and_survive_a_nats_outage(
+        fresh_nats: NatsServer) -> None:
+    """The request path does not wait for JetStream: with NATS down a store keeps
+    working and its events stay queued, in order; once NATS is back they are stored
+    with contiguous seqs (a retried event keeps its seq, so no gap and no duplicate)."""
+    s = load_settings(environ={}, overrides=[f"nats.servers={fresh_nats.url}",
+                                             "nats.reconnect_wait_s=0.1"])
+    b = await Bus.open(s, "kvstore-outbox")
+    js = b.nc.jetstream()
+    await kvevents.ensure_stream(js)
+    node = f"kvo-{uuid.uuid4().hex[:8]}"
+    kv = KvStore(BlockStore(64, 4, node=node),
+                 KvEventPublisher(js, node, epoch=3, ack_timeout_s=0.3, retry_window_s=0.5))
+    assert kv.outbox is not None
+    kv.outbox.retry_pause_s = 0.1
+    try:
+        await kv.write_blocks(NS, chain(1, 2), [np.full(64, i, np.uint8) for i in range(2)])
+        await kv.flush()
+        assert kv.outbox.pending == 0
+        fresh_nats.stop()
+        # Down: the store goes on; its three events wait in the outbox.
+        seals = await kv.write_blocks(NS, chain(3, 1, parent=h(2)), [np.full(64, 3, np.uint8)])
+        assert [x.hash for x in seals] == [h(3)] and kv.store.get(h(3)).state is BlockState.SEALED
+        assert kv.outbox.pending == 3
+        with pytest.raises(CpdError) as err:
+            await kv.flush()
+        assert err.value.code is ErrorCode.UNAVAILABLE and kv.outbox.pending == 3
+        fresh_nats.start()
+        for _ in range(100):
+            with contextlib.suppress(CpdError):
+                await kv.flush()
+                break
+            await asyncio.sleep(0.1)
+        assert kv.outbox.pending == 0
+    finally:
+        await kv.close()
+    sub = await js.subscribe(subjects.kv_events(node), ordered_consumer=True,
+                             deliver_policy=api.DeliverPolicy.ALL)
+    got = []
+    for _ in range(6):
+        got.append(wire.decode((await sub.next_msg(timeout=5)).data, wire.KvEvent))
+    with pytest.raises(nats.errors.TimeoutError):  # nothing stored twice
+        await sub.next_msg(timeout=0.5)
+    await sub.unsubscribe()
+    await b.close()
+    assert kinds(got) == ["kv_allocated", "kv_writing", "kv_sealed"] * 2
+    assert [e.seq for e in got] == list(range(1, 7))
+    assert got[5].seals[0].hash == h(3)
 
 
 # ------------------------------------------------------------ copies elsewhere go first

@@ -9,6 +9,8 @@ the pull (or the lease runs out).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -21,6 +23,11 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
 from services.worker.core import WorkerCore
 from services.worker.requests import check_ids, first_token
+
+# How long a hand-off waits for kvindex's record of the blocks it hands over to be
+# stored (decode verifies the bytes it pulls against it); past that decode waits on its
+# own, and recomputes what is not recorded.
+_SEALED_WAIT_S = 0.5
 
 
 class DecodeUnavailable(CpdError):
@@ -218,6 +225,9 @@ class PrefillHandler:
         of the stream once it accepts (with the ``first`` token, or every choice from
         the prompt)."""
         core = self.core
+        with contextlib.suppress(TimeoutError, CpdError):
+            async with asyncio.timeout(_SEALED_WAIT_S):
+                await core.kv.flush()
         held = [e.hash for e in core.loader.sealed_prefix(hashes)]
         lease = core.pin_for_handoff(req.request_id, held)
         dreq = wire.DecodeRequest(

@@ -486,10 +486,6 @@ class BlockStore:
         out, self._outbox = self._outbox, []
         return out
 
-    def requeue_events(self, events: Sequence[wire.KvEvent]) -> None:
-        """Put events that could not be published back in front of the outbox."""
-        self._outbox[:0] = events
-
     def snapshot_events(self) -> list[wire.KvEvent]:
         """A full re-announce: ``NodeCleared``, then every held block, parents first."""
         events: list[wire.KvEvent] = [wire.NodeCleared(node=self.node, seq=0, tier=self.tier)]

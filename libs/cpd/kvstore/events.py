@@ -105,10 +105,13 @@ class KvEventPublisher:
         self._retry_window_s = retry_window_s
 
     async def publish(self, event: wire.KvEvent) -> api.PubAck:
-        """Stamp ``event`` with node, epoch, seq and trace, and store it in ``CPD_KV``."""
+        """Stamp ``event`` with node, epoch, seq and trace, and store it in ``CPD_KV``.
+        An event published again after a failure keeps its seq (and so its message id):
+        stored twice, it is kept once, and the stream has no gap."""
         async with self._lock:
-            self.seq += 1
-            event.node, event.epoch, event.seq = self.node, self.epoch, self.seq
+            if not (event.seq and event.node == self.node and event.epoch == self.epoch):
+                self.seq += 1
+                event.node, event.epoch, event.seq = self.node, self.epoch, self.seq
             if not event.trace:
                 event.trace = telemetry.current_traceparent()
             payload = wire.encode(event)

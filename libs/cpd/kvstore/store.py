@@ -1,9 +1,10 @@
 """A worker's host-DRAM block store: the arena's logic plus its lifecycle events.
 
 :class:`KvStore` wraps a :class:`~cpd.kvstore.arena.BlockStore` for a worker: after each
-operation it publishes the outbox through :class:`~cpd.kvstore.events.KvEventPublisher`
-into ``CPD_KV`` (in order, and put back if the publish fails), sweeps expired leases, and
-answers kvindex's re-announce requests (``NodeCleared`` followed by the full state).
+operation it hands the lifecycle events to an :class:`~cpd.kvstore.outbox.EventOutbox`,
+which publishes them into ``CPD_KV`` behind the caller (in order, kept while a publish
+fails); it sweeps expired leases and answers kvindex's re-announce requests
+(``NodeCleared`` followed by the full state).
 
 With a :class:`~cpd.kvstore.disk.DiskTier` below the arena, every block sealed in DRAM is
 written behind to its file (the arena slot pinned while it is copied), and
@@ -32,6 +33,7 @@ from cpd.protocol.lifecycle import BlockState
 from .arena import BlockEntry, BlockStore, Lease, SealItem, as_byte_array
 from .disk import DiskTier
 from .events import KvEventPublisher
+from .outbox import EventOutbox
 
 _M = TypeVar("_M", bound=wire.Message)
 
@@ -46,10 +48,10 @@ log = telemetry.get_logger("cpd.kvstore")
 class KvStore:
     """A :class:`BlockStore` whose lifecycle events go into ``CPD_KV``.
 
-    Every mutating method applies the pure transition and then publishes the outbox in
-    order (one publish at a time, so stream order equals event order). With
-    ``publisher=None`` events are dropped: only for tools and benchmarks that run
-    without kvindex.
+    Every mutating method applies the pure transition and queues its events, which one
+    task publishes in order (stream order equals event order) without holding the caller
+    up; :meth:`flush` waits until they are stored. With ``publisher=None`` events are
+    dropped: only for tools and benchmarks that run without kvindex.
     """
 
     def __init__(self, store: BlockStore, publisher: KvEventPublisher | None, *,
@@ -57,7 +59,7 @@ class KvStore:
         self.store = store
         self.publisher = publisher
         self.disk = disk
-        self._lock = asyncio.Lock()
+        self.outbox = EventOutbox(publisher) if publisher is not None else None
         self._tasks: list[asyncio.Task[Any]] = []
         self._sub: Any = None
         self._copies_sub: Any = None
@@ -71,25 +73,19 @@ class KvStore:
         return self.store.node
 
     async def flush(self) -> None:
-        """Publish pending lifecycle events, in order; unpublished ones stay queued."""
-        async with self._lock:
-            await self._publish(self._drain())
+        """Queue pending lifecycle events and wait until ``CPD_KV`` stored every event
+        queued so far (a failed publish raises; its events stay queued)."""
+        self._queue_events()
+        if self.outbox is not None:
+            await self.outbox.settled()
 
-    def _drain(self) -> list[wire.KvEvent]:
+    def _queue_events(self, extra: Sequence[wire.KvEvent] = ()) -> None:
+        """Hand the transitions' events (then ``extra``) to the outbox, in order."""
         events = self.store.drain_events()
         if self.disk is not None:
             events += self.disk.index.drain_events()
-        return events
-
-    async def _publish(self, events: list[wire.KvEvent]) -> None:
-        if self.publisher is None:
-            return
-        for i, event in enumerate(events):
-            try:
-                await self.publisher.publish(event)
-            except BaseException:
-                self.store.requeue_events(events[i:])
-                raise
+        if self.outbox is not None:
+            self.outbox.put([*events, *extra])
 
     async def allocate(self, namespace: str, refs: Sequence[wire.BlockRef], *,
                        slots: Sequence[int] | None = None) -> list[BlockEntry | None]:
@@ -97,19 +93,19 @@ class KvStore:
         try:
             return self.store.allocate(namespace, refs, slots=slots)
         finally:
-            await self.flush()
+            self._queue_events()
 
     async def begin_write(self, hashes: Iterable[bytes]) -> None:
         try:
             self.store.begin_write(hashes)
         finally:
-            await self.flush()
+            self._queue_events()
 
     async def seal(self, items: Iterable[SealItem]) -> list[wire.BlockSeal]:
         try:
             seals = self.store.seal(items)
         finally:
-            await self.flush()
+            self._queue_events()
         self._write_behind(seals)
         return seals
 
@@ -117,20 +113,20 @@ class KvStore:
         try:
             self.store.fail(hashes, reason)
         finally:
-            await self.flush()
+            self._queue_events()
 
     async def evict(self, count: int) -> int:
         try:
             return self.store.evict(count)
         finally:
-            await self.flush()
+            self._queue_events()
 
     async def discard(self, hashes: Iterable[bytes], reason: str) -> list[bytes]:
         """Drop sealed blocks found bad and tell kvindex (see :meth:`BlockStore.discard`)."""
         try:
             dropped = self.store.discard(hashes)
         finally:
-            await self.flush()
+            self._queue_events()
         if dropped:
             log.warning("kvstore.discarded", node=self.node, blocks=len(dropped), reason=reason)
         return dropped
@@ -140,7 +136,7 @@ class KvStore:
         try:
             return self.store.take_slots(count)
         finally:
-            await self.flush()
+            self._queue_events()
 
     async def write_blocks(self, namespace: str, refs: Sequence[wire.BlockRef],
                            payloads: Sequence[Any]) -> list[wire.BlockSeal]:
@@ -173,13 +169,14 @@ class KvStore:
         return self.store.unpin(lease_id)
 
     async def reannounce(self) -> int:
-        """Publish ``NodeCleared`` and then every held block (kvindex's rebuild)."""
-        async with self._lock:
-            await self._publish(self._drain())
-            events = self.store.snapshot_events()
-            if self.disk is not None:
-                events += self.disk.index.snapshot_events()
-            await self._publish(events)
+        """Publish ``NodeCleared`` and then every held block (kvindex's rebuild), after
+        the events queued before; returns once they are stored."""
+        events = self.store.snapshot_events()
+        if self.disk is not None:
+            events += self.disk.index.snapshot_events()
+        self._queue_events(events)
+        if self.outbox is not None:
+            await self.outbox.settled()
         return len(events)
 
     async def start(self, nc: Any = None, *, sweep_interval_s: float = 1.0,
@@ -192,7 +189,7 @@ class KvStore:
         if self.disk is not None:
             found = await asyncio.to_thread(self.disk.scan)
             held = self.disk.register(found)
-            await self.flush()
+            self._queue_events()
             log.info("kvstore.disk_loaded", node=self.node, files=len(found), held=held,
                      dropped=self.disk.dropped)
             self._tasks.append(asyncio.create_task(self._spill_loop(),
@@ -222,6 +219,8 @@ class KvStore:
         self._tasks.clear()
         with contextlib.suppress(CpdError):
             await self.flush()
+        if self.outbox is not None:
+            await self.outbox.close()
 
     # ------------------------------------------------------------------- disk tier
 
@@ -236,7 +235,7 @@ class KvStore:
                 hashes += self._spills.get_nowait()
             try:
                 await self._spill(hashes)
-            except CpdError as e:  # a publish failed: the events stay queued
+            except CpdError as e:  # a block left before it was pinned
                 log.warning("kvstore.spill_failed", node=self.node, error=e.code.value)
 
     async def _spill(self, hashes: list[bytes]) -> None:
@@ -265,7 +264,7 @@ class KvStore:
                                  if not good], "write error")
         finally:
             store.unpin(lease)
-            await self.flush()
+            self._queue_events()
 
     def _write_files(self, namespace: str, entries: list[BlockEntry]) -> list[bool]:
         assert self.disk is not None
@@ -297,7 +296,7 @@ class KvStore:
             if bad:  # unpinned now, so they can go
                 dropped = disk.drop(bad)
                 log.warning("kvstore.disk_block_dropped", node=self.node, blocks=len(dropped))
-            await self.flush()
+            self._queue_events()
         self.promoted += read
         return read
 
