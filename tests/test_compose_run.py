@@ -73,7 +73,12 @@ class _Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Stack]:
     build(["control", "worker-cpu"])
     folder = tmp_path_factory.mktemp("compose")
-    shutil.copy(ROOT / "docker-compose.yml", folder / "docker-compose.yml")
+    # The warm request must cross containers over UCX, even with pre-prefill idle.
+    compose = (ROOT / "docker-compose.yml").read_text()
+    knob = "      CPD_ROUTER__POLICY: cpd\n"
+    assert knob in compose
+    (folder / "docker-compose.yml").write_text(compose.replace(
+        knob, knob + '      CPD_ROUTER__WARM_ON_IDLE_PREPREFILL: "false"\n'))
     subprocess.run([sys.executable, "-m", "tools.cli", "secure", "init",
                     str(folder / "secrets")], check=True, capture_output=True)
     s = _Stack(folder)

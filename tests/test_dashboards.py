@@ -158,7 +158,9 @@ def live(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterato
            "CPD_MODEL__CACHE_DIR": str(model_cache),
            "CPD_TELEMETRY__PROMETHEUS_PORT": str(metrics_port),
            # A disk tier under every arena, so its series are exported too.
-           "CPD_DATAPLANE__DISK_DIR": str(tmp / "disk")}
+           "CPD_DATAPLANE__DISK_DIR": str(tmp / "disk"),
+           # The warm request pulls from a peer, so the data plane's series move too.
+           "CPD_ROUTER__WARM_ON_IDLE_PREPREFILL": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -51,7 +51,8 @@ async def disk_node(vllm_cluster: VllmCluster, tmp_path: Path) -> AsyncIterator[
 async def router(vllm_cluster: VllmCluster, disk_node: Path) -> AsyncIterator[RouterService]:
     s = load_settings(environ={}, overrides=[
         f"nats.servers={vllm_cluster.url}", "node.node_id=router-disk",
-        f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2"])
+        f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2",
+        "router.warm_on_idle_preprefill=false"])  # the prefill node reads ppd's disk
     r = RouterService(s)
     await r.start()
     try:

@@ -87,7 +87,10 @@ class _System:
                 "CPD_DATAPLANE__UCX_TLS": "tcp", "CPD_DATAPLANE__ADVERTISE_INTERFACE": "eth0",
                 "CPD_DATAPLANE__ARENA_BYTES": str(512 << 20),
                 "CPD_GATEWAY__HOST": "0.0.0.0", "CPD_GATEWAY__PORT": str(GATEWAY_PORT),
-                "CPD_NATS__RECONNECT_WAIT_S": "0.2"}
+                "CPD_NATS__RECONNECT_WAIT_S": "0.2",
+                # The seed's tiers: a warm request loads on the prefill host, across the
+                # fabric, even with the pre-prefill host idle.
+                "CPD_ROUTER__WARM_ON_IDLE_PREPREFILL": "false"}
 
     def serve(self, host: int, service: str, node: str) -> None:
         with open(self.tmp / f"{node}.log", "ab") as log:

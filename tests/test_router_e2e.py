@@ -51,7 +51,8 @@ BRK = _family("brk", 5, [20, 40])
 HTTP = _family("http", 3, [25, 61, 17])
 BAD = _family("bad", 3, [15, 44, 29])
 FLIGHT = _family("flight", 24, [30, 50])
-PROMPTS = {**STORY, **KVI, **PEER, **BRK, **HTTP, **BAD, **FLIGHT,
+IDLE = _family("idle", 4, [30, 45])
+PROMPTS = {**STORY, **KVI, **PEER, **BRK, **HTTP, **BAD, **FLIGHT, **IDLE,
            "short": _tokens(100), "long": _tokens(700)}
 
 
@@ -67,14 +68,16 @@ RouterFactory = Callable[..., Awaitable[RouterService]]
 
 @pytest.fixture
 async def make_router(vllm_cluster: VllmCluster) -> AsyncIterator[RouterFactory]:
-    """Start in-process routers with setting overrides; each is stopped after the test."""
+    """Start in-process routers with setting overrides; each is stopped after the test.
+    The tests here follow the seed's tiers, a warm request on the prefill tier: an idle
+    pre-prefill node serving the prefix it holds itself has a test of its own."""
     started: list[RouterService] = []
 
     async def make(*overrides: str, node_id: str = "router-t") -> RouterService:
         s = load_settings(environ={}, overrides=[
             f"nats.servers={vllm_cluster.url}", f"node.node_id={node_id}",
             f"model.cache_dir={vllm_cluster.model_cache}", "nats.drain_timeout_s=2",
-            *overrides])
+            "router.warm_on_idle_preprefill=false", *overrides])
         router = RouterService(s)
         await router.start()
         started.append(router)
@@ -144,6 +147,30 @@ async def test_three_request_story_cold_then_warm_remote_then_warm_local(
     assert {n.node for n in status.nodes if n.alive} >= {"pp0", "p0", "d0"}
     assert status.router.completed == 3 and status.router.paths == {"cold": 1, "warm": 2}
     assert status.router.tokens.remote == 5 * BS
+
+
+async def test_an_idle_preprefill_node_serves_the_prefix_it_holds_without_a_transfer(
+        vllm_cluster: VllmCluster, make_router: RouterFactory, client: Client,
+        reference: dict) -> None:
+    """``router.warm_on_idle_preprefill`` (the default): a prompt sharing the prefix a
+    cold request left on the pre-prefill node, with that node idle, is served there from
+    its own cache, nothing pulled; the tokens are a monolithic run's."""
+    router = await make_router("router.warm_on_idle_preprefill=true")
+    first = await _generate(client, IDLE["idle0"])
+    assert (first.route.path, first.route.prefill_node) == ("cold", "pp0")
+    await _wait_visible(vllm_cluster, IDLE["idle1"], "pp0", 4)
+    for _ in range(100):  # the router sees pp0 idle once its next load report came
+        pp0 = next(n for n in router.nodes.live(time.monotonic()) if n.node == "pp0")
+        if not pp0.prefills and not pp0.dispatched_ms:
+            break
+        await asyncio.sleep(0.05)
+    second = await _generate(client, IDLE["idle1"])
+    r = second.route
+    assert second.token_ids == reference["idle1"][:10]
+    assert (r.path, r.reason, r.prefill_node, r.remote_node, r.tokens.remote) == (
+        "warm", wire.RouteReason.IDLE_PREPREFILL_HIT, "pp0", "", 0), r.describe()
+    assert r.tokens.gpu + r.tokens.dram == 4 * BS
+    assert r.tokens.computed == len(IDLE["idle1"]) - 4 * BS
 
 
 async def test_three_request_story_through_the_openai_gateway(

@@ -66,15 +66,16 @@ CASES = [
          loads={"pp0": {"ahead_ms": 500}}, path="cold", node="pp1"),
     Case("local DRAM hit: warm on that prefill node", Hits(dram={"p1": 36}),
          path="warm", node="p1", dram=36 * BS),
-    Case("remote hit on a pre-prefill node's DRAM: warm, loaded over UCX",
-         Hits(dram={"pp0": 38}), loads={"p0": {"ahead_ms": 50}},
+    Case("remote hit on a busy pre-prefill node's DRAM: warm, loaded over UCX",
+         Hits(dram={"pp0": 38}), loads={"p0": {"ahead_ms": 50}, "pp0": {"ahead_ms": 10}},
          path="warm", node="p1", remote=38 * BS, remote_node="pp0"),
     Case("local beats remote at equal queues", Hits(dram={"p0": 30, "pp0": 30}),
          path="warm", node="p0", dram=30 * BS),
     Case("GPU hit beats a DRAM hit elsewhere", Hits(gpu={"p1": 36}, dram={"p0": 36}),
          path="warm", node="p1", gpu=36 * BS),
     Case("local GPU then a longer remote run", Hits(gpu={"p0": 20}, dram={"pp1": 38}),
-         path="warm", node="p0", gpu=20 * BS, remote=18 * BS, remote_node="pp1"),
+         loads={"pp1": {"ahead_ms": 10}}, path="warm", node="p0", gpu=20 * BS,
+         remote=18 * BS, remote_node="pp1"),
     Case("loading slower than recomputing: cold", Hits(dram={"pp0": 38}),
          loads={"p0": {"bandwidth_gbps": 1e-5}, "p1": {"bandwidth_gbps": 1e-5}},
          path="cold", reason=RouteReason.COLD),
@@ -107,7 +108,8 @@ CASES = [
     Case("local disk hit: warm on that node, read back and loaded",
          Hits(disk={"p1": 36}), path="warm", node="p1", dram=36 * BS),
     Case("a peer's disk past its DRAM: loaded over UCX", Hits(dram={"pp0": 10},
-         disk={"pp0": 38}), path="warm", node="p0", remote=38 * BS, remote_node="pp0"),
+         disk={"pp0": 38}), loads={"pp0": {"ahead_ms": 10}}, path="warm", node="p0",
+         remote=38 * BS, remote_node="pp0"),
     Case("disk reads slower than recomputing: cold", Hits(disk={"p0": 38, "pp0": 38}),
          config={"disk_bandwidth_gbps": 1e-5}, path="cold"),
     Case("slow disk, its DRAM part still loads", Hits(dram={"p0": 30}, disk={"p0": 38}),
@@ -115,7 +117,21 @@ CASES = [
     Case("a peer's measured disk rate, not the configured one, prices its disk",
          Hits(disk={"pp0": 38}), loads={"pp0": {"disk_gbps": 1e-5}}, path="cold"),
     Case("a fast measured disk beats a configured slow one", Hits(disk={"pp0": 38}),
-         loads={"pp0": {"disk_gbps": 4.0}}, config={"disk_bandwidth_gbps": 1e-5},
+         loads={"pp0": {"disk_gbps": 4.0, "ahead_ms": 10}}, config={"disk_bandwidth_gbps": 1e-5},
+         path="warm", node="p0", remote=38 * BS, remote_node="pp0"),
+    Case("an idle pre-prefill node's own GPU hit: warm there, no transfer",
+         Hits(gpu={"pp0": 38}, dram={"pp0": 38}), path="warm", node="pp0", gpu=38 * BS,
+         reason=RouteReason.IDLE_PREPREFILL_HIT),
+    Case("an idle pre-prefill node's own DRAM beats a peer's load",
+         Hits(dram={"pp1": 38}), path="warm", node="pp1", dram=38 * BS,
+         reason=RouteReason.IDLE_PREPREFILL_HIT),
+    Case("a pre-prefill node with work keeps its tier for cold prompts: loaded over UCX",
+         Hits(gpu={"pp0": 38}, dram={"pp0": 38}), loads={"pp0": {"ahead_ms": 10}},
+         path="warm", node="p0", remote=38 * BS, remote_node="pp0"),
+    Case("a prefill node's own hit is as cheap: it stays on the prefill tier",
+         Hits(dram={"p1": 38, "pp0": 38}), path="warm", node="p1", dram=38 * BS),
+    Case("warm_on_idle_preprefill off: loaded over UCX",
+         Hits(gpu={"pp0": 38}, dram={"pp0": 38}), config={"warm_on_idle_preprefill": False},
          path="warm", node="p0", remote=38 * BS, remote_node="pp0"),
 ]
 
@@ -146,7 +162,9 @@ def test_cpd_policy(case: Case) -> None:
 
 def test_load_sources_describe_the_plan() -> None:
     router = Router(PolicyConfig(), COST, LOAD)
-    d = router.decide(N, BS, Hits(gpu={"p0": 10}, dram={"p0": 20, "pp1": 38}), nodes())
+    # pp1 has work: it keeps its tier for cold prompts, and p0 loads from it.
+    d = router.decide(N, BS, Hits(gpu={"p0": 10}, dram={"p0": 20, "pp1": 38}),
+                      nodes(pp1={"ahead_ms": 10}))
     assert d.plan.node == "p0"
     assert list(d.plan.sources) == [
         wire.LoadSource(node="p0", tier=wire.Tier.DRAM, first_block=10, num_blocks=10),
@@ -167,7 +185,7 @@ def test_load_sources_carry_kvindexs_checksums_of_their_blocks() -> None:
         wire.TierMatch("pp1", wire.Tier.DRAM, 38, b"", wire.pack_checksums(sums["pp1"])),
         wire.TierMatch("p0", wire.Tier.DRAM, 20, b"", wire.pack_checksums(sums["p0"])),
         wire.TierMatch("p0", wire.Tier.GPU, 10, b"", wire.pack_checksums([1] * 10))]))
-    d = Router(PolicyConfig(), COST, LOAD).decide(N, BS, hits, nodes())
+    d = Router(PolicyConfig(), COST, LOAD).decide(N, BS, hits, nodes(pp1={"ahead_ms": 10}))
     assert [(s.node, wire.unpack_checksums(s.checksums)) for s in d.plan.sources] == [
         ("p0", sums["p0"][10:20]), ("pp1", sums["pp1"][20:38])]
     assert hits.source("p1", 0, 3).checksums == b""

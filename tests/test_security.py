@@ -358,6 +358,8 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
            "CPD_KVINDEX__SNAPSHOT_DIR": str(tmp_path / "snap"),
            "CPD_WORKER__ENGINE": "sim", "CPD_NODE__HEARTBEAT_INTERVAL_S": "0.2",
            "CPD_DATAPLANE__ARENA_BYTES": str(256 << 20),
+           # The warm request below must pull over UCX (capabilities, TLS).
+           "CPD_ROUTER__WARM_ON_IDLE_PREPREFILL": "false",
            "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1"}
     only = [a for s in ("kvindex", "preprefill", "prefill", "decode", "router")
             for a in ("--only", s)]

@@ -98,8 +98,9 @@ async def test_sim_workers_serve_cold_then_warm_with_identical_tokens(tmp_path: 
     prompt again goes warm to the prefill node pulling the prefix from pre-prefill's
     DRAM, and once more from the prefill node's own DRAM after its GPU cache is reset;
     the deterministic sim tokens are the same on every path."""
-    cluster = SimCluster(BY_LABEL["CPD-1D"], SweepConfig(time_scale=1.0, progress=False),
-                         tmp_path)
+    cluster = SimCluster(BY_LABEL["CPD-1D"], SweepConfig(
+        time_scale=1.0, progress=False,
+        extra_env={"CPD_ROUTER__WARM_ON_IDLE_PREPREFILL": "false"}), tmp_path)
     try:
         await cluster.start()
         client = cluster.client

@@ -43,6 +43,8 @@ class PolicyConfig:
     min_reuse_tokens: int = 256
     # Cross-tier overflow only when it finishes sooner by more than this.
     overflow_margin_ms: float = 100.0
+    # A warm request may take an idle pre-prefill node that holds its prefix itself.
+    warm_on_idle_preprefill: bool = True
     # Until a node reports a measured bandwidth.
     default_bandwidth_gbps: float = 1.0
     # Loading from a node's own DRAM into its engine.
@@ -63,6 +65,7 @@ class PolicyConfig:
         return cls(name=router.policy, cold_reuse_ratio=router.cold_reuse_ratio,
                    min_reuse_tokens=router.min_reuse_tokens,
                    overflow_margin_ms=router.overflow_margin_ms,
+                   warm_on_idle_preprefill=router.warm_on_idle_preprefill,
                    default_bandwidth_gbps=router.default_bandwidth_gbps,
                    host_bandwidth_gbps=router.host_bandwidth_gbps,
                    disk_bandwidth_gbps=router.disk_bandwidth_gbps,

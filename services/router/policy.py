@@ -6,9 +6,11 @@ them is honest:
 * ``cpd`` - cold prompts (no usable prefix, reuse below a threshold, or loading slower
   than recomputing) go to the pre-prefill node with the least estimated finish time; warm
   prompts go to the prefill node with the least estimated TTFT = queue + KV load + suffix
-  compute, where local hits beat remote ones because they cost less. Neither tier idles
-  while the other queues: work overflows across tiers when that finishes sooner by more
-  than a margin. A cold prompt whose prefix another node is computing right now waits for
+  compute, where local hits beat remote ones because they cost less, or to an idle
+  pre-prefill node that holds the prefix itself when that is sooner still (the prefix it
+  just computed is in its engine: no transfer at all). Neither tier idles while the
+  other queues: work overflows across tiers when that finishes sooner by more than a
+  margin. A cold prompt whose prefix another node is computing right now waits for
   it when that is cheaper (single-flight).
 * ``pd-kv`` - KV-aware cost like Dynamo/llm-d: every prefill-capable node is a
   candidate; cost = queue + compute of the blocks not cached on that node; no remote
@@ -249,6 +251,9 @@ class CpdPolicy(RoutingPolicy):
                     and alt.ttft_ms + cfg.overflow_margin_ms < best_warm.ttft_ms):
                 return Decision("cpd", "overflow", alt, decode, RouteReason.PREFILL_BUSY,
                                 reusable_tokens=reuse, busy_ttft_ms=best_warm.ttft_ms)
+            if own := self._idle_holder(r, cold_nodes, n, bs, hits, best_warm):
+                return Decision("cpd", "warm", own, decode, RouteReason.IDLE_PREPREFILL_HIT,
+                                reusable_tokens=reuse)
             return Decision("cpd", "warm", best_warm, decode, RouteReason.WARM,
                             reusable_tokens=reuse)
         reason = RouteReason.COLD if hits.ok else RouteReason.KVINDEX_UNAVAILABLE
@@ -276,6 +281,18 @@ class CpdPolicy(RoutingPolicy):
         plans = [r.plan(x, n, bs, hits, remote=reuse_prefix, local=reuse_prefix)
                  if reuse_prefix else r.plan(x, n, bs, Hits(ok=False)) for x in nodes]
         return min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
+
+    def _idle_holder(self, r: Router, cold_nodes: list[NodeLoad], n: int, bs: int,
+                     hits: Hits, best: Plan) -> Plan | None:
+        """The idle pre-prefill node that holds the prefix itself (no transfer) and so
+        finishes sooner than ``best``, the best prefill node's plan; None if there is none
+        or the setting is off. Only an idle one: its tier is there for cold prompts."""
+        if not r.config.warm_on_idle_preprefill:
+            return None
+        plans = [p for x in cold_nodes if not x.prefills and not x.dispatched_ms
+                 for p in (r.plan(x, n, bs, hits, remote=False),)
+                 if p.reused_tokens and p.ttft_ms < best.ttft_ms]
+        return min(plans, key=lambda p: (p.ttft_ms, p.node), default=None)
 
     def _single_flight(self, r: Router, n: int, bs: int, hits: Hits,
                        warm_nodes: list[NodeLoad], now: Plan) -> Wait | None:

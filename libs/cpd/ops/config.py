@@ -154,6 +154,10 @@ class RouterSettings(_Section):
     min_reuse_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
     # Work moves across tiers only when that finishes sooner by more than this.
     overflow_margin_ms: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    # A warm request whose prefix an idle pre-prefill node holds itself (in its engine's
+    # cache or its DRAM) is served there when that is sooner than on any prefill node:
+    # no transfer, and that tier had nothing to do.
+    warm_on_idle_preprefill: bool = True
     # Transfer bandwidth assumed until a worker reports a measured one (GB/s).
     default_bandwidth_gbps: Positive = 1.0
     # A node loading from its own DRAM into its engine (GB/s).

@@ -278,6 +278,7 @@ class RouteReason(enum.StrEnum):
     COLD = "cold"                        # too little reusable: the pre-prefill tier
     KVINDEX_UNAVAILABLE = "kvindex_unavailable"  # no lookup answer: a miss, never a guess
     PREFILL_BUSY = "prefill_busy"        # warm, overflowed to the idle pre-prefill tier
+    IDLE_PREPREFILL_HIT = "idle_preprefill_hit"  # warm, on an idle pre-prefill node holding it
     PREPREFILL_BUSY = "preprefill_busy"  # cold, overflowed to the idle prefill tier
     NO_PREPREFILL = "no_preprefill"      # cold, and no pre-prefill node is up
     LEAST_COST = "least_cost"            # pd-kv: the cheapest prefill node
@@ -355,6 +356,9 @@ class Route(msgspec.Struct, kw_only=True):
             case RouteReason.PREFILL_BUSY:
                 return (f"prefill tier busy: {self.busy_ttft_ms:.0f} ms there vs "
                         f"{self.est_ttft_ms:.0f} ms on pre-prefill")
+            case RouteReason.IDLE_PREPREFILL_HIT:
+                return (f"warm: {self.reusable_tokens} tokens cached, on idle pre-prefill "
+                        f"{self.prefill_node}, which holds {self.planned_reused_tokens}")
             case RouteReason.PREPREFILL_BUSY:
                 return (f"cold: {self.reusable_tokens} tokens reusable; pre-prefill busy "
                         f"({self.busy_ttft_ms:.0f} ms)")
