@@ -32,9 +32,25 @@ def is_no_responders(msg: Msg) -> bool:
     return bool(msg.headers) and msg.headers.get(_STATUS) == _NO_RESPONDERS
 
 
-def _expire(fut: asyncio.Future[Msg]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
+# A deadline timer that fires this late (s) found the event loop busy past it (a burst
+# of requests being admitted): the reply may have come in time and sit unread.
+_LATE_S = 0.01
+_GRACE_MAX_S = 1.0
+
+
+def _expire(fut: asyncio.Future[Msg], due: float, again: bool = True) -> None:
+    """Fail ``fut`` at its deadline ``due`` (loop time). A timer that fires late first
+    lets the loop read what arrived meanwhile, once: the timer runs before the loop
+    polls its sockets, so a reply that came in time would otherwise count as missing."""
+    if fut.done():
+        return
+    loop = fut.get_loop()
+    late = loop.time() - due
+    if again and late >= _LATE_S:
+        grace = min(late, _GRACE_MAX_S)  # as long again as the loop was late
+        loop.call_later(grace, _expire, fut, loop.time() + grace, False)
+        return
+    fut.set_exception(TimeoutError())
 
 
 class ReplyMux:
@@ -86,7 +102,7 @@ class ReplyMux:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = fut
-        timer = loop.call_later(timeout, _expire, fut)
+        timer = loop.call_later(timeout, _expire, fut, loop.time() + timeout)
         try:
             await self._nc.publish(subject, payload, reply=self._prefix + token,
                                    headers=headers or None)
