@@ -498,6 +498,54 @@ async def test_events_go_out_behind_the_caller_and_survive_a_nats_outage(
     assert got[5].seals[0].hash == h(3)
 
 
+@pytest.mark.timeout(120)
+async def test_a_long_outage_replaces_the_queued_events_by_the_stores_state(
+        fresh_nats: NatsServer) -> None:
+    """Past its bound the outbox holds the store's state, not every transition: memory
+    stays bounded and, once NATS is back, the stream ends with a re-announce of exactly
+    what the store holds, with no gap in its seqs."""
+    s = load_settings(environ={}, overrides=[f"nats.servers={fresh_nats.url}",
+                                             "nats.reconnect_wait_s=0.1"])
+    b = await Bus.open(s, "kvstore-bound")
+    js = b.nc.jetstream()
+    await kvevents.ensure_stream(js)
+    node = f"kvb-{uuid.uuid4().hex[:8]}"
+    kv = KvStore(BlockStore(64, 8, node=node),
+                 KvEventPublisher(js, node, epoch=5, ack_timeout_s=0.3, retry_window_s=0.5),
+                 max_queued_events=4)
+    assert kv.outbox is not None
+    kv.outbox.retry_pause_s = 0.1
+    try:
+        await kv.write_blocks(NS, chain(1, 1), [np.full(64, 1, np.uint8)])
+        await kv.flush()
+        fresh_nats.stop()
+        for i in range(2, 5):  # three events each: past the bound of four
+            await kv.write_blocks(NS, chain(i, 1, parent=h(i - 1)), [np.full(64, i, np.uint8)])
+            assert kv.outbox.pending <= 4
+        fresh_nats.start()
+        for _ in range(100):
+            with contextlib.suppress(CpdError):
+                await kv.flush()
+                break
+            await asyncio.sleep(0.1)
+        assert kv.outbox.pending == 0
+    finally:
+        await kv.close()
+    sub = await js.subscribe(subjects.kv_events(node), ordered_consumer=True,
+                             deliver_policy=api.DeliverPolicy.ALL)
+    got = []
+    with contextlib.suppress(nats.errors.TimeoutError):
+        while True:
+            got.append(wire.decode((await sub.next_msg(timeout=1)).data, wire.KvEvent))
+    await sub.unsubscribe()
+    await b.close()
+    assert [e.seq for e in got] == list(range(1, len(got) + 1)) and len(got) <= 7
+    assert kinds(got[:3]) == ["kv_allocated", "kv_writing", "kv_sealed"]
+    assert kinds(got[-3:]) == ["kv_cleared", "kv_allocated", "kv_sealed"]
+    assert [r.hash for r in got[-2].blocks] == [h(i) for i in range(1, 5)]
+    assert [x.hash for x in got[-1].seals] == [h(i) for i in range(1, 5)]
+
+
 # ------------------------------------------------------------ copies elsewhere go first
 
 

@@ -10,8 +10,10 @@ caller that must know they are stored (a re-announce, a hand-off that relies on
 kvindex's record, shutting down) awaits :meth:`EventOutbox.settled`.
 
 A publish that fails (NATS unreachable past the publisher's retry window) keeps its
-events queued, in order, and is tried again after a pause: events are never dropped
-while the process lives (and a restarted node re-announces in a new epoch anyway).
+events queued, in order, and is tried again after a pause. A store whose queue grows
+past its bound while NATS stays away replaces it by its whole state (a re-announce:
+``NodeCleared``, then every block it holds), so memory stays bounded and kvindex still
+learns the state as it is once NATS is back.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class EventOutbox:
         self.retry_pause_s = retry_pause_s
         self._queue: deque[wire.KvEvent] = deque()
         self._put = 0        # events ever put
-        self._stored = 0     # events JetStream acknowledged (a prefix of those put)
+        self._stored = 0     # events stored or dropped by clear() (a prefix of those put)
+        self._publishing = False  # the queue's head is being published
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -62,6 +65,17 @@ class EventOutbox:
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name=f"kv-events-{self.publisher.node}")
         self._wake.set()
+
+    def clear(self) -> int:
+        """Drop the queued events not being published (they count as done); returns
+        how many. For a store whose state replaces them (a re-announce)."""
+        keep = 1 if self._publishing and self._queue else 0
+        dropped = len(self._queue) - keep
+        for _ in range(dropped):
+            self._queue.pop()
+        self._stored += dropped
+        self._resolve(None)
+        return dropped
 
     async def settled(self) -> None:
         """Wait until every event put so far is stored. Raises the publisher's
@@ -88,6 +102,7 @@ class EventOutbox:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
+                self._publishing = True
                 try:
                     await self.publisher.publish(self._queue[0])
                 except Exception as e:  # the connection closed, JetStream gone: retry later
@@ -99,6 +114,8 @@ class EventOutbox:
                     self._resolve(error)
                     await asyncio.sleep(self.retry_pause_s)
                     continue
+                finally:
+                    self._publishing = False
                 self._queue.popleft()
                 self._stored += 1
                 self._resolve(None)

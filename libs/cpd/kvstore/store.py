@@ -41,6 +41,9 @@ _M = TypeVar("_M", bound=wire.Message)
 _SPILL_PIN_S = 60.0
 # Blocks written behind in one batch (one thread hop).
 _SPILL_BATCH = 256
+# Lifecycle events a store queues while NATS is away before it replaces them by its
+# state (a re-announce's events: about one per block held, in chunks).
+MAX_QUEUED_EVENTS = 100_000
 
 log = telemetry.get_logger("cpd.kvstore")
 
@@ -55,8 +58,10 @@ class KvStore:
     """
 
     def __init__(self, store: BlockStore, publisher: KvEventPublisher | None, *,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None,
+                 max_queued_events: int = MAX_QUEUED_EVENTS) -> None:
         self.store = store
+        self.max_queued_events = max_queued_events
         self.publisher = publisher
         self.disk = disk
         self.outbox = EventOutbox(publisher) if publisher is not None else None
@@ -80,12 +85,26 @@ class KvStore:
             await self.outbox.settled()
 
     def _queue_events(self, extra: Sequence[wire.KvEvent] = ()) -> None:
-        """Hand the transitions' events (then ``extra``) to the outbox, in order."""
+        """Hand the transitions' events (then ``extra``) to the outbox, in order; past
+        ``max_queued_events`` unpublished, the store's state replaces them."""
         events = self.store.drain_events()
         if self.disk is not None:
             events += self.disk.index.drain_events()
-        if self.outbox is not None:
-            self.outbox.put([*events, *extra])
+        if self.outbox is None:
+            return
+        if self.outbox.pending + len(events) + len(extra) > self.max_queued_events:
+            dropped = self.outbox.clear() + len(events) + len(extra)
+            events, extra = self._snapshot(), ()
+            log.warning("kvstore.events_replaced_by_state", node=self.node,
+                        dropped=dropped, events=len(events))
+        self.outbox.put([*events, *extra])
+
+    def _snapshot(self) -> list[wire.KvEvent]:
+        """A re-announce: ``NodeCleared`` and every held block, per tier."""
+        events = self.store.snapshot_events()
+        if self.disk is not None:
+            events += self.disk.index.snapshot_events()
+        return events
 
     async def allocate(self, namespace: str, refs: Sequence[wire.BlockRef], *,
                        slots: Sequence[int] | None = None) -> list[BlockEntry | None]:
@@ -171,9 +190,7 @@ class KvStore:
     async def reannounce(self) -> int:
         """Publish ``NodeCleared`` and then every held block (kvindex's rebuild), after
         the events queued before; returns once they are stored."""
-        events = self.store.snapshot_events()
-        if self.disk is not None:
-            events += self.disk.index.snapshot_events()
+        events = self._snapshot()
         self._queue_events(events)
         if self.outbox is not None:
             await self.outbox.settled()
