@@ -55,22 +55,23 @@ def test_every_visit_extends_its_sessions_last_prompt(model_cache: Path) -> None
 
 
 def _r(ratio: float, session: int, step: str, ttft: float, prompt: int, cached: int,
-       dram: int = 0) -> Result:
+       dram: int = 0, disk: int = 0) -> Result:
     return Result(Visit(ratio, session, step, ""), ttft, prompt, cached,
-                  {"gpu": 0, "dram": dram, "remote": cached - dram})
+                  {"gpu": 0, "dram": dram, "disk": disk, "remote": cached - dram - disk})
 
 
 def test_reuse_and_ttft_count_the_revisits_only() -> None:
     rows = per_size([
         _r(2.0, 0, "start", 900, 1000, 0), _r(2.0, 1, "start", 800, 1000, 0),
-        _r(2.0, 0, "in_order", 100, 1000, 1000, dram=500),
+        _r(2.0, 0, "in_order", 100, 1000, 1000, dram=400, disk=100),
         _r(2.0, 1, "in_order", 300, 1000, 0),
         _r(2.0, 1, "shuffled", 200, 2000, 1500), _r(2.0, 0, "shuffled", 150, 2000, 500)])
     (row,) = rows
     assert (row["sessions"], row["revisits"]) == (2, 4)
     assert row["reuse"] == 3000 / 6000
     assert row["reuse_by_pass"] == {"in_order": 0.5, "shuffled": 2000 / 4000}
-    assert row["reuse_by_tier"] == {"gpu": 0.0, "dram": round(500 / 6000, 4),
+    assert row["reuse_by_tier"] == {"gpu": 0.0, "dram": round(400 / 6000, 4),
+                                    "disk": round(100 / 6000, 4),
                                     "remote": round(2500 / 6000, 4)}
     assert (row["ttft_p50_ms"], row["cold_ttft_p50_ms"]) == (200, 900)
 

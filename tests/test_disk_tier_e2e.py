@@ -29,6 +29,7 @@ BLOCKS = 6
 DISK = wire.Tier.DISK
 _rng = np.random.default_rng(37)
 PROMPT = _rng.integers(0, 1900, size=BLOCKS * BS + 45).tolist()
+OWN = _rng.integers(0, 1900, size=BLOCKS * BS + 30).tolist()
 
 
 @pytest.fixture
@@ -69,9 +70,10 @@ async def _live(router: RouterService, nodes: set[str]) -> None:
     raise AssertionError(f"{nodes} never all live at the router")
 
 
-async def _served(c: VllmCluster, node: str) -> dict[wire.Tier, int]:
+async def _served(c: VllmCluster, node: str, prompt: list[int] = PROMPT
+                  ) -> dict[wire.Tier, int]:
     reply = await c.bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
-        namespace=c.ns.id, block_hashes=block_hashes(c.ns, PROMPT)), expect=wire.LookupReply)
+        namespace=c.ns.id, block_hashes=block_hashes(c.ns, prompt)), expect=wire.LookupReply)
     return {m.tier: m.num_blocks for m in reply.matches if m.node == node}
 
 
@@ -112,3 +114,42 @@ async def test_a_killed_nodes_disk_blocks_come_back_and_load_intact(
     await wait_visible(c.bus, c.ns, PROMPT, "ppd", 2, tier=DISK)
     assert await _served(c, "ppd") == {DISK: 2}
     assert not path.exists()
+
+
+async def test_an_idle_node_serves_its_own_disk_blocks_and_the_route_says_disk(
+        vllm_cluster: VllmCluster, disk_node: Path) -> None:
+    """``router.warm_on_idle_preprefill`` (the default): the restarted pre-prefill node
+    holds the prefix only in its files and is idle, so it serves the prompt itself,
+    reading them back into its arena; the route counts those tokens as ``disk``, and the
+    output is the cold run's."""
+    c = vllm_cluster
+    s = load_settings(environ={}, overrides=[
+        f"nats.servers={c.url}", "node.node_id=router-own-disk",
+        f"model.cache_dir={c.model_cache}", "nats.drain_timeout_s=2"])
+    router = RouterService(s)
+    await router.start()
+    try:
+        client = Client(c.bus, default_timeout_s=240)
+        await _live(router, {"ppd", "p0", "d0"})
+        cold = await client.generate(OWN, max_tokens=12, ignore_eos=True)
+        assert (cold.route.path, cold.route.prefill_node) == ("cold", "ppd"), cold.route
+        await wait_visible(c.bus, c.ns, OWN, "ppd", BLOCKS, tier=DISK)
+        c.kill("ppd")
+        await c.restart("ppd")
+        await wait_visible(c.bus, c.ns, OWN, "ppd", BLOCKS, tier=DISK)
+        assert await _served(c, "ppd", OWN) == {DISK: BLOCKS}
+        await _live(router, {"ppd"})
+        for _ in range(100):  # idle at the router: its load report came
+            ppd = next(n for n in router.nodes.live(time.monotonic()) if n.node == "ppd")
+            if not ppd.prefills and not ppd.dispatched_ms:
+                break
+            await asyncio.sleep(0.05)
+        warm = await client.generate(OWN, max_tokens=12, ignore_eos=True)
+        r = warm.route
+        assert (r.path, r.reason, r.prefill_node, r.remote_node) == (
+            "warm", wire.RouteReason.IDLE_PREPREFILL_HIT, "ppd", ""), r.describe()
+        assert (r.tokens.disk, r.tokens.dram, r.tokens.remote) == (BLOCKS * BS, 0, 0), r
+        assert r.planned_reused_tokens == BLOCKS * BS and r.load_error is None
+        assert warm.token_ids == cold.token_ids
+    finally:
+        await router.stop()

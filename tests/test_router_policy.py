@@ -53,6 +53,7 @@ class Case:
     node: str = ""
     gpu: int = 0
     dram: int = 0
+    disk: int = 0
     remote: int = 0
     remote_node: str = ""
     wait: bool = False
@@ -106,7 +107,10 @@ CASES = [
     Case("some reuse but pre-prefill idle: no overflow", Hits(dram={"p0": 10}),
          path="cold", node="pp0"),
     Case("local disk hit: warm on that node, read back and loaded",
-         Hits(disk={"p1": 36}), path="warm", node="p1", dram=36 * BS),
+         Hits(disk={"p1": 36}), path="warm", node="p1", disk=36 * BS),
+    Case("local DRAM, then the rest of the prefix from the same node's disk",
+         Hits(dram={"p1": 20}, disk={"p1": 36}), path="warm", node="p1", dram=20 * BS,
+         disk=16 * BS),
     Case("a peer's disk past its DRAM: loaded over UCX", Hits(dram={"pp0": 10},
          disk={"pp0": 38}), loads={"pp0": {"ahead_ms": 10}}, path="warm", node="p0",
          remote=38 * BS, remote_node="pp0"),
@@ -143,8 +147,8 @@ def test_cpd_policy(case: Case) -> None:
     assert d.path == case.path, d.reason
     if case.node:
         assert d.plan.node == case.node, d.reason
-    assert (d.plan.gpu_tokens, d.plan.dram_tokens, d.plan.remote_tokens) == \
-        (case.gpu, case.dram, case.remote)
+    assert (d.plan.gpu_tokens, d.plan.dram_tokens, d.plan.disk_tokens,
+            d.plan.remote_tokens) == (case.gpu, case.dram, case.disk, case.remote)
     assert d.plan.remote_node == case.remote_node
     assert d.plan.computed_tokens == N - d.plan.reused_tokens
     assert (d.wait is not None) == case.wait

@@ -112,8 +112,9 @@ def test_no_module_reads_fields_by_built_names() -> None:
 
 
 def test_tokens_by_source_names_every_source() -> None:
-    r = wire.Route(tokens=wire.PromptTokens(gpu=1, dram=2, remote=3, computed=4))
-    assert r.reused_tokens == 6
+    r = wire.Route(tokens=wire.PromptTokens(gpu=1, dram=2, remote=3, computed=4, disk=5))
+    assert r.reused_tokens == 11
     assert r.tokens.by_source() == {wire.TokenSource.GPU: 1, wire.TokenSource.DRAM: 2,
-                                        wire.TokenSource.REMOTE: 3,
-                                        wire.TokenSource.COMPUTED: 4}
+                                    wire.TokenSource.DISK: 5, wire.TokenSource.REMOTE: 3,
+                                    wire.TokenSource.COMPUTED: 4}
+    assert set(r.tokens.by_source()) == set(wire.TokenSource)

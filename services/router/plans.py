@@ -82,6 +82,7 @@ class Plan:
     role: Role
     gpu_tokens: int = 0
     dram_tokens: int = 0
+    disk_tokens: int = 0   # of the node's own, read back from its disk tier
     remote_tokens: int = 0
     remote_node: str = ""
     computed_tokens: int = 0
@@ -96,7 +97,7 @@ class Plan:
 
     @property
     def reused_tokens(self) -> int:
-        return self.gpu_tokens + self.dram_tokens + self.remote_tokens
+        return self.gpu_tokens + self.dram_tokens + self.disk_tokens + self.remote_tokens
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class Decision:
         return wire.Route(policy=self.policy, path=self.path, reason=self.reason,
                           prefill_node=p.node, decode_node=self.decode_node,
                           tokens=wire.PromptTokens(gpu=p.gpu_tokens, dram=p.dram_tokens,
+                                                   disk=p.disk_tokens,
                                                    remote=p.remote_tokens,
                                                    computed=p.computed_tokens),
                           reusable_tokens=self.reusable_tokens,
@@ -133,7 +134,7 @@ class Router:
         cap = (prompt_tokens - 1) // block_size * block_size
         gpu = min(hits.gpu.get(node.node, 0) * block_size, cap) if local else 0
         base = gpu
-        dram = 0
+        dram = disk = 0
         sources: list[wire.LoadSource] = []
         load_ms = 0.0
         local_dram, t = self._local_load(hits, node.node, base, cap, block_size) \
@@ -141,7 +142,9 @@ class Router:
         if local_dram > base:
             sources.append(hits.source(node.node, base // block_size,
                                        (local_dram - base) // block_size))
-            dram, load_ms, base = local_dram - base, load_ms + t, local_dram
+            disk = hits.from_disk(node.node, base // block_size,
+                                  local_dram // block_size) * block_size
+            dram, load_ms, base = local_dram - base - disk, load_ms + t, local_dram
         remote_tokens, remote_node = 0, ""
         if remote:
             best = self._best_peer(hits, cap, block_size, node.node)
@@ -158,7 +161,7 @@ class Router:
         computed = prompt_tokens - base
         compute_ms = self.prefill.ms(computed, base)
         return Plan(node=node.node, role=node.role, gpu_tokens=gpu, dram_tokens=dram,
-                    remote_tokens=remote_tokens, remote_node=remote_node,
+                    disk_tokens=disk, remote_tokens=remote_tokens, remote_node=remote_node,
                     computed_tokens=computed, queue_ms=self.queue_ms(node, compute_ms),
                     load_ms=load_ms, compute_ms=compute_ms, sources=tuple(sources))
 

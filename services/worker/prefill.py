@@ -99,7 +99,7 @@ class PrefillHandler:
         # router prices the held prefill as it priced the request.
         pending = req.planned_new_tokens or len(tokens)
         with core.load.holding(pending, len(tokens) - pending) as held:
-            have, remote, load_error = await self._gather_prefix(req, hashes)
+            have, (remote, disk), load_error = await self._gather_prefix(req, hashes)
             t_load = held.engine_start = time.perf_counter()
             submitted = time.monotonic()
             step, fresh = await self._run(req, tokens, hashes, have)
@@ -119,7 +119,7 @@ class PrefillHandler:
         core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
                     queued=queued, written=len(fresh), loaded=step.loaded_blocks)
         await out.report(wire.PrefillReport, node=core.node_id,
-                         tokens=self._sources(step, remote, len(tokens)),
+                         tokens=self._sources(step, remote, disk, len(tokens)),
                          load_error=load_error, load_ms=(t_load - t0) * 1e3,
                          prefill_ms=(t_done - t_load) * 1e3, queue_ms=queued * 1e3)
         cancelled = req.request_id in core.cancelled  # e.g. a stop string in the token
@@ -134,33 +134,38 @@ class PrefillHandler:
             return
         await self._handoff(req, hashes, None if several else step.token_ids[0], out)
 
-    def _sources(self, step: EngineStep, remote: int, prompt_tokens: int) -> wire.PromptTokens:
+    def _sources(self, step: EngineStep, remote: int, disk: int, prompt_tokens: int
+                 ) -> wire.PromptTokens:
         """Where the prompt's KV came from: the engine's own cache, blocks loaded from
-        the arena (pulled from peers first, for ``remote`` of them) and computed."""
+        the arena (pulled from peers first, for ``remote`` of them, and read back from
+        this node's disk tier, for ``disk``) and computed."""
         bs = self.core.block_size
-        # Pulled blocks the engine already held in its own cache were not loaded: the
-        # remote share is at most what was loaded (never a negative DRAM count).
+        # Pulled or read blocks the engine already held in its own cache were not
+        # loaded: their shares are at most what was loaded (never a negative DRAM count).
         remote = min(remote, step.loaded_blocks)
+        disk = min(disk, step.loaded_blocks - remote)
         return wire.PromptTokens(gpu=step.gpu_blocks * bs,
-                                 dram=(step.loaded_blocks - remote) * bs, remote=remote * bs,
+                                 dram=(step.loaded_blocks - remote - disk) * bs,
+                                 disk=disk * bs, remote=remote * bs,
                                  computed=prompt_tokens - step.cached_tokens)
 
     async def _gather_prefix(self, req: wire.PrefillRequest, hashes: list[bytes]
-                             ) -> tuple[list[BlockEntry], int, wire.LoadError | None]:
+                             ) -> tuple[list[BlockEntry], tuple[int, int],
+                                        wire.LoadError | None]:
         """The sealed local blocks the engine will load, in chain order from block 0,
-        after pulling the planned remote runs; how many of them came from peers; and,
-        when a planned pull failed, which and why (the rest is recomputed, and the
-        final's route says so)."""
+        after pulling the planned remote runs; how many of them came from peers and
+        from this node's disk tier; and, when a planned pull failed, which and why (the
+        rest is recomputed, and the final's route says so)."""
         loader = self.core.loader
         node = self.core.node_id
-        remote = 0
+        remote = disk = 0
         failure: wire.LoadError | None = None
         if any(src.node != node and src.num_blocks for src in req.sources):
             loader.planned("prefix")
         for src in sorted(req.sources, key=lambda x: x.first_block):
             want = hashes[src.first_block:src.first_block + src.num_blocks]
             if src.node == node:  # own blocks, read back first if on the disk tier
-                await self.core.kv.promote(want, req.namespace)
+                disk += await self.core.kv.promote(want, req.namespace)
             if src.node == node or not want:
                 continue
             got, failure = await loader.pull(
@@ -171,7 +176,7 @@ class PrefillHandler:
             if failure is not None:  # recompute from here
                 break
         have = loader.sealed_prefix(hashes)
-        return have, min(remote, len(have)), failure
+        return have, (min(remote, len(have)), min(disk, len(have))), failure
 
     async def _run(self, req: wire.PrefillRequest, tokens: np.ndarray, hashes: list[bytes],
                    have: list[BlockEntry]) -> tuple[EngineStep, list[bytes]]:

@@ -368,7 +368,7 @@ def cpd_fields(info: dict[str, Any]) -> dict[str, Any]:
     tokens = route.get("tokens")
     tokens = tokens if isinstance(tokens, dict) else {}
     out: dict[str, Any] = {
-        "reused_tokens": sum(int(tokens.get(t) or 0) for t in ("gpu", "dram", "remote")),
+        "reused_tokens": sum(int(tokens.get(t) or 0) for t in ("gpu", "dram", "disk", "remote")),
         "path": str(route.get("path", ""))}
     timings = info.get("timings")
     if isinstance(timings, dict):

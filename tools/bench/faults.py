@@ -432,7 +432,7 @@ async def probe(client: Client, prompts: Prompts, cfg: FaultConfig) -> str | Non
         # The reuse must come from kvindex's answer (a warm decision, or blocks loaded
         # from the sources it named), not from an engine's own prefix cache by luck: a
         # kvindex whose event feed is stale would pass otherwise.
-        planned = r.path == "warm" or r.tokens.dram + r.tokens.remote > 0
+        planned = r.path == "warm" or r.tokens.dram + r.tokens.disk + r.tokens.remote > 0
         if planned and reused >= len(doc):
             return None
         if time.monotonic() >= end:

@@ -51,6 +51,8 @@ RATIOS_FULL = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 RATIOS_QUICK = (0.5, 2.0)
 PASSES = ("start", "in_order", "shuffled")
 REVISITS = ("in_order", "shuffled")
+# The route's reused tokens by where they came from (wire.PromptTokens).
+REUSE_TIERS = ("gpu", "dram", "disk", "remote")
 TURN_TOKENS = 48
 # Sessions a fresh server gets first, unmeasured: this share of one engine's cache.
 WARMUP_RATIO = 0.25
@@ -130,7 +132,7 @@ async def _one(client: Any, model: str, v: Visit) -> Result:
     tokens = (info.get("route") or {}).get("tokens") or {}
     return Result(v, (first - t0) * 1e3, usage.prompt_tokens,
                   int(getattr(details, "cached_tokens", 0) or 0),
-                  {t: int(tokens.get(t) or 0) for t in ("gpu", "dram", "remote")})
+                  {t: int(tokens.get(t) or 0) for t in REUSE_TIERS})
 
 
 async def drive(base_url: str, model: str, visits: Sequence[Visit], concurrency: int
@@ -185,7 +187,7 @@ def per_size(results: Sequence[Result]) -> list[dict[str, Any]]:
             "revisits": len(again),
             "reuse": round(sum(r.cached_tokens for r in again) / prompt, 4),
             "reuse_by_tier": {t: round(sum(r.tiers[t] for r in again) / prompt, 4)
-                              for t in ("gpu", "dram", "remote")},
+                              for t in REUSE_TIERS},
             "reuse_by_pass": {p: round(sum(r.cached_tokens for r in again
                                            if r.visit.step == p)
                                        / (sum(r.prompt_tokens for r in again

@@ -75,7 +75,8 @@ class TokenSource(enum.StrEnum):
 
     GPU = "gpu"            # the engine's own prefix cache
     DRAM = "dram"          # this worker's arena
-    REMOTE = "remote"      # a peer's arena, over UCX
+    DISK = "disk"          # this worker's disk tier, read back into its arena
+    REMOTE = "remote"      # a peer's arena (or its disk), over UCX
     COMPUTED = "computed"  # computed by the prefill
 
 
@@ -85,23 +86,26 @@ class PromptTokens(msgspec.Struct, kw_only=True):
 
     gpu: NonNegInt = 0       # the engine's own prefix cache
     dram: NonNegInt = 0      # the prefill node's arena
-    remote: NonNegInt = 0    # a peer's arena, over UCX
+    remote: NonNegInt = 0    # a peer's arena (or its disk), over UCX
     computed: NonNegInt = 0  # computed by the prefill
+    disk: NonNegInt = 0      # the prefill node's disk tier, read back into its arena
 
     @property
     def reused(self) -> int:
-        """Tokens not computed: from the GPU, local DRAM and peers."""
-        return self.gpu + self.dram + self.remote
+        """Tokens not computed: from the GPU, local DRAM and disk, and peers."""
+        return self.gpu + self.dram + self.disk + self.remote
 
     def by_source(self) -> dict[TokenSource, int]:
         """The counts by source, every source present."""
         return {TokenSource.GPU: self.gpu, TokenSource.DRAM: self.dram,
-                TokenSource.REMOTE: self.remote, TokenSource.COMPUTED: self.computed}
+                TokenSource.DISK: self.disk, TokenSource.REMOTE: self.remote,
+                TokenSource.COMPUTED: self.computed}
 
     def add(self, other: PromptTokens) -> None:
         """Add ``other``'s counts to these."""
         self.gpu += other.gpu
         self.dram += other.dram
+        self.disk += other.disk
         self.remote += other.remote
         self.computed += other.computed
 
@@ -323,7 +327,7 @@ class Route(msgspec.Struct, kw_only=True):
 
     @property
     def reused_tokens(self) -> int:
-        """Prompt tokens not computed: from the GPU, local DRAM and peers."""
+        """Prompt tokens not computed: from the GPU, local DRAM and disk, and peers."""
         return self.tokens.reused
 
     def describe(self) -> str:
