@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
 import nats.errors
 import numpy as np
@@ -447,23 +449,59 @@ async def test_lifecycle_events_land_in_the_cpd_kv_stream(bus) -> None:
     assert got[3].hashes == [h(2)] and got[7].blocks == refs[:1]
 
 
+@contextlib.asynccontextmanager
+async def _outage_store(server: NatsServer, slots: int, **kw: int
+                        ) -> AsyncIterator[tuple[KvStore, Any]]:
+    """A store on ``server`` whose publishes give up fast (NATS is stopped under it),
+    and the JetStream context to read its stream with afterwards."""
+    s = load_settings(environ={}, overrides=[f"nats.servers={server.url}",
+                                             "nats.reconnect_wait_s=0.1"])
+    b = await Bus.open(s, "kvstore-outbox")
+    js = b.nc.jetstream()
+    await kvevents.ensure_stream(js)
+    node = f"kvo-{uuid.uuid4().hex[:8]}"
+    kv = KvStore(BlockStore(64, slots, node=node),
+                 KvEventPublisher(js, node, epoch=3, ack_timeout_s=0.3, retry_window_s=0.5),
+                 **kw)
+    assert kv.outbox is not None
+    kv.outbox.retry_pause_s = 0.1
+    try:
+        yield kv, js
+    finally:
+        await kv.close()
+        await b.close()
+
+
+async def _flushed_once_back(kv: KvStore) -> None:
+    """Flush until NATS takes the events again (the client reconnects meanwhile)."""
+    for _ in range(100):
+        with contextlib.suppress(CpdError):
+            await kv.flush()
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the events were never stored")
+
+
+async def _stream(js: Any, node: str) -> list[wire.KvEvent]:
+    """Every event of ``node`` in ``CPD_KV``, in stream order."""
+    sub = await js.subscribe(subjects.kv_events(node), ordered_consumer=True,
+                             deliver_policy=api.DeliverPolicy.ALL)
+    got = []
+    with contextlib.suppress(nats.errors.TimeoutError):
+        while True:
+            got.append(wire.decode((await sub.next_msg(timeout=1)).data, wire.KvEvent))
+    await sub.unsubscribe()
+    return got
+
+
 @pytest.mark.timeout(120)
 async def test_events_go_out_behind_the_caller_and_survive_a_nats_outage(
         fresh_nats: NatsServer) -> None:
     """The request path does not wait for JetStream: with NATS down a store keeps
     working and its events stay queued, in order; once NATS is back they are stored
     with contiguous seqs (a retried event keeps its seq, so no gap and no duplicate)."""
-    s = load_settings(environ={}, overrides=[f"nats.servers={fresh_nats.url}",
-                                             "nats.reconnect_wait_s=0.1"])
-    b = await Bus.open(s, "kvstore-outbox")
-    js = b.nc.jetstream()
-    await kvevents.ensure_stream(js)
-    node = f"kvo-{uuid.uuid4().hex[:8]}"
-    kv = KvStore(BlockStore(64, 4, node=node),
-                 KvEventPublisher(js, node, epoch=3, ack_timeout_s=0.3, retry_window_s=0.5))
-    assert kv.outbox is not None
-    kv.outbox.retry_pause_s = 0.1
-    try:
+    async with _outage_store(fresh_nats, 4) as (kv, js):
+        assert kv.outbox is not None
         await kv.write_blocks(NS, chain(1, 2), [np.full(64, i, np.uint8) for i in range(2)])
         await kv.flush()
         assert kv.outbox.pending == 0
@@ -476,24 +514,9 @@ async def test_events_go_out_behind_the_caller_and_survive_a_nats_outage(
             await kv.flush()
         assert err.value.code is ErrorCode.UNAVAILABLE and kv.outbox.pending == 3
         fresh_nats.start()
-        for _ in range(100):
-            with contextlib.suppress(CpdError):
-                await kv.flush()
-                break
-            await asyncio.sleep(0.1)
-        assert kv.outbox.pending == 0
-    finally:
-        await kv.close()
-    sub = await js.subscribe(subjects.kv_events(node), ordered_consumer=True,
-                             deliver_policy=api.DeliverPolicy.ALL)
-    got = []
-    for _ in range(6):
-        got.append(wire.decode((await sub.next_msg(timeout=5)).data, wire.KvEvent))
-    with pytest.raises(nats.errors.TimeoutError):  # nothing stored twice
-        await sub.next_msg(timeout=0.5)
-    await sub.unsubscribe()
-    await b.close()
-    assert kinds(got) == ["kv_allocated", "kv_writing", "kv_sealed"] * 2
+        await _flushed_once_back(kv)
+        got = await _stream(js, kv.node)
+    assert kinds(got) == ["kv_allocated", "kv_writing", "kv_sealed"] * 2  # none twice
     assert [e.seq for e in got] == list(range(1, 7))
     assert got[5].seals[0].hash == h(3)
 
@@ -504,18 +527,8 @@ async def test_a_long_outage_replaces_the_queued_events_by_the_stores_state(
     """Past its bound the outbox holds the store's state, not every transition: memory
     stays bounded and, once NATS is back, the stream ends with a re-announce of exactly
     what the store holds, with no gap in its seqs."""
-    s = load_settings(environ={}, overrides=[f"nats.servers={fresh_nats.url}",
-                                             "nats.reconnect_wait_s=0.1"])
-    b = await Bus.open(s, "kvstore-bound")
-    js = b.nc.jetstream()
-    await kvevents.ensure_stream(js)
-    node = f"kvb-{uuid.uuid4().hex[:8]}"
-    kv = KvStore(BlockStore(64, 8, node=node),
-                 KvEventPublisher(js, node, epoch=5, ack_timeout_s=0.3, retry_window_s=0.5),
-                 max_queued_events=4)
-    assert kv.outbox is not None
-    kv.outbox.retry_pause_s = 0.1
-    try:
+    async with _outage_store(fresh_nats, 8, max_queued_events=4) as (kv, js):
+        assert kv.outbox is not None
         await kv.write_blocks(NS, chain(1, 1), [np.full(64, 1, np.uint8)])
         await kv.flush()
         fresh_nats.stop()
@@ -523,22 +536,8 @@ async def test_a_long_outage_replaces_the_queued_events_by_the_stores_state(
             await kv.write_blocks(NS, chain(i, 1, parent=h(i - 1)), [np.full(64, i, np.uint8)])
             assert kv.outbox.pending <= 4
         fresh_nats.start()
-        for _ in range(100):
-            with contextlib.suppress(CpdError):
-                await kv.flush()
-                break
-            await asyncio.sleep(0.1)
-        assert kv.outbox.pending == 0
-    finally:
-        await kv.close()
-    sub = await js.subscribe(subjects.kv_events(node), ordered_consumer=True,
-                             deliver_policy=api.DeliverPolicy.ALL)
-    got = []
-    with contextlib.suppress(nats.errors.TimeoutError):
-        while True:
-            got.append(wire.decode((await sub.next_msg(timeout=1)).data, wire.KvEvent))
-    await sub.unsubscribe()
-    await b.close()
+        await _flushed_once_back(kv)
+        got = await _stream(js, kv.node)
     assert [e.seq for e in got] == list(range(1, len(got) + 1)) and len(got) <= 7
     assert kinds(got[:3]) == ["kv_allocated", "kv_writing", "kv_sealed"]
     assert kinds(got[-3:]) == ["kv_cleared", "kv_allocated", "kv_sealed"]
