@@ -248,10 +248,11 @@ class CpdPolicy(RoutingPolicy):
                    or reuse < cfg.cold_reuse_ratio * n)
         if not is_cold:
             assert best_warm is not None
-            alt = self._cheapest(r, cold_nodes, n, bs, hits, reuse_prefix=True)
-            # Overflow only relieves a queue: an idle tier keeps its own work.
-            if (alt and best_warm.queue_ms > cfg.overflow_margin_ms
-                    and alt.ttft_ms + cfg.overflow_margin_ms < best_warm.ttft_ms):
+            # Overflow only relieves a queue: an idle tier keeps its own work (and the
+            # pre-prefill tier is planned for it only then).
+            alt = self._cheapest(r, cold_nodes, n, bs, hits, reuse_prefix=True) \
+                if best_warm.queue_ms > cfg.overflow_margin_ms else None
+            if alt and alt.ttft_ms + cfg.overflow_margin_ms < best_warm.ttft_ms:
                 return Decision("cpd", "overflow", alt, decode, RouteReason.PREFILL_BUSY,
                                 reusable_tokens=reuse, busy_ttft_ms=best_warm.ttft_ms)
             if own := self._idle_holder(r, cold_nodes, n, bs, hits, best_warm):

@@ -42,6 +42,7 @@ import msgspec
 
 from cpd.modelbuild import PRESETS, build
 from cpd.ops.config import Settings, load_settings
+from cpd.protocol import wire
 from tools.bench.corpus import CorpusPrompts
 from tools.bench.hostinfo import load_average
 from tools.bench.registry import SettingsFactory
@@ -368,7 +369,7 @@ def cpd_fields(info: dict[str, Any]) -> dict[str, Any]:
     tokens = route.get("tokens")
     tokens = tokens if isinstance(tokens, dict) else {}
     out: dict[str, Any] = {
-        "reused_tokens": sum(int(tokens.get(t) or 0) for t in ("gpu", "dram", "disk", "remote")),
+        "reused_tokens": sum(int(tokens.get(t) or 0) for t in wire.REUSED_SOURCES),
         "path": str(route.get("path", ""))}
     timings = info.get("timings")
     if isinstance(timings, dict):

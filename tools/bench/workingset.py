@@ -40,6 +40,7 @@ import msgspec
 
 from cpd.modelbuild import build
 from cpd.ops.config import Settings, load_settings
+from cpd.protocol import wire
 from tools.bench.corpus import CorpusPrompts
 from tools.bench.hostinfo import load_average
 from tools.bench.registry import SettingsFactory
@@ -52,7 +53,7 @@ RATIOS_QUICK = (0.5, 2.0)
 PASSES = ("start", "in_order", "shuffled")
 REVISITS = ("in_order", "shuffled")
 # The route's reused tokens by where they came from (wire.PromptTokens).
-REUSE_TIERS = ("gpu", "dram", "disk", "remote")
+REUSE_TIERS = tuple(s.value for s in wire.REUSED_SOURCES)
 TURN_TOKENS = 48
 # Sessions a fresh server gets first, unmeasured: this share of one engine's cache.
 WARMUP_RATIO = 0.25

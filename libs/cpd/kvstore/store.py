@@ -84,20 +84,23 @@ class KvStore:
         if self.outbox is not None:
             await self.outbox.settled()
 
-    def _queue_events(self, extra: Sequence[wire.KvEvent] = ()) -> None:
-        """Hand the transitions' events (then ``extra``) to the outbox, in order; past
-        ``max_queued_events`` unpublished, the store's state replaces them."""
+    def _queue_events(self, *, reannounce: bool = False) -> int:
+        """Hand the transitions' events (then, to ``reannounce``, the store's state) to
+        the outbox, in order; past ``max_queued_events`` unpublished, the state replaces
+        them. Returns how many events of state were queued."""
         events = self.store.drain_events()
         if self.disk is not None:
             events += self.disk.index.drain_events()
         if self.outbox is None:
-            return
-        if self.outbox.pending + len(events) + len(extra) > self.max_queued_events:
-            dropped = self.outbox.clear() + len(events) + len(extra)
-            events, extra = self._snapshot(), ()
+            return 0
+        state = self._snapshot() if reannounce else []
+        if self.outbox.pending + len(events) + len(state) > self.max_queued_events:
+            dropped = self.outbox.clear() + len(events)
+            events, state = [], state or self._snapshot()
             log.warning("kvstore.events_replaced_by_state", node=self.node,
-                        dropped=dropped, events=len(events))
-        self.outbox.put([*events, *extra])
+                        dropped=dropped, events=len(state))
+        self.outbox.put([*events, *state])
+        return len(state)
 
     def _snapshot(self) -> list[wire.KvEvent]:
         """A re-announce: ``NodeCleared`` and every held block, per tier."""
@@ -190,11 +193,10 @@ class KvStore:
     async def reannounce(self) -> int:
         """Publish ``NodeCleared`` and then every held block (kvindex's rebuild), after
         the events queued before; returns once they are stored."""
-        events = self._snapshot()
-        self._queue_events(events)
+        queued = self._queue_events(reannounce=True)
         if self.outbox is not None:
             await self.outbox.settled()
-        return len(events)
+        return queued
 
     async def start(self, nc: Any = None, *, sweep_interval_s: float = 1.0,
                     on_reject: Callable[[str, CpdError], None] | None = None) -> None:

@@ -80,6 +80,10 @@ class TokenSource(enum.StrEnum):
     COMPUTED = "computed"  # computed by the prefill
 
 
+REUSED_SOURCES = tuple(s for s in TokenSource if s is not TokenSource.COMPUTED)
+"""The sources of tokens not computed (:attr:`PromptTokens.reused`)."""
+
+
 class PromptTokens(msgspec.Struct, kw_only=True):
     """A prompt's tokens by where their KV came from (:class:`TokenSource`): one request's
     (a route's), or the sum over many (the router's totals, a benchmark's results)."""
