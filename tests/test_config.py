@@ -147,7 +147,14 @@ def test_subjects_validate_tokens() -> None:
     ({}, ['engine_decode.extra_args={"max_logprobs": 5}'], "decode",
      {"extra_args": {"max_logprobs": 5}}),
     ({}, [], "decode", {"gpu_memory_utilization": 0.15, "max_model_len": 0,
-                         "quantization": "", "extra_args": {}}),
+                         "quantization": "", "extra_args": {}, "tensor_parallel_size": 1,
+                         "pipeline_parallel_size": 1, "kv_cache_dtype": "auto"}),
+    # The paper's nodes: TP=4 prefill, a data-parallel (TP=1) decode.
+    ({}, ["engine_prefill.tensor_parallel_size=4"], "prefill",
+     {"tensor_parallel_size": 4, "ranks": 4}),
+    ({}, ["engine_prefill.tensor_parallel_size=4"], "decode", {"tensor_parallel_size": 1}),
+    ({}, ["engine.pipeline_parallel_size=2", "engine.tensor_parallel_size=2"], "decode",
+     {"ranks": 4}),
 ])
 def test_engine_settings_per_role(environ: dict[str, str], overrides: list[str], role: str,
                                   expected: dict[str, object]) -> None:
@@ -162,6 +169,11 @@ def test_engine_settings_per_role(environ: dict[str, str], overrides: list[str],
     ["engine.extra_args={bad json"],
     ["engine.gpu_memory_utilization=1.5"],
     ["engine_decode.no_such_field=1"],
+    ['engine.extra_args={"tensor_parallel_size": 2}'],  # a field of [engine] itself
+    ["engine.tensor_parallel_size=0"],
+    ["engine.kv_cache_dtype=int3"],
+    # One role's KV could not be loaded by another.
+    ["engine_decode.kv_cache_dtype=fp8"],
 ])
 def test_bad_engine_settings_are_config_errors(overrides: list[str]) -> None:
     with pytest.raises(ConfigError):
@@ -180,3 +192,13 @@ def test_the_served_context_is_the_engines(overrides: list[str], model_context: 
                                            served: int) -> None:
     assert load_settings(environ={}, overrides=overrides).served_context(
         model_context) == served
+
+
+@pytest.mark.parametrize("overrides, kv_dtype", [
+    ([], "float32"),
+    (["model.dtype=bfloat16"], "bfloat16"),
+    (["engine.kv_cache_dtype=fp8"], "fp8"),
+    (["engine.kv_cache_dtype=fp8", "engine_prefill.kv_cache_dtype=fp8"], "fp8"),
+])
+def test_the_kv_dtype_of_every_block(overrides: list[str], kv_dtype: str) -> None:
+    assert load_settings(environ={}, overrides=overrides).kv_dtype == kv_dtype

@@ -36,7 +36,10 @@ CROWN_LENGTHS = [300, 512, 700, 1024, 1300, 1790, 2048, 2500, 2900, 3333,
 for _i, _n in enumerate(CROWN_LENGTHS):
     PROMPTS[f"crown{_i}"] = _rng.integers(0, 1900, size=_n).tolist()
 PROMPTS["d"] = _rng.integers(0, 1900, size=4 * BS + 30).tolist()
-NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode"}
+PROMPTS["tp_warm"] = _rng.integers(0, 1900, size=4 * BS + 50).tolist()
+PROMPTS["tp_cold"] = _rng.integers(0, 1900, size=3 * BS + 70).tolist()
+# "ptp" (a prefill node of two tensor-parallel ranks) is started by its own test.
+NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode", "ptp": "prefill"}
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +234,32 @@ async def test_crown_every_path_is_token_identical_to_monolithic_vllm(cluster: d
         assert tokens == want, f"GPU hit, {n} tokens"
         assert (r.tokens.gpu, r.tokens.dram, r.tokens.remote) == (cached, 0, 0)
         assert r.tokens.computed == n - cached
+
+
+async def test_a_tensor_parallel_prefill_node_shares_blocks_with_single_rank_nodes(
+        vllm_cluster: VllmCluster, cluster: dict, reference: dict) -> None:
+    """A prefill node whose engine runs two tensor-parallel ranks (one core each) loads a
+    prefix that a single-rank node computed, and hands the blocks it computes to the
+    single-rank decode node: a block holds the whole model whatever the engine's ranks,
+    so nodes of different sizes share one namespace."""
+    await vllm_cluster.start_worker("ptp", "prefill", "engine.tensor_parallel_size=2",
+                                    "worker.engine_cpus=0,1")
+    try:
+        import psutil
+
+        titles = [" ".join(c.cmdline()) for c in psutil.Process(
+            vllm_cluster.procs["ptp"].pid).children(recursive=True)]
+        assert sum("VLLM::Worker" in t for t in titles) == 2, titles  # a process per rank
+        warm = PROMPTS["tp_warm"]
+        await _ask(cluster, "pp0", warm)
+        src = await _source(cluster, warm, "pp0", 4)
+        tokens, final = await _ask(cluster, "ptp", warm, [src])
+        assert tokens == reference["tp_warm"]
+        assert (final.route.tokens.remote, final.route.tokens.computed) == (
+            4 * BS, len(warm) - 4 * BS)
+        cold = PROMPTS["tp_cold"]
+        tokens, final = await _ask(cluster, "ptp", cold)
+        assert tokens == reference["tp_cold"]
+        assert final.route.decode_tokens_pulled == 3 * BS  # d0 loaded ptp's blocks
+    finally:
+        await vllm_cluster.stop_worker("ptp")

@@ -35,12 +35,14 @@ from pathlib import Path
 
 import numpy as np
 
+from cpd.engines.profile import DTYPE_BYTES
 from cpd.modelbuild import PRESETS
 from cpd.ops.config import Settings, load_settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode
 from cpd.protocol.hashing import Namespace, block_hashes
 from services.router.outcome import Reports
+from tools.bench import connectorcopy
 from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.registry import SettingsFactory
 from tools.cluster import Cluster, ClusterSpec, nodes_of
@@ -54,6 +56,7 @@ LENGTHS_FULL = (1024, 2048, 4096)  # plus the longest prompt the model takes
 LENGTHS_QUICK = (1024,)
 REPS_FULL, REPS_QUICK = 3, 1
 TARGET_WARM_REMOTE_OVER_COLD = 0.5
+TARGET_COPY_OVER_MEMCPY = 0.5
 # Two tokens: the first comes from the prefill side (TTFT), the second from decode, so
 # every request also runs the hand-off and decode's pull as it would in service.
 MAX_TOKENS = 2
@@ -373,11 +376,24 @@ def run(settings: Settings | None = None, quick: bool = False) -> dict:
             result = asyncio.run(_measure(cluster, quick))
         finally:
             cluster.kill_all()  # a no-op after a clean stop; after Ctrl-C, nothing survives
+    result.update(_connector_copy(settings))
     result["machine"] = machine_info()
     if not result["path_ok"]:
         print("cpd bench ttft: WARNING: some requests did not take the intended path:\n  "
               + "\n  ".join(result["path_errors"]), file=sys.stderr)
     return result
+
+
+def _connector_copy(settings: Settings) -> dict:
+    """The connector's arena <-> engine copy and memcpy of the same bytes, in this run
+    (the preset's shape at this run's block size and KV dtype)."""
+    p = PRESETS[PRESET]
+    out = connectorcopy.measure(layers=p.num_hidden_layers, kv_heads=p.num_key_value_heads,
+                                head_dim=p.head_dim, block_size=settings.cache.block_size,
+                                dtype_bytes=DTYPE_BYTES[settings.kv_dtype])
+    out["target_connector_copy_over_memcpy"] = TARGET_COPY_OVER_MEMCPY
+    out["met_copy_target"] = out["connector_copy_over_memcpy"] >= TARGET_COPY_OVER_MEMCPY
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

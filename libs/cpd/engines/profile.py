@@ -28,7 +28,9 @@ from cpd.sim.scheduler import SchedulerConfig
 from .protocol import ArenaSpec, Engine
 from .servedmodel import ServedModel
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1,
+               "fp8_e5m2": 1}
+"""Bytes of one value of each KV dtype (``Settings.kv_dtype``)."""
 
 # Bump when the sim's token or KV-byte derivation changes: old blocks must not match.
 SIM_REVISION = "sim1"
@@ -104,7 +106,7 @@ class VllmProfile(EngineProfile):
             layers, kv_heads, head_dim = p.num_hidden_layers, p.num_key_value_heads, p.head_dim
         return kv_block_bytes(layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                               block_tokens=s.cache.block_size,
-                              dtype_bytes=_DTYPE_BYTES[s.model.dtype])
+                              dtype_bytes=DTYPE_BYTES[s.kv_dtype])
 
     def prefill_cost_ms(self) -> tuple[float, float, float]:
         c = self.settings.router

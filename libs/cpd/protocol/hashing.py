@@ -74,6 +74,8 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer_hash: str
     kv_dtype: str
     block_size: Annotated[int, msgspec.Meta(gt=0)]
+    # The layout of a block's bytes: always a single-rank engine's, whatever the ranks of
+    # the engine that computed it (each rank copies its share: cpd.engines.vllm.kv_layout).
     parallel_layout: str = "tp1-pp1"
     adapter_id: str = ""
     tenant_salt: str = ""

@@ -32,6 +32,8 @@ Loads run in one of two ways (extra config ``async_load``, the worker's
   would otherwise stall its batch for each prompt's copy.
 
 Engine block size must equal CPD's cache block size (one engine block = one CPD block).
+A block holds the whole model's KV whatever the engine's tensor and pipeline parallelism:
+each rank copies its own heads and layers (:mod:`cpd.engines.vllm.kv_layout`).
 """
 
 from __future__ import annotations
@@ -77,8 +79,13 @@ class CpdConnector(KVConnectorBase_V1):
             self._scheduler = ConnectorScheduler(vllm_config.cache_config.block_size,
                                                  bool(extra.get("async_load", False)))
         else:
-            self._worker = ConnectorWorker(extra["arena_path"], int(extra["num_slots"]),
-                                           int(extra["slot_bytes"]))
+            model = vllm_config.model_config
+            self._worker = ConnectorWorker(
+                extra["arena_path"], int(extra["num_slots"]), int(extra["slot_bytes"]),
+                block_size=vllm_config.cache_config.block_size,
+                num_layers=model.get_total_num_hidden_layers(),
+                num_kv_heads=model.get_total_num_kv_heads(),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size)
 
     @property
     def scheduler(self) -> ConnectorScheduler:
@@ -113,7 +120,9 @@ class CpdConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.worker.register_kv_caches(kv_caches, tp_rank=get_tensor_model_parallel_rank())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load(self._metadata())

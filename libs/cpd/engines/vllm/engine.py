@@ -20,6 +20,7 @@ from cpd.engines.vllm.version import check_vllm_version
 from cpd.modelbuild.runtime import engine_kwargs, engine_thread_env, prepare_cpu_env
 from cpd.ops.config import EngineSettings
 from cpd.protocol import wire
+from cpd.protocol.errors import ConfigError
 
 
 class VllmEngine:
@@ -39,9 +40,15 @@ class VllmEngine:
         # spin a second after every message (docs/architecture.md, "Engines").
         if executor not in ("uni", "mp"):
             raise ValueError(f"unknown vLLM executor {executor!r}")
-        self.executor = executor
+        # [engine] (one role's): vLLM's own arguments of the same names.
+        self.engine = engine or EngineSettings()
+        # An engine of several ranks runs one process per rank.
+        self.executor = executor if self.engine.ranks == 1 else "mp"
         self.threads = threads
         self.cpus = tuple(cpus)
+        if self.cpus and len(self.cpus) < self.engine.ranks:
+            raise ConfigError(f"worker.engine_cpus gives {len(self.cpus)} CPUs to an engine "
+                              f"of {self.engine.ranks} ranks: each rank needs at least one")
         # Arena loads off the step (the request waits in WAITING_FOR_REMOTE_KVS while the
         # batch runs; cpd.engines.vllm.connector) instead of inside the step that schedules it.
         self.async_kv_load = async_kv_load
@@ -54,8 +61,6 @@ class VllmEngine:
         self.kv_cache_gib = kv_cache_gib
         # Where vLLM publishes its KV cache events (ZMQ), for cpd.engines.vllm.gpu_events.
         self.kv_events_endpoint = kv_events_endpoint
-        # [engine] (one role's): vLLM's own arguments of the same names.
-        self.engine = engine or EngineSettings()
         # vLLM's own vllm:* series, in prometheus_client's default registry (which the
         # worker exports next to CPD's); its log lines of stats stay off.
         self.metrics = metrics
@@ -109,7 +114,7 @@ class VllmEngine:
             # concerns the engine core (AsyncLLM keeps the core in a process of its own).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         elif self.cpus:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = rank_cpus(self.cpus, self.engine.ranks)
         return env
 
     async def start(self) -> None:
@@ -215,6 +220,19 @@ def _logprobs(per_token: Any, ids: list[int], k: int | None) -> list[wire.TokenL
             logprob=own.logprob, rank=own.rank,
             top=[(t, e.logprob) for t, e in ranked if e.rank <= k]))
     return out
+
+
+def rank_cpus(cpus: Sequence[int], ranks: int) -> str:
+    """vLLM-CPU's ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks over ``cpus``: equal
+    consecutive shares (the first ranks take one more where they do not divide), one
+    ``|``-separated group per rank."""
+    per, extra = divmod(len(cpus), ranks)
+    groups, at = [], 0
+    for r in range(ranks):
+        n = per + (r < extra)
+        groups.append(",".join(map(str, cpus[at:at + n])))
+        at += n
+    return "|".join(groups)
 
 
 def _token_list(tokens: Sequence[int] | np.ndarray) -> list[int]:

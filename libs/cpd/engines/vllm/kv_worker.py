@@ -1,18 +1,21 @@
-"""The worker half of CPD's vLLM KV connector: whole-block copies between vLLM's paged
-KV cache and the worker's shared-memory block arena, inside the step or on a loader
-thread (a side CUDA stream on GPUs), with each loaded slot's checksum verified first."""
+"""The worker half of CPD's vLLM KV connector: block copies between vLLM's paged KV
+cache and the worker's shared-memory block arena, inside the step or on a loader thread
+(a side CUDA stream on GPUs), with each loaded slot's checksum verified first. Each rank
+of a tensor-parallel engine copies its own heads (:mod:`cpd.engines.vllm.kv_layout`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import re
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from cpd.engines.vllm.kv_layout import ShardLayout, runs
 from cpd.engines.vllm.kv_meta import CpdConnectorMetadata, Load
 from cpd.kvstore import checksum
 
@@ -20,86 +23,97 @@ log = logging.getLogger(__name__)
 
 
 class ConnectorWorker:
-    """The worker side of one engine over the arena file ``arena_path`` of
-    ``num_slots`` slots of ``slot_bytes``; ``get_finished``,
-    ``get_block_ids_with_load_errors`` and ``shutdown`` mean what vLLM's
-    ``KVConnectorBase_V1`` says."""
+    """The worker side of one engine rank over the arena file ``arena_path`` of
+    ``num_slots`` slots of ``slot_bytes``. A slot holds a whole block (every layer and
+    KV head of the model: :mod:`cpd.engines.vllm.kv_layout`); this rank copies its
+    share. ``get_finished``, ``get_block_ids_with_load_errors`` and ``shutdown`` mean
+    what vLLM's ``KVConnectorBase_V1`` says."""
 
-    def __init__(self, arena_path: str, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, arena_path: str, num_slots: int, slot_bytes: int, *,
+                 block_size: int, num_layers: int = 0, num_kv_heads: int = 0,
+                 tp_size: int = 1) -> None:
         self.arena_path = arena_path
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
+        self.block_size = block_size
+        # The whole model's shape (0: this rank's own, for a single-rank engine).
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.tp_size = tp_size
+        self.layout: ShardLayout | None = None
         self._arena: np.ndarray | None = None
-        self._layers: list[torch.Tensor] = []
-        self._layer_bytes = 0
+        # Per layer of this rank: the engine's cache as bytes with blocks first, and this
+        # rank's heads of every arena slot (a strided view into the arena).
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._on_gpu = False
         self._load_errors: set[int] = set()
         # The loader thread and its loads in flight, per request.
         self._loader: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future[set[int]], list[Load]]] = {}
         self._load_stream: Any = None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map the engine's per-layer caches and the arena; one engine block across all
-        layers must be exactly one arena slot."""
-        def layer_no(name: str) -> tuple[int, str]:
-            m = re.search(r"\.(\d+)\.", name)
-            return (int(m.group(1)) if m else -1, name)
-
-        self._layers = [kv_caches[n] for n in sorted(kv_caches, key=layer_no)]
-        per_layer = sum(self._block_view(t, 0).numel() * t.element_size()
-                        for t in self._layers[:1])
-        if per_layer * len(self._layers) != self.slot_bytes:
-            raise ValueError(f"arena slot is {self.slot_bytes} bytes but one engine block is "
-                             f"{per_layer} x {len(self._layers)} layers")
-        self._layer_bytes = per_layer
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], *,
+                           tp_rank: int = 0) -> None:
+        """Map the engine's per-layer caches (of this ``tp_rank``) and the arena; one
+        block of the whole model must be exactly one arena slot."""
+        names = sorted(kv_caches, key=lambda n: (_layer_no(n), n))
+        numbers = [_layer_no(n) for n in names]
+        if min(numbers) < 0:  # unnumbered layers: the order of their names
+            numbers = list(range(len(names)))
+        caches = [_blocks_first(kv_caches[n].view(torch.uint8)) for n in names]
+        block = caches[0][0]
+        axis = _heads_axis(block.shape, self.block_size)
+        heads = self.num_kv_heads or block.shape[axis] * self.tp_size
+        self.layout = ShardLayout(
+            num_layers=self.num_layers or len(names), num_kv_heads=heads,
+            tp_size=self.tp_size, tp_rank=tp_rank,
+            layer_bytes=block.numel() // block.shape[axis] * heads)
+        lay = self.layout
+        if block.shape[axis] != lay.local_heads:
+            raise ValueError(f"rank {tp_rank} holds {block.shape[axis]} KV heads, not "
+                             f"{lay.local_heads} of {heads} over {self.tp_size} ranks")
+        if lay.slot_bytes != self.slot_bytes:
+            raise ValueError(f"arena slot is {self.slot_bytes} bytes but one block of the "
+                             f"model is {lay.layer_bytes} x {lay.num_layers} layers")
         self._arena = np.memmap(self.arena_path, dtype=np.uint8, mode="r+",
                                 shape=(self.num_slots, self.slot_bytes))
+        arena = torch.from_numpy(self._arena)
+        whole = list(block.shape)
+        whole[axis] = heads
+        self._layers = []
+        for no, cache in zip(numbers, caches, strict=True):
+            off = lay.layer_offset(no)
+            slots = arena[:, off:off + lay.layer_bytes].view(self.num_slots, *whole)
+            mine = slots.narrow(axis + 1, lay.first_head, lay.local_heads)
+            self._layers.append((cache, mine))
+        self._on_gpu = caches[0].is_cuda
 
-    @staticmethod
-    def _block_view(t: torch.Tensor, block: int) -> torch.Tensor:
-        # CPU attention keeps [num_blocks, kv_heads, block_size, 2*head]: one block is
-        # contiguous. Layouts with K and V split in front ([2, num_blocks, ...]) too.
-        return t[block] if t.shape[0] != 2 else t[:, block]
-
-    def _copy_in(self, block: int, slot: int) -> None:
-        assert self._arena is not None
-        src = self._arena[slot]
-        lb = self._layer_bytes
-        for li, t in enumerate(self._layers):
-            dst = self._block_view(t, block)
-            flat = torch.from_numpy(np.asarray(src[li * lb:(li + 1) * lb]))
-            if dst.is_contiguous():
-                dst.view(-1).view(torch.uint8).copy_(flat)
-            else:
-                dst.copy_(flat.view(t.dtype).view(dst.shape))
-
-    def _copy_out(self, block: int, slot: int) -> None:
-        assert self._arena is not None
-        dst = self._arena[slot]
-        lb = self._layer_bytes
-        for li, t in enumerate(self._layers):
-            # .cpu() is free for vLLM-CPU's tensors and the device-to-host copy on a GPU.
-            src = self._block_view(t, block).contiguous().cpu()
-            dst[li * lb:(li + 1) * lb] = src.view(-1).view(torch.uint8).numpy()
+    def _copy(self, pairs: list[tuple[int, int]], *, save: bool) -> None:
+        # One copy per layer and run of consecutive blocks and slots, straight between
+        # the engine's cache and the arena (the device-to-host copy itself on a GPU).
+        for block, slot, n in runs(pairs):
+            for cache, slots in self._layers:
+                if save:
+                    slots[slot:slot + n].copy_(cache[block:block + n])
+                else:
+                    cache[block:block + n].copy_(slots[slot:slot + n], non_blocking=True)
 
     def _load(self, loads: list[Load]) -> set[int]:
         """Copies verified slots into their engine blocks; returns the blocks that
         failed their checksum (vLLM recomputes from the first one on)."""
         assert self._arena is not None
-        bad: set[int] = set()
-        for block, slot, ck in loads:
-            if ck and checksum(self._arena[slot]) != ck:
-                bad.add(block)
-                continue
-            self._copy_in(block, slot)
+        bad = {block for block, slot, ck in loads
+               if ck and checksum(self._arena[slot]) != ck}
+        self._copy([(block, slot) for block, slot, _ in loads if block not in bad],
+                   save=False)
         return bad
 
     def _load_off_step(self, loads: list[Load]) -> set[int]:
         # The loader thread. On a GPU the copies go to a side stream so the model's
         # kernels on the compute stream are not serialised behind them.
-        on_gpu = bool(self._layers) and self._layers[0].is_cuda
+        on_gpu = self._on_gpu
         if on_gpu and self._load_stream is None:
-            self._load_stream = torch.cuda.Stream(device=self._layers[0].device)
+            self._load_stream = torch.cuda.Stream(device=self._layers[0][0].device)
         with torch.cuda.stream(self._load_stream) if on_gpu else contextlib.nullcontext():
             bad = self._load(loads)
         if on_gpu:
@@ -135,10 +149,11 @@ class ConnectorWorker:
     def save(self, meta: CpdConnectorMetadata) -> None:
         """This step's saves: full prompt blocks copied out to their slots (all layers at
         once, at the end of the step)."""
-        for block, slot in meta.saves:
-            self._copy_out(block, slot)
-        if meta.saves and self._arena is not None:
-            self._arena.flush()
+        assert self.layout is not None
+        if meta.saves and self.layout.writes:
+            self._copy(list(meta.saves), save=True)
+            if self._on_gpu:
+                torch.cuda.current_stream().synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -148,3 +163,27 @@ class ConnectorWorker:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+
+
+def _layer_no(name: str) -> int:
+    """The model's index of a layer from its name (``model.layers.3.self_attn.attn``);
+    pipeline stages keep the model's numbering."""
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def _blocks_first(t: torch.Tensor) -> torch.Tensor:
+    # CPU attention keeps [num_blocks, kv_heads, block_size, 2*head]; layouts with K and
+    # V split in front ([2, num_blocks, ...]) are viewed with the blocks first.
+    return t if t.shape[0] != 2 else t.movedim(1, 0)
+
+
+def _heads_axis(block: Sequence[int], block_size: int) -> int:
+    """The KV-heads axis of one block's view: [heads, tokens, bytes] on CPU, [2, tokens,
+    heads, bytes] (or [2, heads, tokens, bytes]) with K and V in front."""
+    if len(block) == 3 and block[1] == block_size:
+        return 0
+    if len(block) == 4 and block[0] == 2 and (block[1] == block_size) != (block[2] == block_size):
+        return 2 if block[1] == block_size else 1
+    raise ValueError(f"unknown KV cache block layout {tuple(block)} "
+                     f"(block size {block_size})")
