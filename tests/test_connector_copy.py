@@ -1,7 +1,7 @@
 """The connector worker's copies on CPU tensors shaped as vLLM's caches: every rank of a
 tensor-parallel engine, pipeline stages, replicated heads and the K/V-first (GPU) layout
 give the same whole block a single-rank engine gives, and load back into each rank's
-share. The same code runs inside vLLM (tests/test_connector.py, test_connector_tp.py)."""
+share. The same code runs inside vLLM (tests/test_connector.py, test_connector_layouts.py)."""
 
 from __future__ import annotations
 

@@ -449,6 +449,29 @@ async def test_lifecycle_events_land_in_the_cpd_kv_stream(bus) -> None:
     assert got[3].hashes == [h(2)] and got[7].blocks == refs[:1]
 
 
+@pytest.mark.parametrize("now_ms, last, epoch", [
+    (1_000, None, 1_000),       # a node the stream has never seen: its start time
+    (1_000, 900, 1_000),        # the clock moved on since the last incarnation
+    (1_000, 1_000, 1_001),      # restarted within the same millisecond
+    (1_000, 5_000, 5_001),      # the clock was set back: past the last epoch anyway
+])
+def test_a_new_epoch_is_always_past_the_last(now_ms: int, last: int | None,
+                                             epoch: int) -> None:
+    assert kvevents.next_epoch(now_ms, last) == epoch
+
+
+@pytest.mark.timeout(60)
+async def test_a_node_finds_its_last_epoch_in_the_stream(bus) -> None:
+    js = bus.nc.jetstream()
+    await kvevents.ensure_stream(js)
+    node, other = f"kve-{uuid.uuid4().hex[:8]}", f"kve-{uuid.uuid4().hex[:8]}"
+    assert await kvevents.last_epoch(js, node) is None
+    for n, epoch in ((node, 41), (node, 9_000_000_000_000), (other, 10**13)):
+        await KvEventPublisher(js, n, epoch=epoch).cleared()
+    assert await kvevents.last_epoch(js, node) == 9_000_000_000_000
+    assert kvevents.next_epoch(1_000, await kvevents.last_epoch(js, node)) == 9_000_000_000_001
+
+
 @contextlib.asynccontextmanager
 async def _outage_store(server: NatsServer, slots: int, **kw: int
                         ) -> AsyncIterator[tuple[KvStore, Any]]:

@@ -68,6 +68,13 @@ def test_permission_table_keeps_each_identity_to_its_job() -> None:
         assert allows(_sub(role, f"{role}-0"), subjects.run(role, f"{role}-0"))
         assert not allows(_sub(role, f"{role}-0"), subjects.run(role, f"{role}-1"))
         assert allows(_pub(role), subjects.kv_events("anything"))  # per-kind identity
+        # Its own last event (its last epoch), never another node's events.
+        last = subjects.js_direct_last(subjects.KV_STREAM, subjects.kv_events(f"{role}-0"))
+        assert allows(_pub(role, f"{role}-0"), last)
+        assert not allows(_pub(role, f"{role}-0"), subjects.js_direct_last(
+            subjects.KV_STREAM, subjects.kv_events(f"{role}-1")))
+        assert not allows(_pub(role, f"{role}-0"), "$JS.API.STREAM.MSG.GET.CPD_KV")
+        assert not allows(_pub(role, f"{role}-0"), "$JS.API.DIRECT.GET.CPD_KV")
     # Only kvindex publishes visibility changes and manages/consumes CPD_KV.
     for kind in security.KINDS:
         g = security.grants(kind)

@@ -15,12 +15,14 @@ import pytest
 
 from cpd.bus import Bus
 from cpd.engines.profile import engine_profile
+from cpd.kvstore import events as kvevents
 from cpd.ops.config import load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import InvalidRequest
 from cpd.protocol.hashing import block_hashes
 from cpd.protocol.roles import Role
+from services.kvindex import KvIndexService
 from services.worker import WorkerService
 
 pytestmark = pytest.mark.timeout(120)
@@ -160,3 +162,54 @@ async def test_several_choices_share_one_prefill_and_one_hand_off(both: WorkerSe
                                   timeout=10)
     finally:
         await bus.close()
+
+
+async def test_a_worker_whose_clock_is_behind_its_last_epoch_starts_past_it(
+        fresh_nats: NatsServer, tmp_path: Path) -> None:
+    """The node's last incarnation stamped its events with an epoch an hour ahead of this
+    clock (its clock ran ahead, or this one was set back). kvindex takes events of an
+    epoch below the node's latest for stale: the new incarnation starts past the last
+    epoch in CPD_KV, so what it computes is indexed and found."""
+    node = "behind0"
+    common = [f"nats.servers={fresh_nats.url}", "nats.drain_timeout_s=2"]
+    s = load_settings(environ={}, overrides=[
+        *common, "worker.engine=sim", f"node.node_id={node}", f"worker.arena_dir={tmp_path}",
+        "dataplane.arena_bytes=67108864"])
+    kvindex = KvIndexService(load_settings(environ={}, overrides=[
+        *common, "node.node_id=kvi-behind", f"kvindex.snapshot_dir={tmp_path / 'snap'}"]))
+    await kvindex.start()
+    bus = await Bus.open(s, "test-epochs")
+    worker: WorkerService | None = None
+    try:
+        js = bus.nc.jetstream()
+        await kvevents.ensure_stream(js)
+        ahead = int(time.time() * 1000) + 3_600_000
+        await kvevents.KvEventPublisher(js, node, epoch=ahead).cleared()
+        worker = WorkerService(s, Role.PREFILL, handlers=(Role.PREFILL, Role.DECODE))
+        await worker.start()
+        assert worker.epoch == ahead + 1
+        assert worker.heartbeat_message().started_unix_ms == ahead + 1
+        ns = engine_profile(s).namespace()
+        prompt = list(range(1, 3 * s.cache.block_size + 11))
+        hashes = block_hashes(ns, prompt)
+        req = wire.PrefillRequest(
+            request_id="r-epoch", reply_to="", tokens=wire.pack_tokens(prompt),
+            sampling=wire.SamplingParams(max_tokens=2, ignore_eos=True), namespace=ns.id,
+            block_hashes=hashes, decode_node=node,
+            deadline_unix_ms=int(time.time() * 1000) + 60_000)
+        msgs = [m async for m in bus.stream(subjects.run(Role.PREFILL, node), req, timeout=60)]
+        assert isinstance(msgs[-1], wire.Final)
+        found = 0
+        for _ in range(100):
+            reply = await bus.request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+                request_id="q", namespace=ns.id, block_hashes=hashes), expect=wire.LookupReply)
+            found = max((m.num_blocks for m in reply.matches if m.node == node), default=0)
+            if found == 3:
+                break
+            await asyncio.sleep(0.1)
+        assert found == 3
+    finally:
+        if worker is not None:
+            await worker.stop()
+        await bus.close()
+        await kvindex.stop()

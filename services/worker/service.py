@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from cpd.bus import Request, Service
 from cpd.engines.profile import CacheEventBridge, engine_profile
+from cpd.kvstore import events as kvevents
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
 from cpd.ops.cpuset import lower_descendants
@@ -66,6 +67,9 @@ class WorkerService(Service):
             raise ValueError(f"a {role} worker hosts its own role's handler and decode's, "
                              f"not {', '.join(self.handler_kinds)}")
         self.profile = engine_profile(settings)
+        # This incarnation: its start time in ms until NATS is up, then past the last
+        # epoch CPD_KV holds for this node (setup: kvstore.events.next_epoch), so a clock
+        # set back never makes kvindex take the new incarnation's events for stale ones.
         self.epoch = int(time.time() * 1000)
         # This incarnation's data-plane secret: peers read our blocks only with a
         # capability issued from it (sealed events → kvindex → router, or our hand-off);
@@ -109,6 +113,14 @@ class WorkerService(Service):
     async def setup(self) -> None:
         assert self._parts is not None
         s = self.settings
+        js = self.bus.nc.jetstream()
+        await kvevents.ensure_stream(js, update=False)  # kvindex owns its limits
+        last = await kvevents.last_epoch(js, self.node_id)
+        epoch = kvevents.next_epoch(self.epoch, last)
+        if epoch != self.epoch:
+            self.log.warning("worker.epoch_past_clock", clock_ms=self.epoch, last_epoch=last,
+                             epoch=epoch)
+            self.epoch, self.keyring = epoch, Keyring(self.node_id, epoch)
         self.core = core = await WorkerCore.build(
             s, self.role, parts=self._parts, bus=self.bus, epoch=self.epoch,
             keyring=self.keyring, peers=self.peers, load=self.load, log=self.log,

@@ -4,8 +4,9 @@
 The contract between writers (workers' block stores, vLLM KV events) and kvindex:
 
 * one subject per node, ``cpd.v1.kv.events.<node>``;
-* every event carries the node's ``epoch`` (its start time in ms; a new epoch means
-  empty caches) and a ``seq`` counting from 1 within the epoch, so kvindex detects gaps;
+* every event carries the node's ``epoch`` (its start time in ms, and always past the
+  last epoch the stream holds for the node: :func:`next_epoch`; a new epoch means empty
+  caches) and a ``seq`` counting from 1 within the epoch, so kvindex detects gaps;
 * ``Nats-Msg-Id = <node>:<epoch>:<seq>``: a retried publish is stored once
   (JetStream de-duplication), and kvindex applies events idempotently anyway;
 * publishing is serialized per node so stream order equals ``seq`` order.
@@ -74,11 +75,40 @@ async def _ensure_stream(js: JetStreamContext, *, max_age_s: float, max_bytes: i
         max_bytes=max_bytes,
         duplicate_window=120.0,
         num_replicas=replicas,
+        # A starting worker reads its own subject's last event (its last epoch) with a
+        # direct get, which its permissions confine to that subject.
+        allow_direct=True,
     )
     try:
         return await js.add_stream(config)
     except nats.js.errors.BadRequestError:
         return await js.update_stream(config)
+
+
+def next_epoch(now_ms: int, last: int | None) -> int:
+    """The epoch of a node's new incarnation: its start time in ms, but always past
+    ``last``, the node's last epoch in ``CPD_KV``. kvindex takes events of an epoch below
+    the node's current one for stale, so a clock set back (an NTP step, a restored VM)
+    must not hand a restarted node a smaller epoch."""
+    return now_ms if last is None else max(now_ms, last + 1)
+
+
+async def last_epoch(js: JetStreamContext, node: str) -> int | None:
+    """The epoch of ``node``'s last event in ``CPD_KV`` (a direct get of its subject's
+    last message); ``None`` when it has none, or when the stream cannot say (logged: the
+    wall clock alone then decides)."""
+    try:
+        msg = await js.get_last_msg(subjects.KV_STREAM, subjects.kv_events(node), direct=True)
+    except nats.js.errors.NotFoundError:
+        return None
+    except (TimeoutError, nats.errors.Error) as e:
+        _log.warning("kv_stream.last_epoch_unknown", node=node, error=repr(e))
+        return None
+    try:
+        return wire.decode(msg.data, wire.KvEvent).epoch
+    except CpdError as e:
+        _log.warning("kv_stream.last_event_unreadable", node=node, error=repr(e))
+        return None
 
 
 def msg_id(node: str, epoch: int, seq: int) -> str:

@@ -114,6 +114,8 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             s.for_node(s.load, role, node=n),
             s.for_node(s.kv_events, node=n),      # into CPD_KV (a JetStream publish)
             s.js_stream_info(s.KV_STREAM),        # waits for the stream; no messages
+            # Its own last event: its last epoch (a restart always starts past it).
+            s.js_direct_last(s.KV_STREAM, s.for_node(s.kv_events, node=n)),
             *_inboxes("router"),                  # token streams go to the router
         )
         subscribe = (

@@ -211,6 +211,12 @@ def js_stream_info(stream: str) -> str:
     return f"{JS_API}.STREAM.INFO.{check_token(stream, 'stream')}"
 
 
+def js_direct_last(stream: str, subject: str) -> str:
+    """Read the last message of ``subject`` in ``stream`` (a direct get; the stream
+    allows it): only that subject's, unlike the message-get API."""
+    return f"{JS_API}.DIRECT.GET.{check_token(stream, 'stream')}.{subject}"
+
+
 def js_stream_admin(stream: str) -> list[str]:
     """Patterns to create, update, inspect and consume ``stream`` (its owner only)."""
     s = check_token(stream, "stream")

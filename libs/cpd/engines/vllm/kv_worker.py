@@ -46,6 +46,8 @@ class ConnectorWorker:
         # rank's heads of every arena slot (a strided view into the arena).
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._on_gpu = False
+        # Whether the arena is page-locked for the GPU's copy engines (DMA, asynchronous).
+        self._pinned = False
         self._load_errors: set[int] = set()
         # The loader thread and its loads in flight, per request.
         self._loader: ThreadPoolExecutor | None = None
@@ -87,6 +89,8 @@ class ConnectorWorker:
             mine = slots.narrow(axis + 1, lay.first_head, lay.local_heads)
             self._layers.append((cache, mine))
         self._on_gpu = caches[0].is_cuda
+        if self._on_gpu:
+            self._pinned = _pin(self._arena)
 
     def _copy(self, pairs: list[tuple[int, int]], *, save: bool) -> None:
         # One copy per layer and run of consecutive blocks and slots, straight between
@@ -163,6 +167,21 @@ class ConnectorWorker:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        if self._pinned and self._arena is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.ctypes.data)
+            self._pinned = False
+
+
+def _pin(arena: np.ndarray) -> bool:
+    """Page-lock the arena's mapping for the GPU (``cudaHostRegister``): its copies then
+    run on the copy engines, asynchronously, at the link's rate. Pageable memory still
+    works (staged through a driver buffer), so a refusal is logged, not fatal."""
+    err = torch.cuda.cudart().cudaHostRegister(arena.ctypes.data, arena.nbytes, 0)
+    if int(err) != 0:
+        log.warning("could not page-lock the %d-byte KV arena (CUDA error %s); its copies "
+                    "are staged through pageable memory", arena.nbytes, err)
+        return False
+    return True
 
 
 def _layer_no(name: str) -> int:

