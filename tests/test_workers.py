@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,8 @@ for _i, _n in enumerate(CROWN_LENGTHS):
 PROMPTS["d"] = _rng.integers(0, 1900, size=4 * BS + 30).tolist()
 PROMPTS["tp_warm"] = _rng.integers(0, 1900, size=4 * BS + 50).tolist()
 PROMPTS["tp_cold"] = _rng.integers(0, 1900, size=3 * BS + 70).tolist()
+# The small preset's cluster (8 layers, 4 KV heads) runs these on every path.
+SMALL_PROMPTS = [_rng.integers(0, 1900, size=n).tolist() for n in (3 * BS, 5 * BS + 77)]
 # "ptp" (a prefill node of two tensor-parallel ranks) is started by its own test.
 NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode", "ptp": "prefill"}
 
@@ -47,6 +50,25 @@ async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory)
     outs = await reference_outputs(model_cache, tmp_path_factory.mktemp("ref"),
                                    list(PROMPTS.values()), MAX_TOKENS)
     return dict(zip(PROMPTS, outs, strict=True))
+
+
+@pytest.fixture(scope="module")
+async def small_reference(model_cache: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    return await reference_outputs(model_cache, tmp_path_factory.mktemp("small-ref"),
+                                   SMALL_PROMPTS, MAX_TOKENS, preset="small")
+
+
+@pytest.fixture(scope="module")
+async def small_cluster(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+                        ) -> AsyncIterator[dict]:
+    """pp0, p0 and d0 on the ``small`` preset (its own NATS and kvindex)."""
+    c = VllmCluster(tmp_path_factory.mktemp("small"), model_cache, "model.preset=small")
+    try:
+        await c.start()
+        yield {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp}
+    finally:
+        await c.stop()
 
 
 @pytest.fixture
@@ -205,43 +227,52 @@ async def _reset_gpu_cache(c: dict, node: str) -> None:
                            expect=wire.Accepted)
 
 
+async def _every_path(c: dict, prompt: list[int], want: list[int], prefill: str = "p0"
+                      ) -> None:
+    """``prompt`` cold on pp0, then on ``prefill``: warm from pp0's DRAM, warm from its
+    own DRAM, and from its engine's prefix cache: each path asserted from the final
+    message, each output ``want``."""
+    n = len(prompt)
+    blocks = (n - 1) // BS  # the last prompt token is always computed
+    cached = blocks * BS
+    tokens, final = await _ask(c, "pp0", prompt)  # cold
+    r = final.route
+    assert tokens == want, f"cold, {n} tokens"
+    assert (r.prefill_node, r.tokens.computed, r.tokens.gpu) == ("pp0", n, 0)
+    assert r.decode_tokens_pulled == n // BS * BS
+    src = await _source(c, prompt, "pp0", blocks)
+    tokens, final = await _ask(c, prefill, prompt, [src])  # warm, peer's DRAM
+    r = final.route
+    assert tokens == want, f"warm-remote, {n} tokens"
+    assert (r.tokens.remote, r.tokens.dram, r.tokens.computed) == (cached, 0, n - cached)
+    await _reset_gpu_cache(c, prefill)
+    tokens, final = await _ask(c, prefill, prompt)  # warm, own DRAM
+    r = final.route
+    assert tokens == want, f"warm-local-DRAM, {n} tokens"
+    assert (r.tokens.dram, r.tokens.gpu, r.tokens.remote) == (cached, 0, 0)
+    tokens, final = await _ask(c, prefill, prompt)  # warm, GPU prefix cache
+    r = final.route
+    assert tokens == want, f"GPU hit, {n} tokens"
+    assert (r.tokens.gpu, r.tokens.dram, r.tokens.remote) == (cached, 0, 0)
+    assert r.tokens.computed == n - cached
+
+
 async def test_crown_every_path_is_token_identical_to_monolithic_vllm(cluster: dict,
                                                                       reference: dict) -> None:
     """For 20 prompts up to the model's limit: cold on pre-prefill, warm from a peer's DRAM,
     warm from the prefill node's own DRAM, and warm from its GPU prefix cache — each path
     asserted from the final message, each output equal to the monolithic run."""
-    for i, n in enumerate(CROWN_LENGTHS):
-        prompt, want = PROMPTS[f"crown{i}"], reference[f"crown{i}"]
-        blocks = (n - 1) // BS  # the last prompt token is always computed
-        cached = blocks * BS
-        tokens, final = await _ask(cluster, "pp0", prompt)  # cold
-        r = final.route
-        assert tokens == want, f"cold, {n} tokens"
-        assert (r.prefill_node, r.tokens.computed, r.tokens.gpu) == ("pp0", n, 0)
-        assert r.decode_tokens_pulled == n // BS * BS
-        src = await _source(cluster, prompt, "pp0", blocks)
-        tokens, final = await _ask(cluster, "p0", prompt, [src])  # warm, peer's DRAM
-        r = final.route
-        assert tokens == want, f"warm-remote, {n} tokens"
-        assert (r.tokens.remote, r.tokens.dram, r.tokens.computed) == (cached, 0, n - cached)
-        await _reset_gpu_cache(cluster, "p0")
-        tokens, final = await _ask(cluster, "p0", prompt)  # warm, own DRAM
-        r = final.route
-        assert tokens == want, f"warm-local-DRAM, {n} tokens"
-        assert (r.tokens.dram, r.tokens.gpu, r.tokens.remote) == (cached, 0, 0)
-        tokens, final = await _ask(cluster, "p0", prompt)  # warm, GPU prefix cache
-        r = final.route
-        assert tokens == want, f"GPU hit, {n} tokens"
-        assert (r.tokens.gpu, r.tokens.dram, r.tokens.remote) == (cached, 0, 0)
-        assert r.tokens.computed == n - cached
+    for i in range(len(CROWN_LENGTHS)):
+        await _every_path(cluster, PROMPTS[f"crown{i}"], reference[f"crown{i}"])
 
 
 async def test_a_tensor_parallel_prefill_node_shares_blocks_with_single_rank_nodes(
         vllm_cluster: VllmCluster, cluster: dict, reference: dict) -> None:
     """A prefill node whose engine runs two tensor-parallel ranks (one core each) loads a
-    prefix that a single-rank node computed, and hands the blocks it computes to the
-    single-rank decode node: a block holds the whole model whatever the engine's ranks,
-    so nodes of different sizes share one namespace."""
+    prefix that a single-rank node computed (then serves it from its own DRAM and its
+    engine's cache), and hands the blocks it computes to the single-rank decode node: a
+    block holds the whole model whatever the engine's ranks, so nodes of different sizes
+    share one namespace."""
     await vllm_cluster.start_worker("ptp", "prefill", "engine.tensor_parallel_size=2",
                                     "worker.engine_cpus=0,1")
     try:
@@ -250,16 +281,20 @@ async def test_a_tensor_parallel_prefill_node_shares_blocks_with_single_rank_nod
         titles = [" ".join(c.cmdline()) for c in psutil.Process(
             vllm_cluster.procs["ptp"].pid).children(recursive=True)]
         assert sum("VLLM::Worker" in t for t in titles) == 2, titles  # a process per rank
-        warm = PROMPTS["tp_warm"]
-        await _ask(cluster, "pp0", warm)
-        src = await _source(cluster, warm, "pp0", 4)
-        tokens, final = await _ask(cluster, "ptp", warm, [src])
-        assert tokens == reference["tp_warm"]
-        assert (final.route.tokens.remote, final.route.tokens.computed) == (
-            4 * BS, len(warm) - 4 * BS)
+        # Cold on pp0 (one rank); on ptp warm from pp0's DRAM, its own DRAM, its cache.
+        await _every_path(cluster, PROMPTS["tp_warm"], reference["tp_warm"], prefill="ptp")
         cold = PROMPTS["tp_cold"]
         tokens, final = await _ask(cluster, "ptp", cold)
         assert tokens == reference["tp_cold"]
         assert final.route.decode_tokens_pulled == 3 * BS  # d0 loaded ptp's blocks
     finally:
         await vllm_cluster.stop_worker("ptp")
+
+
+async def test_the_small_model_is_token_identical_on_every_path(
+        small_reference: list[list[int]], small_cluster: dict) -> None:
+    """The ``small`` preset (twice the layers and KV heads of ``tiny``): cold, warm from
+    a peer's DRAM, from the node's own DRAM and from its engine's cache, each output equal
+    to monolithic vLLM on the same model."""
+    for prompt, want in zip(SMALL_PROMPTS, small_reference, strict=True):
+        await _every_path(small_cluster, prompt, want)

@@ -82,10 +82,11 @@ STOP_TIMEOUT_S = 60.0
 
 
 class VllmCluster:
-    """NATS + kvindex + worker processes (a :class:`tools.cluster.Cluster` in ``tmp``);
-    tests may kill, restart, add and remove any of them."""
+    """NATS + kvindex + worker processes (a :class:`tools.cluster.Cluster` in ``tmp``,
+    with settings ``overrides`` of every process); tests may kill, restart, add and
+    remove any of them."""
 
-    def __init__(self, tmp: Path, model_cache: Path) -> None:
+    def __init__(self, tmp: Path, model_cache: Path, *overrides: str) -> None:
         self.tmp = tmp
         self.model_cache = model_cache
         self.cluster = Cluster(ClusterSpec(
@@ -94,7 +95,7 @@ class VllmCluster:
             overrides=(f"model.cache_dir={model_cache}", f"dataplane.arena_bytes={512 << 20}",
                        "nats.drain_timeout_s=2",
                        # Tests read the workers' info lines (peer dials) in their logs.
-                       "telemetry.log_level=info"),
+                       "telemetry.log_level=info", *overrides),
             # Engines on every core, as these tests' timeouts were set with; the cores
             # `cpd up` would give them are the benchmarks' business.
             placement=False, ready_timeout_s=READY_TIMEOUT_S, stop_timeout_s=STOP_TIMEOUT_S))
@@ -175,15 +176,15 @@ class VllmCluster:
 
 
 async def reference_outputs(model_cache: Path, tmp: Path, prompts: list[list[int]],
-                            max_tokens: int) -> list[list[int]]:
-    """Greedy outputs of ``prompts`` in a monolithic vLLM run
-    (``tests/helpers/reference.py``), computed without blocking the event loop (the
-    tests' clients and routers run in it)."""
+                            max_tokens: int, preset: str = "tiny") -> list[list[int]]:
+    """Greedy outputs of ``prompts`` in a monolithic vLLM run on the local model
+    ``preset`` (``tests/helpers/reference.py``), computed without blocking the event loop
+    (the tests' clients and routers run in it)."""
     f = tmp / "prompts.json"
     f.write_text(json.dumps(prompts))
     proc = await asyncio.create_subprocess_exec(
         PYTHON, str(ROOT / "tests" / "helpers" / "reference.py"), str(model_cache), str(f),
-        str(max_tokens), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        str(max_tokens), preset, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await asyncio.wait_for(proc.communicate(), 600)
     line = next((x for x in stdout.decode().splitlines() if x.startswith("RESULT ")), None)
     assert line, stderr.decode()[-4000:]

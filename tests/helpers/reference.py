@@ -1,6 +1,7 @@
 """Greedy outputs of a plain, monolithic vLLM-CPU run (no CPD): the reference every
 disaggregated path must equal token for token. The prompts (token id lists, from a JSON
-file) each get ``max_tokens`` tokens, EOS ignored. (The API tests' reference for
+file) each get ``max_tokens`` tokens, EOS ignored, on the local model of the preset
+given last (``tiny`` by default). (The API tests' reference for
 requests with their own sampling is vLLM's OpenAI server: ``tests/helpers/serverref.py``.)
 """
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def main(model_cache: str, prompts_file: str, max_tokens: str) -> None:
+def main(model_cache: str, prompts_file: str, max_tokens: str, preset: str = "tiny") -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
@@ -20,7 +21,7 @@ def main(model_cache: str, prompts_file: str, max_tokens: str) -> None:
     from cpd.modelbuild.runtime import engine_kwargs
 
     prompts = json.loads(Path(prompts_file).read_text())
-    llm = LLM(**engine_kwargs(build("tiny", model_cache), prefix_caching=False))
+    llm = LLM(**engine_kwargs(build(preset, model_cache), prefix_caching=False))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=int(max_tokens),
                                        ignore_eos=True), use_tqdm=False)
@@ -28,4 +29,4 @@ def main(model_cache: str, prompts_file: str, max_tokens: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
