@@ -19,7 +19,7 @@ from cpd.kvstore import events as kvevents
 from cpd.ops.config import load_settings
 from cpd.ops.natsserver import NatsServer
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import InvalidRequest
+from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
 from cpd.protocol.hashing import block_hashes
 from cpd.protocol.roles import Role
 from services.kvindex import KvIndexService
@@ -213,3 +213,37 @@ async def test_a_worker_whose_clock_is_behind_its_last_epoch_starts_past_it(
             await worker.stop()
         await bus.close()
         await kvindex.stop()
+
+
+async def test_deadlines_hold_on_the_workers_clock_whatever_the_routers_says(
+        both: WorkerService) -> None:
+    """A router whose clock runs 2 minutes behind sends a deadline whose instant has
+    passed by this worker's clock, with 60 s left: served end to end (the hand-off to
+    decode carries what is left). One whose clock runs ahead sends an instant far off
+    with nothing left: refused as past its deadline."""
+    ns = engine_profile(both.settings).namespace()
+    prompt = list(range(7, 2 * both.settings.cache.block_size + 5))
+    now = int(time.time() * 1000)
+
+    def request(rid: str, deadline: int, budget: int | None) -> wire.PrefillRequest:
+        return wire.PrefillRequest(
+            request_id=rid, reply_to="", tokens=wire.pack_tokens(prompt),
+            sampling=wire.SamplingParams(max_tokens=4, ignore_eos=True), namespace=ns.id,
+            block_hashes=block_hashes(ns, prompt), decode_node=NODE,
+            deadline_unix_ms=deadline, budget_ms=budget)
+
+    bus = await Bus.open(both.settings, "test-deadlines")
+    try:
+        run = subjects.run(Role.PREFILL, NODE)
+        msgs = [m async for m in bus.stream(run, request("r-behind", now - 60_000, 60_000),
+                                            timeout=60)]
+        assert isinstance(msgs[-1], wire.Final)
+        assert sum(len(m.token_ids) for m in msgs if isinstance(m, wire.TokenChunk)) == 4
+        for rid, deadline, budget in (("r-ahead", now + 180_000, 0),
+                                      ("r-instant", now - 60_000, None)):
+            with pytest.raises(CpdError) as e:
+                _ = [m async for m in bus.stream(run, request(rid, deadline, budget),
+                                                 timeout=30)]
+            assert e.value.code == ErrorCode.DEADLINE_EXCEEDED
+    finally:
+        await bus.close()

@@ -38,7 +38,7 @@ from cpd.engines.profile import engine_profile
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
-from cpd.protocol import subjects, wire
+from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, DeadlineExceeded, InvalidRequest, UnknownNamespace
 from cpd.protocol.hashing import BlockHasher, Namespace
 from services.router.accounting import RouterAccounts
@@ -379,6 +379,7 @@ class RouterService(Service):
                 request_id=rid, reply_to=inbox, tokens=packed, sampling=req.sampling,
                 namespace=ns.id, block_hashes=hashes, decode_node=decision.decode_node,
                 deadline_unix_ms=deadline_unix_ms, sources=list(plan.sources),
+                budget_ms=deadlines.budget_ms(deadline_unix_ms, deadlines.now_ms()),
                 planned_new_tokens=plan.computed_tokens,
                 trace=telemetry.current_traceparent())
             try:

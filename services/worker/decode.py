@@ -17,7 +17,7 @@ import numpy as np
 
 from cpd.bus import ReplyStream, Request, Service
 from cpd.engines import EngineRequest, EngineStep
-from cpd.protocol import subjects, wire
+from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, InvalidRequest
 from cpd.protocol.roles import Role
 from services.worker.core import WorkerCore
@@ -60,6 +60,8 @@ class DecodeHandler:
         if remaining < 1:
             raise InvalidRequest("a hand-off needs at least one more token to generate")
         core.check_not_cancelled(req.request_id)
+        req.deadline_unix_ms = deadlines.local_deadline_ms(req.deadline_unix_ms,
+                                                           req.budget_ms, deadlines.now_ms())
         core.admit(len(tokens) + (req.first_token is not None), remaining, req.deadline_unix_ms)
         core.claim("decode", req.request_id)
         if n > 1:

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from cpd.bus import ReplyStream, Request, Service
 from cpd.engines import EngineRequest, EngineStep
 from cpd.kvstore import BlockEntry
-from cpd.protocol import subjects, wire
+from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
 from services.worker.core import WorkerCore
 from services.worker.requests import check_ids, first_token
@@ -62,6 +62,8 @@ class PrefillHandler:
         check_ids(reply_to=req.reply_to or r.reply_to, decode_node=req.decode_node)
         if not (req.reply_to or r.reply_to):
             raise InvalidRequest("prefill request without a reply inbox")
+        req.deadline_unix_ms = deadlines.local_deadline_ms(req.deadline_unix_ms,
+                                                           req.budget_ms, deadlines.now_ms())
         core.admit(len(req.tokens) // wire.TOKEN_DTYPE.itemsize, req.sampling.max_tokens,
                    req.deadline_unix_ms)
         core.claim("prefill", req.request_id)
@@ -240,6 +242,7 @@ class PrefillHandler:
             first_token=first, sampling=req.sampling, namespace=req.namespace,
             block_hashes=b"".join(held), source_node=core.node_id, lease_id=lease,
             deadline_unix_ms=req.deadline_unix_ms, seq_start=out.seq, trace=req.trace,
+            budget_ms=deadlines.budget_ms(req.deadline_unix_ms, deadlines.now_ms()),
             capability=core.keyring.issue(req.namespace))
         try:
             await core.bus.request(subjects.run("decode", req.decode_node), dreq,

@@ -705,6 +705,9 @@ class PrefillRequest(Message, tag="prefill", kw_only=True):
     block_hashes: bytes
     decode_node: str
     deadline_unix_ms: NonNegInt
+    # The time left when sent, ms: the receiver's deadline is its own clock plus this
+    # (cpd.protocol.deadlines), so hosts' clocks need not agree. None: the instant alone.
+    budget_ms: NonNegInt | None = None
     sources: list[LoadSource] = msgspec.field(default_factory=list)
     # The prompt tokens the router planned to compute (the rest is loaded): the node
     # reports its held prefill at this size, as the router priced it. 0: all of them.
@@ -727,6 +730,7 @@ class DecodeRequest(Message, tag="decode", kw_only=True):
     source_node: str
     lease_id: str
     deadline_unix_ms: NonNegInt
+    budget_ms: NonNegInt | None = None  # as PrefillRequest's
     seq_start: NonNegInt = 1
     trace: str = ""
     capability: bytes = b""  # source_node's read capability for ``namespace``
