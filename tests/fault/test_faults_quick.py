@@ -1,14 +1,14 @@
 """The quick subset of the fault harness (``cpd bench faults --quick``) on a real sim
-cluster: kill -9 of a prefill node, of kvindex and of a decode node, SIGSTOP of a worker
-in the middle of a UCX transfer, and a NATS server restart, each under load, each
-followed by the invariant checks (docs/reliability.md). The full set runs with
-``cpd bench faults``."""
+cluster: kill -9 of a prefill node, of kvindex, of a decode node and of one of the two
+routers, SIGSTOP of a worker in the middle of a UCX transfer, and a NATS server restart,
+each under load, each followed by the invariant checks (docs/reliability.md). The full
+set runs with ``cpd bench faults``."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.bench.faults import QUICK, config_for, run_async
+from tools.bench.faults import KILLS, QUICK, config_for, run_async
 
 
 @pytest.mark.slow
@@ -20,7 +20,10 @@ async def test_quick_fault_scenarios_keep_the_invariants(tmp_path) -> None:
     assert tuple(rows) == QUICK, [r["notes"] for r in result["scenarios"]]
     for name, r in rows.items():
         assert r["sent"] > cfg.concurrency, (name, r["notes"])  # load really ran
-        assert r["completed"] > r["sent"] // 2, (name, r["errors_by_code"])
+        # A typed error is a failed request: a kill -9 of one service (of two routers,
+        # one) may fail almost none; a NATS restart loses what crossed the outage.
+        floor = 0.99 if name in KILLS else 0.9
+        assert r["completed_ok_ratio"] >= floor, (name, r["errors_by_code"])
         assert r["lost"] == 0, (name, r["lost_by_reason"])
         # Typed errors come before the deadline (+1 s): keep-alives end the streams of a
         # lost router or a lost message promptly.
@@ -35,6 +38,7 @@ async def test_quick_fault_scenarios_keep_the_invariants(tmp_path) -> None:
     # Faults were real: the supervisor restarted what was killed.
     assert "p0" in rows["kill-prefill"]["restarts"]
     assert "kvi" in rows["kill-kvindex"]["restarts"]
+    assert "router" in rows["kill-router"]["restarts"]
     assert any(n.startswith("nats-server restarted") for n in rows["nats-restart"]["notes"])
     assert rows["sigstop-mid-transfer"]["blocks"]["serves"] > 0
     assert result["lost"] == result["wrong_tokens"] == result["unsealed_served"] == 0

@@ -62,6 +62,12 @@ from tools.faultproxy import FaultProxy
 # between them), two decode nodes; a dead node of any role leaves a live one.
 NODES = {"pp0": "preprefill", "p0": "prefill", "p1": "prefill", "d0": "decode",
          "d1": "decode"}
+# Two router replicas: "router" is the one kill-router kills; clients resume the streams
+# it carried on the other (cpd.client), as they would behind a real deployment's pair.
+ROUTER, SPARE_ROUTER = "router", "router1"
+# Scenarios that kill -9 one service: each must complete this share of what was sent.
+KILLS = ("kill-kvindex", "kill-router", "kill-preprefill", "kill-prefill", "kill-decode")
+TARGET_KILL_COMPLETED_OK = 0.995
 BLOCK = 256
 # The node whose NATS connection goes through the fault proxy (network scenarios).
 PROXIED_NODE = "p0"
@@ -556,7 +562,7 @@ async def _none(ctx: Ctx) -> None:
 SCENARIOS: dict[str, Inject] = {
     "baseline": _none,
     "kill-kvindex": _kill("kvi"),
-    "kill-router": _kill("router"),
+    "kill-router": _kill(ROUTER),
     "kill-preprefill": _kill("pp0"),
     "kill-prefill": _kill("p0"),
     "kill-decode": _kill("d0"),
@@ -570,8 +576,8 @@ SCENARIOS: dict[str, Inject] = {
     "ucx-connect-drop": _ucx_connect("drop"),
 }
 FULL = tuple(SCENARIOS)
-QUICK = ("kill-prefill", "kill-kvindex", "kill-decode", "sigstop-mid-transfer",
-         "nats-restart")
+QUICK = ("kill-prefill", "kill-kvindex", "kill-decode", "kill-router",
+         "sigstop-mid-transfer", "nats-restart")
 
 
 # --------------------------------------------------------------------------- runner
@@ -642,6 +648,8 @@ async def run_scenario(name: str, index: int, cluster: SimCluster, cfg: FaultCon
         "scenario": name,
         "sent": len(results),
         "completed": sum(r.error is None for r in results),
+        "completed_ok_ratio": round(sum(r.error is None for r in results)
+                                    / max(1, len(results)), 4),
         "typed_errors": sum(r.error is not None and not r.lost for r in results),
         "lost": sum(r.lost for r in results),
         "late": sum(r.late for r in results),
@@ -691,7 +699,8 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
     proxy = proxy_cls("127.0.0.1", nats_port).start_in_thread()
     ucx_port = free_port()
     ucx_proxy = proxy_cls("127.0.0.1", ucx_port).start_in_thread()
-    cluster = SimCluster(NODES, tmp, label="faults", env=env, nats_port=nats_port, node_env={
+    cluster = SimCluster(NODES, tmp, label="faults", env=env, nats_port=nats_port,
+                         router_node=ROUTER, routers=(SPARE_ROUTER,), node_env={
         PROXIED_NODE: {"CPD_NATS__SERVERS": f"nats://127.0.0.1:{proxy.port}"},
         UCX_PROXIED_NODE: {"CPD_DATAPLANE__LISTEN_PORT": str(ucx_port),
                            "CPD_DATAPLANE__ADVERTISE_PORT": str(ucx_proxy.port)}})
@@ -728,7 +737,8 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
 def failed_row(name: str, error: BaseException) -> dict:
     """A scenario the harness could not complete (the rest are not run): never
     recovered, inconsistent, with the error in ``notes``."""
-    return {"scenario": name, "sent": 0, "completed": 0, "typed_errors": 0, "lost": 0,
+    return {"scenario": name, "sent": 0, "completed": 0, "completed_ok_ratio": 0.0,
+            "typed_errors": 0, "lost": 0,
             "late": 0, "wrong_tokens": 0, "unsealed_served": 0, "invisible_reads": 0,
             "kvindex_consistent": False, "recovery_s": None, "errors_by_code": {},
             "lost_by_reason": {}, "notes": [f"harness failed: {error!r}"]}
@@ -745,6 +755,10 @@ def summarize(rows: list[dict], cfg: FaultConfig) -> dict:
         "unsealed_served": sum(r["unsealed_served"] for r in rows),
         "invisible_reads": sum(r["invisible_reads"] for r in rows),
         "kvindex_consistent": all(r["kvindex_consistent"] for r in rows),
+        # A typed error is a failed request: the share completed in the worst kill.
+        "min_kill_completed_ok_ratio": min(
+            (r["completed_ok_ratio"] for r in rows if r["scenario"] in KILLS), default=None),
+        "target_kill_completed_ok_ratio": TARGET_KILL_COMPLETED_OK,
         # A scenario that never recovered counts as infinitely slow (null in JSON).
         "max_recovery_s": (None if any(x is None for x in recov)
                            else max(recov, default=0.0)),

@@ -10,7 +10,7 @@ restarts a service that died, NATS included, and the fault verbs (``kill``, ``pa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cpd.protocol import subjects, wire
@@ -25,7 +25,8 @@ class SimCluster(Cluster):
 
     ``env``: settings for every process (``CPD_<SECTION>__<FIELD>``); ``node_env``: extra
     environment of single nodes (a NATS URL through a fault proxy, an advertised port);
-    ``nats_port``: a fixed NATS port (a proxy in front of it is set up before NATS runs).
+    ``nats_port``: a fixed NATS port (a proxy in front of it is set up before NATS runs);
+    ``routers``: more router replicas besides ``router_node`` (clients reach any of them).
     Logs, snapshots and NATS's store go to ``tmp``, which the caller owns.
     """
 
@@ -33,8 +34,9 @@ class SimCluster(Cluster):
                  env: Mapping[str, str] | None = None,
                  node_env: Mapping[str, Mapping[str, str]] | None = None,
                  router_node: str = "router", kvindex_node: str = "kvi",
-                 nats_port: int = 0) -> None:
-        every = {kvindex_node: "kvindex", **nodes, router_node: "router"}
+                 nats_port: int = 0, routers: Sequence[str] = ()) -> None:
+        every = {kvindex_node: "kvindex", **nodes, router_node: "router",
+                 **dict.fromkeys(routers, "router")}
         super().__init__(ClusterSpec(
             nodes=nodes_of(every, node_env), nats=NatsSpec(port=nats_port),
             overrides=env_overrides(env or {}), workdir=tmp, label=label,
@@ -42,6 +44,7 @@ class SimCluster(Cluster):
         self.nodes = dict(nodes)
         self.tmp = tmp
         self.router_node = router_node
+        self.routers = (router_node, *routers)
         self.kvindex_node = kvindex_node
 
     async def start(self) -> SimCluster:
