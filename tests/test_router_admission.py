@@ -179,3 +179,37 @@ def test_node_table_passes_held_prefills_and_dispatches_to_the_policy() -> None:
     p0 = next(n for n in t.live(0.4) if n.node == "p0")
     assert len(p0.dispatched_ms) <= 256 and sum(p0.dispatched_ms) == 1000.0
 
+
+
+@pytest.mark.parametrize("beats, now, serves", [
+    ([], 0.0, False),
+    ([("p0", "prefill")], 0.0, False),
+    ([("d0", "decode")], 0.0, False),
+    ([("p0", "prefill"), ("d0", "decode")], 0.5, True),
+    ([("pp0", "preprefill"), ("d0", "decode")], 0.5, True),
+    ([("p0", "prefill"), ("d0", "decode")], 1.5, False),   # their leases lapsed
+])
+def test_live_nodes_serve_a_request_end_to_end(beats: list, now: float, serves: bool) -> None:
+    t = NodeTable(namespace="ns")
+    for node, role in beats:
+        t.heartbeat(_hb(node, role), now=0.0)
+    assert t.serves_every_role(now) is serves
+
+
+async def test_a_starting_replica_waits_for_the_workers_at_most_a_heartbeat_round() -> None:
+    from services.router.discovery import DISCOVERY_INTERVALS, await_workers
+
+    empty = NodeTable(namespace="ns")
+    t0 = time.monotonic()
+    await await_workers(empty, heartbeat_interval_s=0.2)  # nobody there: a round, then on
+    assert time.monotonic() - t0 >= DISCOVERY_INTERVALS * 0.2 - 0.01
+    t = NodeTable(namespace="ns")
+
+    async def beats() -> None:
+        await asyncio.sleep(0.05)
+        for node, role in (("p0", "prefill"), ("d0", "decode")):
+            t.heartbeat(_hb(node, role), now=time.monotonic())
+
+    t0 = time.monotonic()
+    await asyncio.gather(await_workers(t, heartbeat_interval_s=10.0), beats())
+    assert time.monotonic() - t0 < 2.0  # as soon as both roles were heard

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from cpd.bus.stream import error_message
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import load_settings
 from cpd.protocol import wire
-from cpd.protocol.errors import InvalidRequest
-from services.router.relay import Relay, resumed_tokens
+from cpd.protocol.errors import InvalidRequest, Unavailable, error_from_wire
+from services.router import NodeTable
+from services.router.relay import AttemptFailed, Relay, resumed_tokens
 from tests.helpers.recorder import Recorder
 
 
@@ -98,3 +100,32 @@ def test_only_a_reproducible_request_resumes(sampling: wire.SamplingParams,
             resumed_tokens(req, lambda _: None)
     else:
         assert resumed_tokens(req, lambda _: None) == resume
+
+
+class _FailingReader:
+    """A stream whose next message is ``error`` (as a router's reader raises it)."""
+
+    def __init__(self, error: wire.Error) -> None:
+        self.error = error
+
+    async def next(self, timeout: float) -> wire.Message | None:
+        e = self.error
+        raise error_from_wire(e.code, e.message, e.retryable, e.node)
+
+
+@pytest.mark.parametrize("node, routed_around", [
+    # The prefill node's hand-off was refused by d0: retry without d0, p0 is fine.
+    ("d0", {"d0"}),
+    # An error about the node itself: route around the stream's owner.
+    ("", {"p0"}),
+])
+async def test_a_failed_try_routes_around_the_node_its_error_names(
+        node: str, routed_around: set[str]) -> None:
+    relay = _relay()
+    relay.restart("p0")
+    error = error_message(Unavailable("did not take the hand-off", node=node), "r", 1)
+    assert error.node == node  # on the wire
+    with pytest.raises(AttemptFailed) as failed:
+        await relay.follow(_FailingReader(error), NodeTable(), check_s=0.1,  # type: ignore[arg-type]
+                           idle_s=1.0, cancel=None)  # type: ignore[arg-type]
+    assert failed.value.nodes == routed_around

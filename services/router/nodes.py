@@ -125,6 +125,12 @@ class NodeTable:
                 disk_read_gbps=r.disk_read_gbps))
         return out
 
+    def serves_every_role(self, now: float) -> bool:
+        """Whether live nodes can take a request from prefill to decode: a node of a
+        prefill role and a decode node hold their leases."""
+        roles = {n.role for n in self._nodes.values() if now - n.last_seen <= n.lease_ttl_s}
+        return Role.DECODE in roles and bool(roles & {Role.PREFILL, Role.PREPREFILL})
+
     def forget_dead(self, now: float, after_s: float) -> None:
         """Drop nodes silent for ``after_s`` (bounded memory with churning node ids)."""
         for name in [k for k, n in self._nodes.items() if now - n.last_seen > after_s]:

@@ -246,6 +246,11 @@ class CpdPolicy(RoutingPolicy):
                         default=0)
         is_cold = (not hits.ok or reuse < min(cfg.min_reuse_tokens, n - 1) or reuse == 0
                    or reuse < cfg.cold_reuse_ratio * n)
+        if not is_cold and best_warm is None:  # the pre-prefill tier has it all to itself
+            own = self._cheapest(r, cold_nodes, n, bs, hits, reuse_prefix=True)
+            assert own is not None  # no prefill node, so some pre-prefill node is up
+            return Decision("cpd", "overflow", own, decode, RouteReason.NO_PREFILL,
+                            reusable_tokens=reuse)
         if not is_cold:
             assert best_warm is not None
             # Overflow only relieves a queue: an idle tier keeps its own work (and the

@@ -143,8 +143,8 @@ class Relay:
                 epochs[owner] = nodes.epoch(owner)
             try:
                 msg = await reader.next(check_s)
-            except CpdError as e:
-                raise AttemptFailed(e, {owner}) from None
+            except CpdError as e:  # route around the node it names (a refused hand-off)
+                raise AttemptFailed(e, {e.node or owner}) from None
             now = time.monotonic()
             if msg is None:
                 if not nodes.alive(owner, now, epochs[owner]):

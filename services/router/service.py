@@ -18,7 +18,8 @@ Apart from this module: ``relay`` (a stream across tries, its owner), ``choices`
 the workers' reports), ``accounting``, ``keepalive``, ``policy``, ``plans``, ``hits`` and
 ``breaker`` (the pure decision), ``configured`` (the policy from the settings), ``nodes``,
 ``admission``, ``tenancy`` (whose tenant a request runs under), ``waiters`` (single-flight
-wake-ups), ``cost`` and ``queueing`` (the cost model).
+wake-ups), ``discovery`` (the workers heard before requests are taken), ``cost`` and
+``queueing`` (the cost model).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from cpd.ops.config import Settings
 from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, DeadlineExceeded, InvalidRequest, UnknownNamespace
 from cpd.protocol.hashing import BlockHasher, Namespace
+from services.router import discovery
 from services.router.accounting import RouterAccounts
 from services.router.admission import Admission
 from services.router.cancels import Cancels, cancel_nodes
@@ -57,8 +59,6 @@ from services.router.waiters import PrefixWaiters
 # A single-flight waiter is woken by kvindex's visibility events; it also looks itself
 # this often, in case an event was lost (core NATS delivers at most once).
 _SINGLE_FLIGHT_LOOK_S = 1.0
-# Nodes silent this many lease lengths are dropped from the table (and from `cpd status`).
-_FORGET_AFTER_LEASES = 60
 
 
 class RouterService(Service):
@@ -104,11 +104,13 @@ class RouterService(Service):
         await nc.subscribe(subjects.KV_VISIBLE, cb=self._on_visible)
         await nc.subscribe(subjects.KV_INVALIDATE, cb=self._on_invalidated)
         await nc.subscribe(subjects.GENERATE_CANCEL, cb=self._on_cancel)
+        await discovery.await_workers(self.nodes, self.settings.node.heartbeat_interval_s)
         await self.add_endpoint("generate", subjects.GENERATE, self._on_generate,
                                 expect=wire.GenerateRequest, queue=subjects.QUEUE_ROUTER)
         await self.add_endpoint("status", subjects.ROUTER_STATUS, self._on_status,
                                 expect=wire.StatusRequest, queue=subjects.QUEUE_ROUTER)
-        self.spawn(self._forget_dead_nodes(), "node-gc")
+        self.spawn(discovery.forget_dead(self.nodes, self.settings.node.lease_ttl_s,
+                                         lambda: self.stopping), "node-gc")
         self.spawn(self.keepalives.run(lambda: self.stopping), "keepalives")
         self.log.info("router.ready", policy=self.cfg.policy, model=self.model.name,
                       namespace=self.model.namespace.id)
@@ -139,12 +141,6 @@ class RouterService(Service):
         req = self.decode_or_reject(msg, wire.CancelGenerate)
         if req is not None and self.cancels.cancel(req):
             self.log.info("router.request_cancelled", request_id=req.request_id)
-
-    async def _forget_dead_nodes(self) -> None:
-        ttl = self.settings.node.lease_ttl_s
-        while not self.stopping:
-            await asyncio.sleep(ttl)
-            self.nodes.forget_dead(time.monotonic(), ttl * _FORGET_AFTER_LEASES)
 
     async def _on_status(self, _: wire.StatusRequest, __: Request) -> wire.StatusReply:
         stats = msgspec.structs.replace(self.stats, in_flight=self.admission.in_flight,

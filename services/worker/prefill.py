@@ -251,7 +251,7 @@ class PrefillHandler:
         except CpdError as e:
             core.kv.unpin(lease)
             raise DecodeUnavailable(f"decode node {req.decode_node} did not take the "
-                                    f"request: {e.message}") from e
+                                    f"request: {e.message}", node=req.decode_node) from e
         out.hand_over()  # decode owns the rest of the stream
 
     async def _on_pull_ack(self, msg: Msg) -> None:

@@ -488,6 +488,23 @@ async def _nats_restart(ctx: Ctx) -> None:
         raise CpdError("nats-server did not restart")
 
 
+async def _nats_kill(ctx: Ctx) -> None:
+    """``kill -9`` of the NATS server: the supervisor starts it again on the same port and
+    JetStream store (what was in flight in the server is lost)."""
+    server = ctx.cluster.nats
+    assert server is not None and server.proc is not None
+    before = server.proc.pid
+    ctx.cluster.kill_nats()
+    end = time.monotonic() + 20.0
+    while time.monotonic() < end and (server.proc is None or server.proc.pid == before
+                                      or server.proc.poll() is not None):
+        await asyncio.sleep(0.1)
+    after = server.proc.pid if server.proc is not None else None
+    ctx.notes.append(f"nats-server killed: pid {before} -> {after}")
+    if after in (None, before):
+        raise CpdError("nats-server was not started again after its kill")
+
+
 async def _pause_mid_transfer(ctx: Ctx) -> None:
     """SIGSTOP the pre-prefill node right after its UCX server starts sending blocks (its
     audit line precedes the bytes), keep it stopped past its lease, then SIGCONT."""
@@ -567,6 +584,7 @@ SCENARIOS: dict[str, Inject] = {
     "kill-prefill": _kill("p0"),
     "kill-decode": _kill("d0"),
     "nats-restart": _nats_restart,
+    "kill-nats": _nats_kill,
     "sigstop-mid-transfer": _pause_mid_transfer,
     "kvindex-restart-cold-burst": _kvindex_restart_cold_burst,
     "nats-delay-prefill": _net("delay"),
@@ -577,7 +595,7 @@ SCENARIOS: dict[str, Inject] = {
 }
 FULL = tuple(SCENARIOS)
 QUICK = ("kill-prefill", "kill-kvindex", "kill-decode", "kill-router",
-         "sigstop-mid-transfer", "nats-restart")
+         "sigstop-mid-transfer", "nats-restart", "kill-nats")
 
 
 # --------------------------------------------------------------------------- runner

@@ -92,7 +92,7 @@ class Bus:
             headers=hdrs)
         answer = wire.decode(reply.data)
         if isinstance(answer, wire.Error):
-            raise error_from_wire(answer.code, answer.message, answer.retryable)
+            raise error_from_wire(answer.code, answer.message, answer.retryable, answer.node)
         if not isinstance(answer, expect):
             raise CpdError(f"expected {expect.__name__} from {subject}, got "
                            f"{type(answer).__name__}", code=ErrorCode.MALFORMED)

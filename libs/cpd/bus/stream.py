@@ -102,7 +102,8 @@ class StreamReader:
                 self._expected += 1
                 self._gap_since = time.monotonic() if self.gap_pending else 0.0
                 if isinstance(reply, wire.Error):
-                    raise error_from_wire(reply.code, reply.message, reply.retryable)
+                    raise error_from_wire(reply.code, reply.message, reply.retryable,
+                                          reply.node)
                 return reply
             now = time.monotonic()
             gap_limit = min(self.idle_timeout, self.silence_limit or self.idle_timeout)
@@ -133,7 +134,7 @@ class StreamReader:
                 continue
             seq = getattr(reply, "seq", self._expected)
             if isinstance(reply, wire.Error) and seq <= self._expected:
-                raise error_from_wire(reply.code, reply.message, reply.retryable)
+                raise error_from_wire(reply.code, reply.message, reply.retryable, reply.node)
             if seq < self._expected:
                 continue  # duplicate delivery
             if not self._early:
@@ -220,9 +221,13 @@ class ReplyStream:
         self.closed = True
 
     async def error(self, exc: BaseException) -> None:
-        """End the stream with a typed error (no-op when already ended)."""
+        """End the stream with a typed error (no-op when already ended). An exception
+        that is not a :class:`CpdError` is a bug: it is logged with its traceback here,
+        where it is still known, and reaches the receiver as ``internal``."""
         if self.closed:
             return
+        if not isinstance(exc, CpdError | asyncio.CancelledError):
+            log.error("stream.failed", request_id=self.request_id, exc_info=exc)
         err = error_message(exc, self.request_id, self.seq)
         self.closed = True
         if self._on_error is not None:
@@ -234,7 +239,7 @@ class ReplyStream:
 def error_message(exc: BaseException, request_id: str = "", seq: int = 0) -> wire.Error:
     if isinstance(exc, CpdError):
         return wire.Error(request_id=request_id, seq=seq, code=exc.code.value,
-                          message=exc.message, retryable=exc.retryable)
+                          message=exc.message, retryable=exc.retryable, node=exc.node)
     if isinstance(exc, asyncio.CancelledError):
         return wire.Error(request_id=request_id, seq=seq, code=Cancelled.code.value,
                           message="request cancelled (service stopping)", retryable=True)

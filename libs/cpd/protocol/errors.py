@@ -41,14 +41,19 @@ class CpdError(Exception):
 
     code: ErrorCode = ErrorCode.INTERNAL
     retryable: bool = False
+    # The node the error is about when it is not the one reporting it (the decode node
+    # that refused a prefill node's hand-off): the one a retry routes around.
+    node: str = ""
 
     def __init__(self, message: str = "", *, code: ErrorCode | None = None,
-                 retryable: bool | None = None) -> None:
+                 retryable: bool | None = None, node: str = "") -> None:
         super().__init__(message or self.__class__.__name__)
         if code is not None:
             self.code = code
         if retryable is not None:
             self.retryable = retryable
+        if node:
+            self.node = node
 
     @property
     def message(self) -> str:
@@ -254,12 +259,14 @@ _BY_CODE: dict[ErrorCode, type[CpdError]] = {
 }
 
 
-def error_from_wire(code: str, message: str, retryable: bool) -> CpdError:
-    """Rebuild the most specific local exception for an error received over the wire."""
+def error_from_wire(code: str, message: str, retryable: bool, node: str = "") -> CpdError:
+    """Rebuild the most specific local exception for an error received over the wire
+    (``node``: the node it is about, when not its sender)."""
     try:
         cls = _BY_CODE.get(ErrorCode(code))
     except ValueError:
         cls = None
-    if cls is None:
-        return RemoteError(code, message, retryable)
-    return cls(message, retryable=retryable)
+    err = RemoteError(code, message, retryable) if cls is None else cls(message,
+                                                                         retryable=retryable)
+    err.node = node
+    return err

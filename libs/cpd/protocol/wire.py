@@ -289,6 +289,7 @@ class RouteReason(enum.StrEnum):
     IDLE_PREPREFILL_HIT = "idle_preprefill_hit"  # warm, on an idle pre-prefill node holding it
     PREPREFILL_BUSY = "preprefill_busy"  # cold, overflowed to the idle prefill tier
     NO_PREPREFILL = "no_preprefill"      # cold, and no pre-prefill node is up
+    NO_PREFILL = "no_prefill"            # warm, and no prefill node is up: pre-prefill
     LEAST_COST = "least_cost"            # pd-kv: the cheapest prefill node
     ROUND_ROBIN = "round_robin"          # pd-rr: the next prefill node in turn
 
@@ -372,6 +373,9 @@ class Route(msgspec.Struct, kw_only=True):
                         f"({self.busy_ttft_ms:.0f} ms)")
             case RouteReason.NO_PREPREFILL:
                 return f"cold: {self.reusable_tokens} tokens reusable; no pre-prefill node"
+            case RouteReason.NO_PREFILL:
+                return (f"warm: {self.reusable_tokens} tokens cached; no prefill node, "
+                        f"on pre-prefill {self.prefill_node}")
             case RouteReason.LEAST_COST:
                 return f"least cost: {self.tokens.computed} new tokens"
             case RouteReason.ROUND_ROBIN:
@@ -420,6 +424,7 @@ class Error(Message, tag="error", kw_only=True):
     code: str
     message: str
     retryable: bool = False
+    node: str = ""  # the node the error is about, when not the sender (CpdError.node)
 
 
 # ------------------------------------------------------------------------------ kvindex
