@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import structlog
 
-from cpd.bus import Bus
+from cpd.bus import Bus, KeepAlives, ReplyStream
 from cpd.client import Client
 from cpd.ops.config import load_settings
 from cpd.ops.natsserver import NatsServer
@@ -120,3 +121,82 @@ async def test_heartbeats_and_load_reports_naming_another_node_are_refused(
     live = {n.node: n for n in router.nodes.live(time.monotonic())}
     assert "p7" in live and "ghost" not in live and "p8" not in live
     assert live["p7"].in_flight == 0
+
+
+@contextlib.asynccontextmanager
+async def _streaming_stand_ins(bus: Bus, namespace: str, loses_final: set[str],
+                               runs: list[str]) -> AsyncIterator[None]:
+    """Prefill nodes p0 and p1 that accept every run and stream one token, keeping their
+    streams alive as workers do; a node in ``loses_final`` then keeps it alive for a
+    while and falls silent (its final message lost, as in a NATS restart), the other
+    ends it. A decode node d0 heartbeats (never used: the prefill node ends the stream)."""
+    keepalives = KeepAlives(1.0, log=structlog.get_logger(), before_first=False)
+    tasks: set[asyncio.Task] = set()
+
+    async def serve(node: str, req: wire.PrefillRequest) -> None:
+        out = ReplyStream(bus, req.reply_to, req.request_id)
+        with keepalives.watching(out):
+            await out.tokens([5], "")
+            if node in loses_final:
+                await asyncio.sleep(2.0)  # alive, kept alive, then nothing more
+                return
+            await out.final(finish_reason="length")
+
+    def handler(node: str):
+        async def on_run(msg: object) -> None:
+            req = wire.decode(msg.data, wire.PrefillRequest)  # type: ignore[attr-defined]
+            runs.append(node)
+            await msg.respond(wire.encode(wire.Accepted(  # type: ignore[attr-defined]
+                request_id=req.request_id, node=node)))
+            t = asyncio.create_task(serve(node, req))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        return on_run
+
+    async def heartbeats() -> None:
+        started = int(time.time() * 1000)
+        while True:
+            for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+                await bus.publish(subjects.heartbeat(node), wire.Heartbeat(
+                    node=node, role=role, started_unix_ms=started, lease_ttl_ms=5000,
+                    namespace=namespace))
+            await asyncio.sleep(0.2)
+
+    subs = [await bus.nc.subscribe(subjects.run("prefill", n), cb=handler(n))
+            for n in ("p0", "p1")]
+    background = [asyncio.create_task(heartbeats()),
+                  asyncio.create_task(keepalives.run(lambda: False))]
+    try:
+        yield
+    finally:
+        for t in [*background, *tasks]:
+            t.cancel()
+        await asyncio.gather(*background, *tasks, return_exceptions=True)
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def test_a_stream_whose_final_was_lost_is_retried_within_seconds(
+        router: RouterService, bus: Bus) -> None:
+    """A worker's final message lost while the worker lives on (a NATS restart): its
+    keep-alives stop with its stream, so the router notices the silence within
+    ``router.keepalive_misses`` intervals and retries on another node, instead of
+    holding the request until its deadline."""
+    runs: list[str] = []
+    async with _streaming_stand_ins(bus, router.model.namespace.id, {"p0"}, runs):
+        for _ in range(50):
+            if len(router.nodes.live(time.monotonic())) >= 3:
+                break
+            await asyncio.sleep(0.1)
+        client = Client(bus, default_timeout_s=60)
+        t0 = time.monotonic()
+        done = None
+        for _ in range(4):  # until a request lands on p0 first (the tie goes either way)
+            done = await client.generate(list(range(10, 310)), max_tokens=1)
+            if runs[0] == "p0":
+                break
+            runs.clear()
+        assert done is not None and runs[:2] == ["p0", "p1"], runs
+        assert done.token_ids == [5] and done.route.prefill_node == "p1"
+        # 3 x 1 s of silence after p0's last keep-alive, not the 30 s stream idle limit.
+        assert time.monotonic() - t0 < 15

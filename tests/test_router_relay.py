@@ -14,7 +14,7 @@ from cpd.ops.config import load_settings
 from cpd.protocol import wire
 from cpd.protocol.errors import InvalidRequest, Unavailable, error_from_wire
 from services.router import NodeTable
-from services.router.relay import AttemptFailed, Relay, resumed_tokens
+from services.router.relay import AttemptFailed, Relay, resumed_complete, resumed_tokens
 from tests.helpers.recorder import Recorder
 
 
@@ -87,7 +87,8 @@ async def test_a_resumed_stream_continues_the_text_exactly(model: ServedModel) -
     (wire.SamplingParams(max_tokens=8), [1, 2], False),
     (wire.SamplingParams(max_tokens=8, temperature=0.7, seed=3), [1, 2], False),
     (wire.SamplingParams(max_tokens=8, temperature=0.7), [1, 2], True),  # not reproducible
-    (wire.SamplingParams(max_tokens=2), [1, 2], True),  # nothing left to generate
+    (wire.SamplingParams(max_tokens=2), [1, 2], False),  # all there: only the final lost
+    (wire.SamplingParams(max_tokens=1), [1, 2], True),  # more than it asked for
     (wire.SamplingParams(max_tokens=8, n=2), [1, 2], True),  # whose tokens? one list
     (wire.SamplingParams(max_tokens=8), [], False),
 ])
@@ -129,3 +130,25 @@ async def test_a_failed_try_routes_around_the_node_its_error_names(
         await relay.follow(_FailingReader(error), NodeTable(), check_s=0.1,  # type: ignore[arg-type]
                            idle_s=1.0, cancel=None)  # type: ignore[arg-type]
     assert failed.value.nodes == routed_around
+
+
+@pytest.mark.parametrize(("sampling", "resume", "end"), [
+    (wire.SamplingParams(max_tokens=3, ignore_eos=True), [4, 5, 6], ("length", None)),
+    (wire.SamplingParams(max_tokens=3), [4, 5, 2], ("stop", None)),      # EOS (id 2) last
+    (wire.SamplingParams(max_tokens=3, ignore_eos=True), [4, 5, 2], ("length", None)),
+    (wire.SamplingParams(max_tokens=3, stop_token_ids=[9]), [4, 5, 9], ("stop", 9)),
+    (wire.SamplingParams(max_tokens=4), [4, 5, 6], None),                # one left to make
+])
+def test_a_resume_with_every_token_ends_at_once(sampling: wire.SamplingParams,
+                                                resume: list[int], end: tuple | None) -> None:
+    """A client whose final message was lost resumes with all its tokens: the router ends
+    the request as vLLM would have, with no engine run."""
+    req = wire.GenerateRequest(request_id="r", tokens=wire.pack_tokens([7] * 10),
+                               sampling=sampling)
+    done = resumed_complete(req, resume, 10, eos_token_id=2)
+    if end is None:
+        assert done is None
+    else:
+        assert done is not None
+        assert (done["finish_reason"], done["stop_reason"]) == end
+        assert (done["usage"].prompt_tokens, done["usage"].completion_tokens) == (10, 3)

@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -54,11 +55,27 @@ def resumed_tokens(req: wire.GenerateRequest,
     if s.temperature != 0 and s.seed is None:
         raise InvalidRequest("only a deterministic request (temperature 0, or a seed) "
                              "can resume")
-    if len(ids) >= s.max_tokens:
+    if len(ids) > s.max_tokens:
         raise InvalidRequest(f"resuming after {len(ids)} tokens of max_tokens "
-                             f"{s.max_tokens}: nothing is left to generate")
+                             f"{s.max_tokens}")
     check_vocab(ids)
     return [int(i) for i in ids]
+
+
+def resumed_complete(req: wire.GenerateRequest, resumed: list[int], prompt_tokens: int,
+                     eos_token_id: int | None) -> dict[str, Any] | None:
+    """The final message's fields for a resumed request that has all ``max_tokens`` of
+    its tokens already (only its final message was lost: a NATS restart), how vLLM
+    would have ended it; ``None`` while some are left to generate."""
+    s = req.sampling
+    if len(resumed) < s.max_tokens:
+        return None
+    last = resumed[-1]
+    eos = eos_token_id is not None and last == eos_token_id and not s.ignore_eos
+    stop_token = last in s.stop_token_ids
+    return {"finish_reason": "stop" if eos or stop_token else "length",
+            "stop_reason": last if stop_token else None,
+            "usage": wire.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(resumed))}
 
 
 def fresh_engine_id(req: wire.GenerateRequest) -> wire.GenerateRequest:

@@ -15,11 +15,11 @@ client); admission slots are held exactly as long as requests run.
 
 Apart from this module: ``relay`` (a stream across tries, its owner), ``choices`` and
 ``stops`` (each choice's text, its stop strings), ``outcome`` (the final message, from
-the workers' reports), ``accounting``, ``keepalive``, ``policy``, ``plans``, ``hits`` and
+the workers' reports), ``accounting``, ``policy``, ``plans``, ``hits`` and
 ``breaker`` (the pure decision), ``configured`` (the policy from the settings), ``nodes``,
 ``admission``, ``tenancy`` (whose tenant a request runs under), ``waiters`` (single-flight
-wake-ups), ``discovery`` (the workers heard before requests are taken), ``cost`` and
-``queueing`` (the cost model).
+wake-ups), ``discovery`` (the workers heard before requests are taken), ``prompts``
+(a request's token ids, checked), ``cost`` and ``queueing`` (the cost model).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ import msgspec
 import numpy as np
 from nats.aio.msg import Msg
 
-from cpd.bus import BAD_INPUT, ReplyStream, Request, Service, StreamReader, run_service
+from cpd.bus import BAD_INPUT, KeepAlives, ReplyStream, Request, Service, StreamReader, run_service
 from cpd.engines.profile import engine_profile
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import deadlines, subjects, wire
-from cpd.protocol.errors import CpdError, DeadlineExceeded, InvalidRequest, UnknownNamespace
+from cpd.protocol.errors import CpdError, DeadlineExceeded, InvalidRequest
 from cpd.protocol.hashing import BlockHasher, Namespace
 from services.router import discovery
 from services.router.accounting import RouterAccounts
@@ -48,11 +48,17 @@ from services.router.admission import Admission
 from services.router.cancels import Cancels, cancel_nodes
 from services.router.configured import make_policy
 from services.router.hits import Hits
-from services.router.keepalive import KeepAlives
 from services.router.nodes import NodeTable
 from services.router.outcome import RouterTimes, RoutingCost, assemble
 from services.router.policy import Decision, NoCapacity, Wait
-from services.router.relay import AttemptFailed, Relay, fresh_engine_id, resumed_tokens
+from services.router.prompts import prompt_tokens
+from services.router.relay import (
+    AttemptFailed,
+    Relay,
+    fresh_engine_id,
+    resumed_complete,
+    resumed_tokens,
+)
 from services.router.tenancy import tenant_for
 from services.router.waiters import PrefixWaiters
 
@@ -182,8 +188,10 @@ class RouterService(Service):
                      else self.settings.admission.default_deadline_s)
         deadline = t0 + timeout_s
         deadline_unix_ms = int((time.time() + timeout_s) * 1000)
-        tokens = await self._prompt_tokens(req)
+        tokens = await prompt_tokens(self.model, req)
         resumed = resumed_tokens(req, self.model.check_vocab)
+        if done := resumed_complete(req, resumed, len(tokens), self.model.eos_token_id):
+            return await out.final(**done)  # only its final message was lost: no work
         ns = self._namespace(req)
         # The first keep-alive as soon as the request is valid (a bad one is answered
         # with its error first, as before): it arms the client's watchdog, so a router
@@ -201,27 +209,11 @@ class RouterService(Service):
             finally:
                 self.accounts.released()
 
-    async def _prompt_tokens(self, req: wire.GenerateRequest) -> np.ndarray:
-        """The prompt as token ids, checked against the model before any work is done."""
-        if req.model and req.model != self.model.name:
-            raise UnknownNamespace(f"model {req.model!r} is not served here "
-                                   f"(this cluster serves {self.model.name!r})")
-        if (req.prompt is None) == (req.tokens is None):
-            raise InvalidRequest("give exactly one of prompt (text) and tokens (ids)")
-        if req.prompt is not None:
-            ids = await asyncio.to_thread(self.model.encode, req.prompt)
-            tokens = np.asarray(ids, dtype=wire.TOKEN_DTYPE)
-        else:
-            # Kept packed: a 100K-token prompt is hashed and forwarded without a list.
-            tokens = wire.unpack_tokens(req.tokens or b"")
-        self.model.check_prompt(tokens, req.sampling)
-        return tokens
-
     async def decide(self, req: wire.GenerateRequest) -> Decision:
         """The routing decision for ``req`` without running it: validation, tokenization,
         block hashing, the kvindex lookup and the policy (what ``cpd bench router``
         measures)."""
-        tokens = await self._prompt_tokens(req)
+        tokens = await prompt_tokens(self.model, req)
         ns = self._namespace(req)
         decision, _ = await self._route(req, len(tokens), ns, self._hashes(ns, tokens), set())
         return decision
@@ -366,7 +358,10 @@ class RouterService(Service):
                        relay: Relay) -> wire.Final:
         """Dispatch once and relay the stream until its final message."""
         plan = decision.plan
-        reader = StreamReader(self.bus, idle_timeout=self.settings.bus.stream_idle_timeout_s)
+        # Workers keep their streams alive once a message went out: silence after that
+        # (a final lost in a NATS restart) fails the try in keepalive_misses intervals.
+        reader = StreamReader(self.bus, idle_timeout=self.settings.bus.stream_idle_timeout_s,
+                              keepalive_misses=self.cfg.keepalive_misses)
         inbox = await reader.open()
         # Engines key requests by id: a retry must not collide with a leftover try.
         rid = req.request_id if attempt == 1 else f"{req.request_id}~{attempt}"

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from opentelemetry.metrics import Observation
 
-from cpd.bus import BAD_INPUT, Bus
+from cpd.bus import BAD_INPUT, Bus, KeepAlives
 from cpd.engines import Engine, EngineStep
 from cpd.engines.servedmodel import ServedModel
 from cpd.kvstore import BlockEntry, BlockStore, DiskTier, KvStore
@@ -87,6 +87,9 @@ class WorkerCore:
     load: WorkerLoad
     keyring: Keyring
     metrics: _Instruments
+    keepalives: KeepAlives
+    """This node's streams to the router, kept from going silent once a message went
+    out: the router then notices a stream whose later messages were lost."""
     running: set[tuple[str, str]] = field(default_factory=set)
     """(handler, request id) of the requests held here: an engine refuses a duplicate
     id with an untyped error. A prefill's hand-off to this same process's decode
@@ -136,7 +139,9 @@ class WorkerCore:
         return cls(settings=settings, node_id=node, bus=bus, log=log, spawn=spawn,
                    reject=reject, parts=parts, kv=kv, server=server, client=client,
                    loader=loader, load=load, keyring=keyring,
-                   metrics=_instruments(role, node, kv))
+                   metrics=_instruments(role, node, kv),
+                   keepalives=KeepAlives(settings.router.keepalive_interval_s, log=log,
+                                         before_first=False))
 
     @property
     def engine(self) -> Engine:

@@ -84,44 +84,45 @@ class DecodeHandler:
                       hashes: list[bytes]) -> None:
         core = self.core
         out = ReplyStream(core.bus, req.reply_to, req.request_id, seq_start=req.seq_start)
-        t0 = time.perf_counter()
-        try:
-            await out.handoff_accepted(core.node_id)
-            await self._pull(req, hashes)
-            t_pull = time.perf_counter()
-            runs = self._runs(req, tokens)
-            have = core.loader.sealed_prefix(hashes[:(len(runs[0][1]) - 1) // core.block_size])
-            core.loader.audit_load(req.namespace, have)
-            submitted = time.monotonic()
-            async with core.pinned("decode", req.request_id, have):
-                ends = await self._generate_all(out, [EngineRequest(
-                    request_id=rid, tokens=prompt, sampling=sampling, forced_output=forced,
-                    load_slots=[e.slot for e in have],
-                    load_checksums=[e.checksum for e in have],
-                    cache_salt=core.salt(req.namespace))
-                    for rid, prompt, sampling, forced in runs])
-            if any(last.failed_blocks for last, _ in ends):
-                await core.drop_corrupt([e.hash for e in have])
-            t_end = time.perf_counter()
-            queued = core.queued(submitted, ends[0][0])
-            loaded = max(last.loaded_blocks for last, _ in ends)
-            core.record(Role.DECODE, {"pull": t_pull - t0, "decode": t_end - t_pull},
-                        queued=queued, loaded=loaded)
-            await out.report(wire.DecodeReport, node=core.node_id,
-                             tokens_pulled=loaded * core.block_size,
-                             tokens_computed=sum(len(prompt) + len(forced) - last.cached_tokens
-                                                 for (_, prompt, _, forced), (last, _)
-                                                 in zip(runs, ends, strict=True)),
-                             handoff_ms=(t_pull - t0) * 1e3,
-                             decode_ms=(t_end - t_pull) * 1e3, queue_ms=queued * 1e3)
-            await self._final(req, out, ends, len(tokens))
-        except Exception as e:
-            core.log.warning("decode.failed", error=repr(e))
-            core.count_stream_rejection(self.subject, e)
-            await out.error(e)
-        finally:
-            core.running.discard(("decode", req.request_id))
-            core.choices.pop(req.request_id, None)
+        with core.keepalives.watching(out):
+            t0 = time.perf_counter()
+            try:
+                await out.handoff_accepted(core.node_id)
+                await self._pull(req, hashes)
+                t_pull = time.perf_counter()
+                runs = self._runs(req, tokens)
+                have = core.loader.sealed_prefix(hashes[:(len(runs[0][1]) - 1) // core.block_size])
+                core.loader.audit_load(req.namespace, have)
+                submitted = time.monotonic()
+                async with core.pinned("decode", req.request_id, have):
+                    ends = await self._generate_all(out, [EngineRequest(
+                        request_id=rid, tokens=prompt, sampling=sampling, forced_output=forced,
+                        load_slots=[e.slot for e in have],
+                        load_checksums=[e.checksum for e in have],
+                        cache_salt=core.salt(req.namespace))
+                        for rid, prompt, sampling, forced in runs])
+                if any(last.failed_blocks for last, _ in ends):
+                    await core.drop_corrupt([e.hash for e in have])
+                t_end = time.perf_counter()
+                queued = core.queued(submitted, ends[0][0])
+                loaded = max(last.loaded_blocks for last, _ in ends)
+                core.record(Role.DECODE, {"pull": t_pull - t0, "decode": t_end - t_pull},
+                            queued=queued, loaded=loaded)
+                await out.report(wire.DecodeReport, node=core.node_id,
+                                 tokens_pulled=loaded * core.block_size,
+                                 tokens_computed=sum(len(prompt) + len(forced) - last.cached_tokens
+                                                     for (_, prompt, _, forced), (last, _)
+                                                     in zip(runs, ends, strict=True)),
+                                 handoff_ms=(t_pull - t0) * 1e3,
+                                 decode_ms=(t_end - t_pull) * 1e3, queue_ms=queued * 1e3)
+                await self._final(req, out, ends, len(tokens))
+            except Exception as e:
+                core.log.warning("decode.failed", error=repr(e))
+                core.count_stream_rejection(self.subject, e)
+                await out.error(e)
+            finally:
+                core.running.discard(("decode", req.request_id))
+                core.choices.pop(req.request_id, None)
 
     async def _pull(self, req: wire.DecodeRequest, hashes: list[bytes]) -> None:
         """Pull the hand-off's blocks (a failure is a fallback: they are recomputed) and

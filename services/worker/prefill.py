@@ -77,7 +77,8 @@ class PrefillHandler:
     async def _stream(self, req: wire.PrefillRequest) -> None:
         out = ReplyStream(self.core.bus, req.reply_to, req.request_id)
         try:
-            await self._prefill(req, out)
+            with self.core.keepalives.watching(out):
+                await self._prefill(req, out)
         except BaseException as e:
             self.core.count_stream_rejection(subjects.run(self.role, self.core.node_id), e)
             await out.error(e)

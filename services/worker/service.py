@@ -145,6 +145,7 @@ class WorkerService(Service):
             self.spawn(self.peers.connect_ahead(core.client, lambda: self.stopping),
                        "connect-ahead")
         self.spawn(self._load_reports(), "load-reports")
+        self.spawn(core.keepalives.run(lambda: self.stopping), "keepalives")
 
     async def on_stop(self) -> None:
         # Also runs after a start that failed part-way: release whatever exists.

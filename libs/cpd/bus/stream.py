@@ -161,6 +161,13 @@ class ReplyStream:
         self.closed = False
         self.last_sent = time.monotonic()  # for keep-alives on silent streams
 
+    @property
+    def sent_any(self) -> bool:
+        """Whether the stream has a message on it (this sender's, or, for a stream this
+        sender continues, the previous sender's): a keep-alive then repeats the last seq,
+        out of band."""
+        return self.seq > 0
+
     async def _send(self, msg: wire.Message) -> None:
         if self.closed:
             raise CpdError(f"stream of {self.request_id} already ended")
