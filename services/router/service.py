@@ -190,6 +190,8 @@ class RouterService(Service):
         deadline_unix_ms = int((time.time() + timeout_s) * 1000)
         tokens = await prompt_tokens(self.model, req)
         resumed = resumed_tokens(req, self.model.check_vocab)
+        if self.cancels.serving(req.request_id) > 1:  # the client sent this id twice
+            req = fresh_engine_id(req)
         if done := resumed_complete(req, resumed, len(tokens), self.model.eos_token_id):
             return await out.final(**done)  # only its final message was lost: no work
         ns = self._namespace(req)

@@ -81,6 +81,7 @@ class PrefillHandler:
                 await self._prefill(req, out)
         except BaseException as e:
             self.core.count_stream_rejection(subjects.run(self.role, self.core.node_id), e)
+            self.core.running.discard(("prefill", req.request_id))  # before the last message
             await out.error(e)
             if not isinstance(e, Exception):
                 raise
@@ -127,6 +128,7 @@ class PrefillHandler:
                          prefill_ms=(t_done - t_load) * 1e3, queue_ms=queued * 1e3)
         cancelled = req.request_id in core.cancelled  # e.g. a stop string in the token
         if stopped or (req.sampling.max_tokens <= 1 and not several) or cancelled:
+            core.running.discard(("prefill", req.request_id))  # before the last message
             await out.final(finish_reason=("abort" if cancelled and (several or
                                                                   not step.finished)
                                            else step.finish_reason or "length"),

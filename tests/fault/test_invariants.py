@@ -16,6 +16,7 @@ from services.kvindex.index import Changes
 from services.router import NodeTable
 from tools.bench.faults import (
     LOOKUP_RACE_S,
+    QUICK,
     Heartbeats,
     Prompts,
     Timeline,
@@ -112,7 +113,7 @@ def test_a_restarted_node_is_not_alive_to_its_old_requests() -> None:
 
 def test_config_for_cli_options() -> None:
     quick = config_for(True)
-    assert quick.concurrency == 60 and len(quick.scenarios) == 5
+    assert quick.concurrency == 60 and quick.scenarios == QUICK and len(QUICK) == 7
     full = config_for(False, scenarios="kill-router, nats-restart", concurrency=10)
     assert full.scenarios == ("kill-router", "nats-restart") and full.concurrency == 10
 

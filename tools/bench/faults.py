@@ -805,7 +805,7 @@ def run(cfg: FaultConfig) -> dict:
 
 def config_for(quick: bool, scenarios: str | None = None, concurrency: int | None = None,
                duration_s: float | None = None, progress: bool = True) -> FaultConfig:
-    """The CLI's configuration: the full set, or ``--quick`` (5 scenarios, less load and
+    """The CLI's configuration: the full set, or ``--quick`` (7 scenarios, less load and
     no fuzzing); ``scenarios`` (comma-separated), ``concurrency`` and ``duration_s``
     override."""
     names = (tuple(s.strip() for s in scenarios.split(",") if s.strip()) if scenarios
@@ -843,7 +843,7 @@ def markdown(result: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``cpd bench faults``'s flags."""
     parser.add_argument("--quick", action="store_true",
-                        help="five scenarios, less load, no fuzzing (tests, CI)")
+                        help="seven scenarios, less load, no fuzzing (tests, CI)")
     parser.add_argument("--scenarios", help="comma-separated scenario names "
                                             "(default: all; --quick: five)")
     parser.add_argument("--concurrency", type=int,
