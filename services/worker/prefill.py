@@ -255,7 +255,10 @@ class PrefillHandler:
             core.kv.unpin(lease)
             raise DecodeUnavailable(f"decode node {req.decode_node} did not take the "
                                     f"request: {e.message}", node=req.decode_node) from e
-        out.hand_over()  # decode owns the rest of the stream
+        # Decode owns the rest of the stream, and may end it before this task runs again:
+        # the id is free here from now on (a client may reuse it right after its final).
+        core.running.discard(("prefill", req.request_id))
+        out.hand_over()
 
     async def _on_pull_ack(self, msg: Msg) -> None:
         assert self._service is not None
