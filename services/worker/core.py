@@ -111,8 +111,7 @@ class WorkerCore:
         closed again."""
         node = settings.node.node_id
         slots = parts.arena.slots
-        js = bus.nc.jetstream()
-        await kvevents.ensure_stream(js, update=False)  # kvindex owns its limits
+        js = bus.nc.jetstream()  # CPD_KV exists: the service ensured it for its epoch
         kv = KvStore(BlockStore(slots.shape[1], slots.shape[0], node=node, arena=slots,
                                 capability=keyring.issue,
                                 eviction=settings.dataplane.eviction),
