@@ -4,6 +4,8 @@ per test where a test restarts or kills them."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,6 +15,24 @@ from cpd.bus import Bus
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
 from tests.helpers.cluster import VllmCluster, run_engine_helper
+
+_CHILD_TMP = "_cpd_child_tmp"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The processes the tests start get a temp folder of the session's own, removed at
+    its end: vLLM leaves sockets and rank rendezvous files there, and a killed process
+    whatever it held. The test process keeps the system one (its base for tmp_path)."""
+    tempfile.gettempdir()  # pinned before TMPDIR changes for the children
+    folder = tempfile.mkdtemp(prefix="cpd-tests-")
+    setattr(config, _CHILD_TMP, folder)
+    os.environ["TMPDIR"] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, _CHILD_TMP, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -40,21 +40,3 @@ async def test_a_cancel_needs_the_request_and_its_inbox(request_id: str, reply_t
     assert seen == [cancelled]
     # Ended: nothing is left to cancel.
     assert not cancels.cancel(wire.CancelGenerate(request_id="r1", reply_to="_INBOX.a"))
-
-
-async def test_an_id_sent_twice_at_once_is_counted_while_both_run() -> None:
-    """A client may send one request id twice at once: the router sees it, and gives the
-    second its own engine id (its tries must not meet on a worker under one id)."""
-    cancels = Cancels()
-    both_in = asyncio.Event()
-    seen: list[int] = []
-
-    async def serve(inbox: str) -> None:
-        with cancels.running("dup", inbox):
-            seen.append(cancels.serving("dup"))
-            if len(seen) == 2:
-                both_in.set()
-            await both_in.wait()
-
-    await asyncio.gather(serve("_INBOX.a"), serve("_INBOX.b"))
-    assert seen == [1, 2] and cancels.serving("dup") == 0

@@ -19,7 +19,7 @@ from cpd.engines.profile import engine_profile
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import load_settings
 from cpd.protocol import subjects, wire
-from cpd.protocol.errors import CpdError, Overloaded
+from cpd.protocol.errors import CpdError, ErrorCode, Overloaded
 from cpd.protocol.hashing import block_hashes
 from services.gateway import GatewayService
 from services.router import RouterService
@@ -305,6 +305,24 @@ async def test_text_prompts_are_tokenized_and_text_streams_back(
     assert len(done.token_ids) == 6
     assert done.text == router.model.decode(done.token_ids)
     assert done.usage.prompt_tokens == len(router.model.encode("def fib(n):\n    return"))
+
+
+async def test_a_request_id_that_comes_again_is_served_again(
+        make_router: RouterFactory, client: Client, reference: dict) -> None:
+    """A client's request id may come again while its earlier request still runs on the
+    nodes: sent twice at once, or retried after its deadline passed. Each request gets an
+    engine id of its own, so no node refuses it as already running."""
+    await make_router()
+    both = await asyncio.gather(*(_generate(client, PROMPTS["short"], request_id="again")
+                                  for _ in range(2)))
+    assert [c.token_ids for c in both] == [reference["short"][:10]] * 2
+    assert {c.request_id for c in both} == {"again"}
+    with pytest.raises(CpdError) as exc:
+        await _generate(client, PROMPTS["long"], max_tokens=4 * LONG, request_id="again",
+                        timeout_s=0.5)
+    assert exc.value.code == ErrorCode.DEADLINE_EXCEEDED
+    again = await _generate(client, PROMPTS["short"], request_id="again")
+    assert again.token_ids == reference["short"][:10]
 
 
 async def test_bad_requests_get_typed_errors(make_router: RouterFactory,

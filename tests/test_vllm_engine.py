@@ -42,6 +42,13 @@ def test_abort_ends_the_stream_and_the_engine_keeps_serving(results: dict) -> No
     assert results["after_abort"]["tokens"] == results["plain"]["tokens"]
 
 
+def test_the_engine_sockets_are_removed_when_it_stops(results: dict) -> None:
+    """vLLM binds its ZMQ sockets in a folder of the engine's own and never unlinks them:
+    the folder goes when the engine stops (not one socket left per start)."""
+    assert results["sockets_while_running"] >= 1
+    assert results["sockets_left"] is False
+
+
 def test_engine_section_becomes_vllm_arguments(model_cache: Path) -> None:
     """Per role, [engine] with its [engine_<role>] overrides becomes vLLM's engine
     arguments of the same names; vLLM accepts them; CPD's own stay CPD's."""

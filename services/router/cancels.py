@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,7 +25,6 @@ class Cancels:
     def __init__(self) -> None:
         self._tasks: dict[tuple[str, str], asyncio.Task[object]] = {}
         self._cancelled: set[asyncio.Task[object]] = set()
-        self._ids: Counter[str] = Counter()  # streams per request id
 
     @contextmanager
     def running(self, request_id: str, reply_to: str) -> Iterator[None]:
@@ -35,21 +33,12 @@ class Cancels:
         assert task is not None
         key = (request_id, reply_to)
         self._tasks[key] = task
-        self._ids[request_id] += 1
         try:
             yield
         finally:
             if self._tasks.get(key) is task:
                 del self._tasks[key]
             self._cancelled.discard(task)
-            self._ids[request_id] -= 1
-            if not self._ids[request_id]:
-                del self._ids[request_id]
-
-    def serving(self, request_id: str) -> int:
-        """How many of this router's streams serve ``request_id`` now (a client may send
-        one id twice at once; its tries must not meet on a worker under one id)."""
-        return self._ids[request_id]
 
     def cancel(self, msg: wire.CancelGenerate) -> bool:
         """Cancel the request ``msg`` names, if it runs here for that inbox."""

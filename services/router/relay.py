@@ -79,9 +79,12 @@ def resumed_complete(req: wire.GenerateRequest, resumed: list[int], prompt_token
 
 
 def fresh_engine_id(req: wire.GenerateRequest) -> wire.GenerateRequest:
-    """``req`` under a request id of its own for the engines: a resumed request's dead
-    router may have left its try running on the nodes (they stream into an inbox nobody
-    reads until they finish), which refuse a second request of the same id."""
+    """``req`` under a request id of its own for the engines. Nodes refuse a second
+    request of an id they still run, and a client's id may still run there when it comes
+    again: the client sent it twice at once, it resumes after its router died (that try
+    streams into an inbox nobody reads until it ends), or it retries after a deadline
+    whose cancel has not reached the nodes yet. The client's id stays its prefix, so
+    logs and traces of both ends still match."""
     return msgspec.structs.replace(req, request_id=f"{req.request_id}~{secrets.token_hex(4)}")
 
 

@@ -190,10 +190,9 @@ class RouterService(Service):
         deadline_unix_ms = int((time.time() + timeout_s) * 1000)
         tokens = await prompt_tokens(self.model, req)
         resumed = resumed_tokens(req, self.model.check_vocab)
-        if self.cancels.serving(req.request_id) > 1:  # the client sent this id twice
-            req = fresh_engine_id(req)
         if done := resumed_complete(req, resumed, len(tokens), self.model.eos_token_id):
             return await out.final(**done)  # only its final message was lost: no work
+        req = fresh_engine_id(req)
         ns = self._namespace(req)
         # The first keep-alive as soon as the request is valid (a bad one is answered
         # with its error first, as before): it arms the client's watchdog, so a router
@@ -307,7 +306,6 @@ class RouterService(Service):
         if resumed:
             relay.resume(resumed, req.resume_text_chars)
             self.accounts.resumed()
-            req = fresh_engine_id(req)
         deterministic = req.sampling.temperature == 0 or req.sampling.seed is not None
         exclude: set[str] = set()
         failovers = 0

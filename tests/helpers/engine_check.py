@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import numpy as np
@@ -54,7 +55,10 @@ async def run(model_cache: str, arena_path: str) -> dict:
             await engine.abort("d")
     out["aborted_tokens"] = got
     out["after_abort"] = await gen("e")
+    sockets = engine._sockets
+    out["sockets_while_running"] = len(os.listdir(sockets))
     await engine.stop()
+    out["sockets_left"] = os.path.exists(sockets)
     return out
 
 

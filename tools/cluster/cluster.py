@@ -48,7 +48,7 @@ from tools.cluster.ready import (
     until_ready,
     wait_ready,
 )
-from tools.cluster.spec import ClusterSpec, NodeSpec
+from tools.cluster.spec import TMP_DIR, ClusterSpec, NodeSpec
 from tools.cluster.state import ClusterState
 
 # How often the supervisor looks for dead processes.
@@ -116,7 +116,7 @@ class Cluster(ClusterState):
         return self
 
     async def _start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / TMP_DIR).mkdir(parents=True, exist_ok=True)
         nats = self.spec.nats
         self.nats = NatsServer(port=nats.port, store_dir=nats.store_dir or self.workdir / "nats",
                                log_file=str(self.workdir / "nats.log"),
@@ -164,8 +164,9 @@ class Cluster(ClusterState):
                 kill_tree(p.popen)
         if self.nats is not None:
             self.nats.kill()
-        if self._own_workdir and self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir if self._own_workdir else self._workdir / TMP_DIR,
+                          ignore_errors=True)
 
     # ---------------------------------------------------------------- settings
 

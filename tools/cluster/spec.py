@@ -17,6 +17,8 @@ from tools.cluster.procs import SERVICE_ORDER, override_env, plan_nodes
 Role = Literal["kvindex", "preprefill", "prefill", "decode", "router", "gateway"]
 Engine = Literal["sim", "vllm"]
 METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
+TMP_DIR = "tmp"
+"""The children's temp folder inside the cluster's workdir."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ class ClusterSpec:
     ``inherit_cpd_env`` (``cpd up``'s policy, not a harness's), its ``CPD_NATS__*``
     identity never on a secured server. ``client_env`` is the identity the cluster's own
     client and readiness probes connect as (``cpd up --secure``: the admin's).
-    ``workdir`` holds ``<node>.log``, ``nats/`` and ``snap/``: ``None`` is a temporary
+    ``workdir`` holds ``<node>.log``, ``nats/``, ``snap/`` and the children's temp
+    folder ``tmp/`` (removed when the cluster stops): ``None`` is a temporary
     folder of the cluster's own, removed when it stops. ``placement`` pins vLLM engines
     to cores as ``cpd up`` does; ``build_model`` builds the local model once before any
     service that loads it starts; ``serial_start`` starts workers one at a time (small
@@ -140,8 +143,11 @@ class ClusterSpec:
         defaults = {"CPD_WORKER__ENGINE": self.engine, "CPD_TELEMETRY__LOG_LEVEL": "warning",
                     "CPD_TELEMETRY__LOG_JSON": "false",
                     "CPD_KVINDEX__SNAPSHOT_DIR": str(workdir / "snap")}
+        # TMPDIR: what the children leave in the temp folder (vLLM's sockets and rank
+        # rendezvous files, a killed node's leftovers) goes with the cluster.
         env = {**(defaults if self.harness_defaults else {}), "PYTHONUNBUFFERED": "1",
-               **env, **override_env(self.overrides), "CPD_NATS__SERVERS": url}
+               **env, **override_env(self.overrides), "CPD_NATS__SERVERS": url,
+               "TMPDIR": str(workdir / TMP_DIR)}
         if self.config_file:
             env["CPD_CONFIG"] = str(Path(self.config_file).resolve())
         return env
@@ -155,5 +161,5 @@ def nodes_of(services: Mapping[str, str],
                  for node, service in services.items())
 
 
-__all__ = ["METRICS_PORT_ENV", "ClusterSpec", "Engine", "NatsSpec", "NodeSpec", "Role",
+__all__ = ["METRICS_PORT_ENV", "TMP_DIR", "ClusterSpec", "Engine", "NatsSpec", "NodeSpec", "Role",
            "nodes_of"]

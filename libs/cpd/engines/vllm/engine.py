@@ -7,6 +7,8 @@ path, and ``kv_transfer_params`` on each request.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,9 @@ class VllmEngine:
         self.metrics = metrics
         self.allow_untested_vllm = allow_untested_vllm
         self._llm: Any = None
+        # The engine's ZMQ sockets: vLLM binds them in the temp folder and never unlinks
+        # them, so each engine gets a folder of its own, removed when it stops.
+        self._sockets: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -123,6 +128,7 @@ class VllmEngine:
         check_vllm_version(vllm.__version__, allow_untested=self.allow_untested_vllm)
         prepare_cpu_env(self.kv_cache_gib)
         os.environ.update(self.process_env())
+        self._sockets = _socket_folder()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -131,8 +137,12 @@ class VllmEngine:
             from vllm.v1.metrics.loggers import PrometheusStatLogger
 
             loggers.append(PrometheusStatLogger)
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()),
-                                              stat_loggers=loggers or None)
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()),
+                                                  stat_loggers=loggers or None)
+        except BaseException:
+            await self.stop()
+            raise
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         prompt: dict[str, Any] = {"prompt_token_ids": _token_list(request.tokens)}
@@ -181,6 +191,23 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._sockets = None
+
+
+def _socket_folder() -> str:
+    """A new folder for the next engine's ZMQ sockets, through ``VLLM_RPC_BASE_PATH``.
+    An engine core that ran in this process froze vLLM's environment (its ``envs``
+    cache), which would keep an earlier engine's removed folder: the cache is cleared."""
+    import vllm.envs
+
+    folder = tempfile.mkdtemp(prefix="cpd-vllm-")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    cached = getattr(vllm.envs.__getattr__, "cache_clear", None)
+    if cached is not None:
+        cached()
+    return folder
 
 
 def _sampling_params(request: EngineRequest, *, connector: bool) -> Any:
