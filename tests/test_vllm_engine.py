@@ -44,9 +44,12 @@ def test_abort_ends_the_stream_and_the_engine_keeps_serving(results: dict) -> No
 
 def test_the_engine_sockets_are_removed_when_it_stops(results: dict) -> None:
     """vLLM binds its ZMQ sockets in a folder of the engine's own and never unlinks them:
-    the folder goes when the engine stops (not one socket left per start)."""
+    the folder goes when the engine stops (not one socket left per start), and so does
+    its name from the environment."""
     assert results["sockets_while_running"] >= 1
     assert results["sockets_left"] is False
+    # Processes started after it do not inherit the removed folder.
+    assert results["rpc_path_restored"] is True
 
 
 def test_engine_section_becomes_vllm_arguments(model_cache: Path) -> None:

@@ -27,6 +27,7 @@ async def run(model_cache: str, arena_path: str) -> dict:
     settings = EngineSettings(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=4096)
     engine = VllmEngine(folder, block_size=bs, arena=ArenaSpec(arena_path, slots, slot_bytes),
                         engine=settings)
+    rpc_path = os.environ.get("VLLM_RPC_BASE_PATH")
     await engine.start()
     prompt = np.random.default_rng(3).integers(0, 1900, size=3 * bs + 5).tolist()
     greedy = wire.SamplingParams(max_tokens=10, ignore_eos=True)
@@ -59,6 +60,7 @@ async def run(model_cache: str, arena_path: str) -> dict:
     out["sockets_while_running"] = len(os.listdir(sockets))
     await engine.stop()
     out["sockets_left"] = os.path.exists(sockets)
+    out["rpc_path_restored"] = os.environ.get("VLLM_RPC_BASE_PATH") == rpc_path
     return out
 
 

@@ -71,6 +71,7 @@ class VllmEngine:
         # The engine's ZMQ sockets: vLLM binds them in the temp folder and never unlinks
         # them, so each engine gets a folder of its own, removed when it stops.
         self._sockets: str | None = None
+        self._rpc_path_before: str | None = None  # VLLM_RPC_BASE_PATH before start()
 
     @property
     def max_model_len(self) -> int:
@@ -128,6 +129,7 @@ class VllmEngine:
         check_vllm_version(vllm.__version__, allow_untested=self.allow_untested_vllm)
         prepare_cpu_env(self.kv_cache_gib)
         os.environ.update(self.process_env())
+        self._rpc_path_before = os.environ.get(_RPC_PATH)
         self._sockets = _socket_folder()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -194,6 +196,14 @@ class VllmEngine:
         if self._sockets is not None:
             shutil.rmtree(self._sockets, ignore_errors=True)
             self._sockets = None
+            # Processes started from here on must not inherit the removed folder.
+            if self._rpc_path_before is None:
+                os.environ.pop(_RPC_PATH, None)
+            else:
+                os.environ[_RPC_PATH] = self._rpc_path_before
+
+
+_RPC_PATH = "VLLM_RPC_BASE_PATH"
 
 
 def _socket_folder() -> str:
@@ -203,7 +213,7 @@ def _socket_folder() -> str:
     import vllm.envs
 
     folder = tempfile.mkdtemp(prefix="cpd-vllm-")
-    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    os.environ[_RPC_PATH] = folder
     cached = getattr(vllm.envs.__getattr__, "cache_clear", None)
     if cached is not None:
         cached()
