@@ -15,6 +15,7 @@ from cpd.bus import Bus
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
 from tests.helpers.cluster import VllmCluster, run_engine_helper
+from tools.cluster.spec import compile_cache
 
 _CHILD_TMP = "_cpd_child_tmp"
 
@@ -22,8 +23,10 @@ _CHILD_TMP = "_cpd_child_tmp"
 def pytest_configure(config: pytest.Config) -> None:
     """The processes the tests start get a temp folder of the session's own, removed at
     its end: vLLM leaves sockets and rank rendezvous files there, and a killed process
-    whatever it held. The test process keeps the system one (its base for tmp_path)."""
+    whatever it held. The test process keeps the system one (its base for tmp_path),
+    and torch's compile cache stays where it is shared across runs."""
     tempfile.gettempdir()  # pinned before TMPDIR changes for the children
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache()  # shared across runs
     folder = tempfile.mkdtemp(prefix="cpd-tests-")
     setattr(config, _CHILD_TMP, folder)
     os.environ["TMPDIR"] = folder

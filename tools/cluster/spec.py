@@ -3,7 +3,9 @@ every process starts with, as frozen values (a spec can be shared and compared).
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,14 @@ Engine = Literal["sim", "vllm"]
 METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
 TMP_DIR = "tmp"
 """The children's temp folder inside the cluster's workdir."""
+
+
+def compile_cache() -> str:
+    """torch inductor's cache folder (compiled kernels, a precompiled header of ~150 MB:
+    seconds to rebuild) where it is when TMPDIR is left alone, so that processes given
+    a temp folder of their own still share it across runs."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,7 @@ class ClusterSpec:
         # TMPDIR: what the children leave in the temp folder (vLLM's sockets and rank
         # rendezvous files, a killed node's leftovers) goes with the cluster.
         env = {**(defaults if self.harness_defaults else {}), "PYTHONUNBUFFERED": "1",
+               "TORCHINDUCTOR_CACHE_DIR": compile_cache(),
                **env, **override_env(self.overrides), "CPD_NATS__SERVERS": url,
                "TMPDIR": str(workdir / TMP_DIR)}
         if self.config_file:
@@ -162,4 +173,4 @@ def nodes_of(services: Mapping[str, str],
 
 
 __all__ = ["METRICS_PORT_ENV", "TMP_DIR", "ClusterSpec", "Engine", "NatsSpec", "NodeSpec", "Role",
-           "nodes_of"]
+           "compile_cache", "nodes_of"]
