@@ -3,6 +3,8 @@ through the arena with identical outputs, and aborts cleanly."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +52,31 @@ def test_the_engine_sockets_are_removed_when_it_stops(results: dict) -> None:
     assert results["sockets_left"] is False
     # Processes started after it do not inherit the removed folder.
     assert results["rpc_path_restored"] is True
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_an_engine_socket_path_fits_however_deep_the_temp_folder(
+        deep: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Unix socket's path holds 107 characters: the engine's socket folder is in the
+    temp folder, or in /tmp when that is too deep (a cluster's own, inside a test's)."""
+    import tempfile
+    import uuid
+
+    from cpd.engines.vllm import engine
+
+    base = tmp_path / ("d" * 80) if deep else Path(tempfile.mkdtemp(dir="/tmp"))
+    base.mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "restored after the test")
+    folder = Path(engine._socket_folder())
+    try:
+        assert len(str(folder / str(uuid.uuid4()))) <= 107
+        assert folder.parent == (Path("/tmp") if deep else base)
+        assert os.environ["VLLM_RPC_BASE_PATH"] == str(folder)
+    finally:
+        shutil.rmtree(folder)
+        if not deep:
+            base.rmdir()
 
 
 def test_engine_section_becomes_vllm_arguments(model_cache: Path) -> None:

@@ -204,15 +204,24 @@ class VllmEngine:
 
 
 _RPC_PATH = "VLLM_RPC_BASE_PATH"
+# A socket's path is <folder>/<uuid4>; a Unix socket address holds 107 characters.
+_SOCKET_PATH_MAX = 107
+_SOCKET_NAME = 37
+_SOCKET_FOLDER = "cpd-vllm-"
 
 
 def _socket_folder() -> str:
-    """A new folder for the next engine's ZMQ sockets, through ``VLLM_RPC_BASE_PATH``.
-    An engine core that ran in this process froze vLLM's environment (its ``envs``
-    cache), which would keep an earlier engine's removed folder: the cache is cleared."""
+    """A new folder for the next engine's ZMQ sockets, through ``VLLM_RPC_BASE_PATH``:
+    in the temp folder, or in ``/tmp`` when the temp folder is too deep for a socket's
+    path to fit. An engine core that ran in this process froze vLLM's environment (its
+    ``envs`` cache), which would keep an earlier engine's removed folder: the cache is
+    cleared."""
     import vllm.envs
 
-    folder = tempfile.mkdtemp(prefix="cpd-vllm-")
+    base = tempfile.gettempdir()
+    if len(base) + 1 + len(_SOCKET_FOLDER) + 8 + _SOCKET_NAME > _SOCKET_PATH_MAX:
+        base = "/tmp"
+    folder = tempfile.mkdtemp(prefix=_SOCKET_FOLDER, dir=base)
     os.environ[_RPC_PATH] = folder
     cached = getattr(vllm.envs.__getattr__, "cache_clear", None)
     if cached is not None:
