@@ -43,11 +43,12 @@ from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, DeadlineExceeded, InvalidRequest
 from cpd.protocol.hashing import BlockHasher, Namespace
 from services.router import discovery
-from services.router.accounting import RouterAccounts
+from services.router.accounting import REFUSALS, RouterAccounts
 from services.router.admission import Admission
 from services.router.cancels import Cancels, cancel_nodes
 from services.router.configured import make_policy
 from services.router.hits import Hits
+from services.router.kvhealth import KvIndexHealth
 from services.router.nodes import NodeTable
 from services.router.outcome import RouterTimes, RoutingCost, assemble
 from services.router.policy import Decision, NoCapacity, Wait
@@ -82,7 +83,7 @@ class RouterService(Service):
         self.waiters = PrefixWaiters()
         self.accounts = RouterAccounts(self.node_id, self.cfg.policy,
                                        settings.admission.max_inflight)
-        self.kvindex_state: str = "ok"
+        self.kvindex = KvIndexHealth(self.cfg.kvindex_down_after_misses)
         self._model = model
         self.keepalives = KeepAlives(self.cfg.keepalive_interval_s,
                                      sent=self.accounts.keepalive, log=self.log)
@@ -154,7 +155,7 @@ class RouterService(Service):
                                         paths=dict(self.stats.paths))
         return wire.StatusReply(router=stats, nodes=self.nodes.status(time.monotonic(),
                                                                  self.policy.prefill),
-                                kvindex=self.kvindex_state,  # type: ignore[arg-type]
+                                kvindex=self.kvindex.state,
                                 namespace=self.model.namespace.id)
 
     # ------------------------------------------------------------------ requests
@@ -176,8 +177,10 @@ class RouterService(Service):
                 self.accounts.ended_badly(e.code if isinstance(e, CpdError) else None)
                 if isinstance(e, CpdError) and e.code in BAD_INPUT:  # e.g. a torn array
                     self.reject(r.subject, e)
-                self.log.info("router.request_failed", error=getattr(e, "code", repr(e)),
-                              detail=str(e))
+                # The client's doing (bad input, a refusal) at info; a failure at warning.
+                refused = isinstance(e, CpdError) and (e.code in BAD_INPUT or e.code in REFUSALS)
+                (self.log.info if refused else self.log.warning)(
+                    "router.request_failed", error=getattr(e, "code", repr(e)), detail=str(e))
                 await out.error(e)
                 if not isinstance(e, Exception):
                     raise
@@ -241,11 +244,10 @@ class RouterService(Service):
                                    block_hashes=hashes, checksums=True),
                 expect=wire.LookupReply, timeout=self.cfg.lookup_timeout_ms / 1000)
         except CpdError as e:
-            if self.kvindex_state != "unavailable":
+            if self.kvindex.missed(e.code):
                 self.log.warning("router.kvindex_unavailable", error=e.code.value)
-            self.kvindex_state = "unavailable"
             return Hits(ok=False)
-        self.kvindex_state = "recovering" if reply.status == "recovering" else "ok"
+        self.kvindex.answered(reply)
         return Hits.from_reply(reply)
 
     def _decide(self, n: int, hits: Hits, exclude: set[str]) -> Decision:

@@ -149,6 +149,9 @@ class RouterSettings(_Section):
     policy: Literal["cpd", "pd-kv", "pd-rr"] = "cpd"
     # A kvindex answer later than this counts as a miss (never wait on a slow index).
     lookup_timeout_ms: Annotated[float, msgspec.Meta(gt=0)] = 100.0
+    # kvindex counts as unavailable (status, readiness) after this many lookups in a row
+    # missed their deadline; fewer is "slow". No responders is unavailable at once.
+    kvindex_down_after_misses: Annotated[int, msgspec.Meta(ge=1)] = 3
     # Reuse below this share of the prompt, or below this many tokens, makes it cold.
     cold_reuse_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     min_reuse_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256

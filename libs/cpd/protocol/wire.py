@@ -868,10 +868,19 @@ class RouterStats(msgspec.Struct, kw_only=True):
     paths: dict[str, int] = msgspec.field(default_factory=dict)
 
 
+class KvIndexState(enum.StrEnum):
+    """A router's view of kvindex, from its own lookups (services/router/kvhealth.py)."""
+
+    OK = "ok"
+    RECOVERING = "recovering"    # answering, but still rebuilding: its answers are misses
+    SLOW = "slow"                # its last lookups missed their deadline, fewer than the limit
+    UNAVAILABLE = "unavailable"  # nobody answers, or too many lookups in a row missed
+
+
 class StatusReply(Message, tag="status_reply", kw_only=True):
     router: RouterStats
     nodes: list[NodeStatus] = msgspec.field(default_factory=list)
-    kvindex: Literal["ok", "recovering", "unavailable"] = "ok"
+    kvindex: KvIndexState = KvIndexState.OK
     namespace: str = ""
 
 
