@@ -216,6 +216,25 @@ def test_bandwidth_meter_is_an_ewma_of_large_transfers() -> None:
     assert wire.decode(wire.encode(report), wire.LoadReport).kv_bandwidth_gbps == 3.0
 
 
+@pytest.mark.parametrize(("before", "stall", "after"), [
+    # (records before: (bytes, s)), the stalled transfer (bytes, s), the estimate after
+    ([], (4_000_000_000, 2.0), 2.0),                       # the first estimate is the bound
+    ([(4_000_000_000, 1.0)], (1_000_000_000, 1.0), 2.5),   # below: a sample (alpha 0.5)
+    ([(4_000_000_000, 1.0)], (8_000_000_000, 1.0), 4.0),   # above: says nothing, ignored
+    ([(4_000_000_000, 1.0)], (500, 1.0), 2.00000025),      # a stalled small one counts too
+    ([(4_000_000_000, 1.0)], (1_000, 0.0), 4.0),           # no time: nothing to learn
+])
+def test_a_stalled_transfer_lowers_the_bandwidth_estimate(
+        before: list[tuple[int, float]], stall: tuple[int, float], after: float) -> None:
+    m = BandwidthMeter(alpha=0.5, min_bytes=1000)
+    for nbytes, seconds in before:
+        m.record(nbytes, seconds)
+    moved = m.total_bytes
+    m.stalled(*stall)
+    assert m.gbps == pytest.approx(after)
+    assert m.stalls == 1 and m.total_bytes == moved  # its bytes did not move
+
+
 @pytest.mark.timeout(10)
 def test_addresses_and_settings() -> None:
     assert decode_address(encode_address("10.0.0.5", 4242)) == ("10.0.0.5", 4242)

@@ -108,6 +108,10 @@ async def test_paused_peer_times_out_within_the_deadline(client: TransferClient)
         elapsed = await _pause_and_time_out(client, p, [np.empty(1 << 20, np.uint8)
                                                         for _ in range(8)])
         assert 1.0 <= elapsed < 2.0
+    # The stall lowered the bandwidth estimate the warm-up get had set: 8 MiB in over a
+    # second is far below what the unpaused get achieved.
+    assert client.meter.stalls == 1 and client.meter.samples == 2
+    assert client.meter.gbps < client.meter.total_bytes / client.meter.total_seconds / 1e9
 
 
 @pytest.mark.timeout(60, method="thread")

@@ -305,7 +305,11 @@ class TransferClient:
                 self._pool.drop(conn)
                 raise
 
-        reply, digests = await self._guarded("get", address, timeout, body)
+        try:
+            reply, digests = await self._guarded("get", address, timeout, body)
+        except TransferTimeout:
+            self.meter.stalled(sum(v.nbytes for v in landing), time.perf_counter() - t0)
+            raise
         nbytes = sum(s.nbytes for s in reply.seals)
         seconds = time.perf_counter() - t0
         self.meter.record(nbytes, seconds)
@@ -344,7 +348,11 @@ class TransferClient:
             sent = sum(entries[i].nbytes for i in send)
             return len(send)
 
-        count = await self._guarded("put", address, timeout, body)
+        try:
+            count = await self._guarded("put", address, timeout, body)
+        except TransferTimeout:
+            self.meter.stalled(sum(e.nbytes for e in entries), time.perf_counter() - t0)
+            raise
         self.meter.record(sent, time.perf_counter() - t0)
         self._metrics.bytes.add(sent, {"op": "put"})
         return count

@@ -11,7 +11,9 @@ class BandwidthMeter:
 
     The router's load-vs-recompute estimate uses it (``LoadReport.kv_bandwidth_gbps``).
     Transfers under ``min_bytes`` are counted but do not move the estimate: they measure
-    latency, not bandwidth.
+    latency, not bandwidth. A transfer that stalls until its deadline moves it down
+    (:meth:`stalled`): a link that stops moving bytes must make loading look as slow as
+    it is, not keep the estimate of the transfers before it.
     """
 
     def __init__(self, alpha: float = 0.2, min_bytes: int = 1 << 20) -> None:
@@ -23,6 +25,7 @@ class BandwidthMeter:
         self.samples = 0
         self.total_bytes = 0
         self.total_seconds = 0.0
+        self.stalls = 0
 
     def record(self, nbytes: int, seconds: float) -> None:
         """Account one finished transfer of ``nbytes`` that took ``seconds``."""
@@ -33,6 +36,23 @@ class BandwidthMeter:
         sample = nbytes / seconds / 1e9
         self._gbps = sample if not self.samples else (
             self.alpha * sample + (1 - self.alpha) * self._gbps)
+        self.samples += 1
+
+    def stalled(self, nbytes: int, seconds: float) -> None:
+        """Account a transfer of ``nbytes`` still unfinished after ``seconds`` (it missed
+        its deadline). It moved at most ``nbytes / seconds``: that bound is a sample
+        when it is below the estimate (whatever its size: a stall is not latency), and
+        is ignored when above. Its bytes do not count as moved."""
+        self.stalls += 1
+        if seconds <= 0:
+            return
+        bound = nbytes / seconds / 1e9
+        if not self.samples:
+            self._gbps = bound
+        elif bound < self._gbps:
+            self._gbps = self.alpha * bound + (1 - self.alpha) * self._gbps
+        else:
+            return
         self.samples += 1
 
     @property
