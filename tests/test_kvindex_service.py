@@ -169,6 +169,27 @@ async def test_lease_expiry_invalidates_and_is_durable(env: tuple) -> None:
     await hb2.stop()
 
 
+async def test_lookups_say_how_far_behind_the_event_stream_the_index_is(env: tuple) -> None:
+    """A burst of events (many nodes at once) lands faster than kvindex applies them:
+    lookups answered meanwhile carry the backlog (``lag_events``), none once applied."""
+    svc, bus, js = env
+    pubs = [kvevents.KvEventPublisher(js, f"lag{i}", epoch=3) for i in range(100)]
+    chains = [_chain(1024, seed=100 + i) for i in range(len(pubs))]
+    lags: list[int] = []
+    burst = asyncio.gather(*(p.allocated(NS.id, refs)
+                             for p, (_, refs) in zip(pubs, chains, strict=True)))
+    while not burst.done() or svc.lag_events:
+        lags.append((await _lookup(bus, chains[0][0])).lag_events)
+    await burst
+    assert max(lags) >= 10, lags
+
+    async def caught_up() -> bool:
+        return (await _lookup(bus, chains[-1][0])).lag_events == 0
+    await _until(caught_up)
+    last = (await js.stream_info(subjects.KV_STREAM)).state.last_seq
+    assert svc.applied_seq == last
+
+
 async def test_sequence_gap_asks_for_reannounce(env: tuple) -> None:
     _, bus, js = env
     ask = await bus.nc.subscribe(subjects.kv_reannounce("w2"))

@@ -1,5 +1,6 @@
 """The router's view of kvindex from its lookups: one slow lookup is ``slow``, only a
-streak of them (or nobody listening) is ``unavailable``, and any answer ends it."""
+streak of them (or nobody listening) is ``unavailable``, any answer ends it, and an
+answer too far behind the event stream is ``lagging``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from services.router.kvhealth import KvIndexHealth
 
 OK = LookupReply(status="ok")
 RECOVERING = LookupReply(status="recovering")
+BEHIND = LookupReply(status="ok", lag_events=101)   # over the limit of 100
+AT_LIMIT = LookupReply(status="ok", lag_events=100)
 T, NR = ErrorCode.TIMEOUT, ErrorCode.NO_RESPONDERS
 
 S = KvIndexState
@@ -27,10 +30,13 @@ S = KvIndexState
     ([T, T, T, T, OK, NR], [S.SLOW, S.SLOW, S.UNAVAILABLE, S.UNAVAILABLE, S.OK,
                             S.UNAVAILABLE], [2, 5]),
     ([ErrorCode.INTERNAL] * 3, [S.SLOW, S.SLOW, S.UNAVAILABLE], [2]),
+    ([BEHIND, AT_LIMIT, BEHIND, OK], [S.LAGGING, S.OK, S.LAGGING, S.OK], []),
+    ([T, T, BEHIND, T, T], [S.SLOW, S.SLOW, S.LAGGING, S.SLOW, S.SLOW], []),
+    ([NR, BEHIND], [S.UNAVAILABLE, S.LAGGING], [0]),
 ])
 def test_state_after_each_lookup(events: list, states: list[KvIndexState],
                                  announced: list[int]) -> None:
-    h = KvIndexHealth(down_after=3)
+    h = KvIndexHealth(down_after=3, max_lag=100)
     seen, told = [], []
     for i, e in enumerate(events):
         if isinstance(e, LookupReply):
@@ -43,7 +49,9 @@ def test_state_after_each_lookup(events: list, states: list[KvIndexState],
 
 
 def test_down_after_one_is_the_old_rule() -> None:
-    h = KvIndexHealth(down_after=1)
+    h = KvIndexHealth(down_after=1, max_lag=0)
     assert h.missed(T) and h.state is S.UNAVAILABLE
-    with pytest.raises(ValueError):
-        KvIndexHealth(down_after=0)
+    assert h.answered(LookupReply(lag_events=1)) is S.LAGGING
+    for bad in ({"down_after": 0, "max_lag": 0}, {"down_after": 1, "max_lag": -1}):
+        with pytest.raises(ValueError):
+            KvIndexHealth(**bad)

@@ -70,10 +70,10 @@ class KvIndexService(Service):
         self._m_illegal = metrics.counter(m, metrics.KVINDEX_ILLEGAL)
         self._m_evictions = metrics.counter(m, metrics.KVINDEX_INVALIDATED)
         self._m_expirations = metrics.counter(m, metrics.KVINDEX_LEASE_EXPIRATIONS)
-        # The stream's pending count as of the last event applied: the index's lag.
+        # The stream's pending count as of the last event applied (see lag_events).
         self.pending_events = 0
         metrics.gauge(m, metrics.KVINDEX_PENDING_EVENTS,
-                      lambda _: [Observation(self.pending_events)])
+                      lambda _: [Observation(self.lag_events)])
         # Replicas (the seed's "number of copies"): locations per block, cluster-wide.
         metrics.gauge(m, metrics.KVINDEX_BLOCKS, self._observe_blocks)
         metrics.gauge(m, metrics.KVINDEX_LOCATIONS, self._observe_locations)
@@ -83,6 +83,14 @@ class KvIndexService(Service):
 
     def _observe_locations(self, _: CallbackOptions) -> list[Observation]:
         return [Observation(self.index.num_locations, {"node": self.node_id})]
+
+    @property
+    def lag_events(self) -> int:
+        """CPD_KV events not applied yet: the stream's tail past the last one applied (as
+        the server counted it when it sent that one) and those delivered, still waiting
+        in this process's buffer."""
+        buffered = self._sub.pending_msgs if self._sub is not None else 0
+        return self.pending_events + buffered
 
     @property
     def snapshot_path(self) -> Path:
@@ -330,6 +338,7 @@ class KvIndexService(Service):
         reply = self.index.lookup(req.namespace, req.block_hashes, time.monotonic(),
                                   req.include_pending, req.checksums)
         reply.request_id = req.request_id
+        reply.lag_events = self.lag_events
         return reply
 
     async def _checksums(self, req: wire.ChecksumsRequest, _: Request) -> wire.ChecksumsReply:

@@ -83,7 +83,8 @@ class RouterService(Service):
         self.waiters = PrefixWaiters()
         self.accounts = RouterAccounts(self.node_id, self.cfg.policy,
                                        settings.admission.max_inflight)
-        self.kvindex = KvIndexHealth(self.cfg.kvindex_down_after_misses)
+        self.kvindex = KvIndexHealth(self.cfg.kvindex_down_after_misses,
+                                     self.cfg.kvindex_max_lag_events)
         self._model = model
         self.keepalives = KeepAlives(self.cfg.keepalive_interval_s,
                                      sent=self.accounts.keepalive, log=self.log)
@@ -234,7 +235,7 @@ class RouterService(Service):
         return hashes
 
     async def _lookup(self, ns: Namespace, hashes: bytes, request_id: str) -> Hits:
-        """kvindex's answer; a timeout, an error or a recovering index is a miss."""
+        """kvindex's answer; a timeout, an error, a recovering or lagging index is a miss."""
         if not hashes:
             return Hits()
         try:
@@ -247,7 +248,8 @@ class RouterService(Service):
             if self.kvindex.missed(e.code):
                 self.log.warning("router.kvindex_unavailable", error=e.code.value)
             return Hits(ok=False)
-        self.kvindex.answered(reply)
+        if self.kvindex.answered(reply) is wire.KvIndexState.LAGGING:
+            return Hits(ok=False)
         return Hits.from_reply(reply)
 
     def _decide(self, n: int, hits: Hits, exclude: set[str]) -> Decision:

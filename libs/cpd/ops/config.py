@@ -152,6 +152,8 @@ class RouterSettings(_Section):
     # kvindex counts as unavailable (status, readiness) after this many lookups in a row
     # missed their deadline; fewer is "slow". No responders is unavailable at once.
     kvindex_down_after_misses: Annotated[int, msgspec.Meta(ge=1)] = 3
+    # An answer from kvindex more CPD_KV events behind than this is used as a miss.
+    kvindex_max_lag_events: Annotated[int, msgspec.Meta(ge=0)] = 10_000
     # Reuse below this share of the prompt, or below this many tokens, makes it cold.
     cold_reuse_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     min_reuse_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256

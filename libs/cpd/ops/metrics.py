@@ -243,8 +243,8 @@ KVINDEX_LEASE_EXPIRATIONS = _m(
     "node leases that expired (a node stopped heart-beating; its blocks were dropped)")
 KVINDEX_PENDING_EVENTS = _m(
     "cpd_kvindex_pending_events", "gauge",
-    "CPD_KV events published but not yet applied, as of the last one applied (the "
-    "index's lag)")
+    "CPD_KV events published but not yet applied: the stream's tail past the last one "
+    "applied, and those delivered and waiting in kvindex's buffer (the index's lag)")
 KVINDEX_BLOCKS = _m(
     "cpd_kvindex_blocks", "gauge", "distinct blocks the index holds", labels=("node",))
 KVINDEX_LOCATIONS = _m(

@@ -491,6 +491,9 @@ class LookupReply(Message, tag="lookup_reply", kw_only=True):
     num_blocks: NonNegInt = 0
     matches: list[TierMatch] = msgspec.field(default_factory=list)
     pending: list[PendingMatch] = msgspec.field(default_factory=list)
+    # CPD_KV events kvindex had not applied yet (the stream's tail past what it applied,
+    # as of its last event): how far behind the blocks' lifecycle this answer may be.
+    lag_events: NonNegInt = 0
 
 
 class BlockRef(msgspec.Struct, array_like=True):
@@ -874,6 +877,7 @@ class KvIndexState(enum.StrEnum):
     OK = "ok"
     RECOVERING = "recovering"    # answering, but still rebuilding: its answers are misses
     SLOW = "slow"                # its last lookups missed their deadline, fewer than the limit
+    LAGGING = "lagging"          # answering, but over the limit behind the CPD_KV stream
     UNAVAILABLE = "unavailable"  # nobody answers, or too many lookups in a row missed
 
 
