@@ -32,6 +32,10 @@ async def test_quick_fault_scenarios_keep_the_invariants(tmp_path) -> None:
         assert r["unsealed_served"] == 0, (name, r["blocks"])
         assert r["invisible_reads"] == 0, (name, r["blocks"]["invisible_examples"])
         assert r["kvindex_consistent"], (name, r["kvindex"])
+        # TTFT before the fault and while it lasted, from requests that completed.
+        for window in ("ttft_before_ms", "ttft_during_ms"):
+            t = r[window]
+            assert t["n"] > 0 and 0 < t["p50"] <= t["p99"], (name, window, t)
         # Measured here in 0.3-5.5 s (docs/reliability.md); a loaded CI host gets slack.
         assert r["recovery_s"] is not None and r["recovery_s"] < 20, (
             name, r["recovery_marks"], r["notes"])

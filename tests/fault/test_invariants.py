@@ -4,6 +4,7 @@ checks, the audit trail's format, and the router's incarnation-aware liveness.""
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,13 @@ from tools.bench.faults import (
     LOOKUP_RACE_S,
     QUICK,
     Heartbeats,
+    Outcome,
     Prompts,
     Timeline,
     check_blocks,
     config_for,
     reference_tokens,
+    ttft_ms,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,3 +133,17 @@ def test_recovery_needs_a_heartbeat_after_the_fault_from_a_new_incarnation() -> 
     hb.last["p0"] = (2000, 12.0)            # the restarted incarnation
     assert hb.back("p0", since=11.0, incarnation_after_ms=1500)
     assert not hb.back("never-heard", since=0.0)
+
+
+@pytest.mark.parametrize(("window", "want"), [
+    ((0.0, 10.0), {"n": 3, "p50": 200.0, "p99": 298.0}),   # failed and tokenless skipped
+    ((5.0, 10.0), {"n": 1, "p50": 300.0, "p99": 300.0}),   # by send time, not by end
+    ((10.0, math.inf), {"n": 0, "p50": None, "p99": None}),
+])
+def test_ttft_windows_count_completed_requests_by_send_time(
+        window: tuple[float, float], want: dict) -> None:
+    results = [Outcome(t_start=1.0, t_first=1.1), Outcome(t_start=2.0, t_first=2.2),
+               Outcome(t_start=6.0, t_first=6.3, t_end=20.0),
+               Outcome(t_start=3.0, t_first=3.05, error="unavailable"),
+               Outcome(t_start=4.0)]
+    assert ttft_ms(results, *window) == want

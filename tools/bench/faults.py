@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -51,6 +52,7 @@ from cpd.ops.audit import read_audit
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import Namespace
+from cpd.sim.analysis import percentile
 from cpd.sim.workloads import DEFAULT_VOCAB, block_token_ids
 from services.kvindex.index import Index
 from tools.bench.hostinfo import free_port
@@ -173,6 +175,7 @@ class Outcome:
 
     t_start: float
     t_end: float = 0.0
+    t_first: float = 0.0           # the first token's arrival (0: none arrived)
     deadline: float = 0.0
     error: str | None = None       # a typed error code, or a lost-request reason
     lost: bool = False
@@ -194,6 +197,8 @@ async def _one(client: Client, prompts: Prompts, cfg: FaultConfig) -> Outcome:
             async with contextlib.aclosing(client.stream_request(req)) as stream:
                 async for msg in stream:
                     if isinstance(msg, wire.TokenChunk):
+                        if not out.t_first and msg.token_ids:
+                            out.t_first = time.monotonic()
                         ids.extend(msg.token_ids)
                     else:
                         final = msg
@@ -212,6 +217,15 @@ async def _one(client: Client, prompts: Prompts, cfg: FaultConfig) -> Outcome:
         out.path = final.route.path
         out.wrong = ids != reference_tokens(prompt, cfg.output_tokens)
     return out
+
+
+def ttft_ms(results: list[Outcome], since: float, until: float) -> dict[str, Any]:
+    """TTFT p50 and p99 (ms) of the requests sent in [``since``, ``until``) that
+    completed, and how many there were (failed ones count in ``completed_ok_ratio``)."""
+    xs = [(r.t_first - r.t_start) * 1000 for r in results
+          if r.error is None and r.t_first and since <= r.t_start < until]
+    return {"n": len(xs), "p50": round(percentile(xs, 0.5), 1) if xs else None,
+            "p99": round(percentile(xs, 0.99), 1) if xs else None}
 
 
 async def drive(client: Client, prompts: Prompts, cfg: FaultConfig, stop_at: float
@@ -676,6 +690,12 @@ async def run_scenario(name: str, index: int, cluster: SimCluster, cfg: FaultCon
         "invisible_reads": blocks["invisible_reads"],
         "kvindex_consistent": kv["kvindex_consistent"],
         "recovery_s": 0.0 if name == "baseline" else recovery,
+        # Sent before the fault, and from its start until recovery (to the load's end
+        # when it did not recover; a baseline's "fault" injects nothing).
+        "ttft_before_ms": ttft_ms(results, t0, t_inject),
+        "ttft_during_ms": ttft_ms(results, t_inject, t_fault_end + recovery
+                                  if recovery is not None and name != "baseline"
+                                  else math.inf),
         "fault_s": round(t_fault_end - t_inject, 2),
         "recovery_marks": marks,
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -691,7 +711,10 @@ async def run_scenario(name: str, index: int, cluster: SimCluster, cfg: FaultCon
               f"{row['typed_errors']} lost {row['lost']} wrong {row['wrong_tokens']} "
               f"unsealed {row['unsealed_served']} invisible {row['invisible_reads']} "
               f"kvindex {'ok' if row['kvindex_consistent'] else 'DIFFERENT'} "
-              f"recovery {row['recovery_s']} s {marks} load {row['load_avg_1m']} "
+              f"recovery {row['recovery_s']} s {marks} ttft p50/p99 before "
+              f"{row['ttft_before_ms']['p50']}/{row['ttft_before_ms']['p99']} ms, during "
+              f"{row['ttft_during_ms']['p50']}/{row['ttft_during_ms']['p99']} ms "
+              f"load {row['load_avg_1m']} "
               f"{ctx.notes}", file=sys.stderr, flush=True)
     return row
 
