@@ -190,6 +190,76 @@ async def test_lookups_say_how_far_behind_the_event_stream_the_index_is(env: tup
     assert svc.applied_seq == last
 
 
+async def test_a_recreated_stream_is_replayed_and_every_node_asked_to_reannounce(
+        fresh_nats: NatsServer, tmp_path: Path) -> None:
+    """CPD_KV deleted and created again under a running kvindex (its events start again
+    at 1): the index forgets what the lost events built, asks every node to re-announce,
+    and applies the new stream's events."""
+    s = _settings(fresh_nats, tmp_path, "kvi-s", **{"kvindex.stream_check_interval_s": "0.2"})
+    svc = KvIndexService(s)
+    await svc.start()
+    bus = await Bus.open(s, "reset-test")
+    js = bus.nc.jetstream()
+    hb = Heartbeats(bus, "w7", epoch=5)
+    try:
+        old, refs = _chain(8, seed=70)
+        await _write(kvevents.KvEventPublisher(js, "w7", epoch=5), refs)
+        await _until(lambda: _holds(bus, old, 8))
+        asks = await bus.nc.subscribe(subjects.kv_reannounce("w7"))
+        await js.delete_stream(subjects.KV_STREAM)
+        await kvevents.ensure_stream(js)
+        wire.decode((await asks.next_msg(timeout=10)).data, wire.Reannounce)
+        assert (await _lookup(bus, old)).num_blocks == 0  # what the lost events built
+        # The node's events from now on (its re-announcement) reach the index.
+        new, refs = _chain(4, seed=71)
+        await _write(kvevents.KvEventPublisher(js, "w7", epoch=5), refs)
+        await _until(lambda: _holds(bus, new, 4))
+        last = (await js.stream_info(subjects.KV_STREAM)).state.last_seq
+        assert svc.applied_seq == last
+    finally:
+        await hb.stop()
+        await bus.close()
+        await svc.stop()
+
+
+async def test_a_snapshot_newer_than_the_stream_is_dropped_at_start(
+        fresh_nats: NatsServer, tmp_path: Path) -> None:
+    """The stream was recreated while kvindex was down: its snapshot describes events
+    the stream no longer has, so it starts from the new stream alone and asks every
+    node to re-announce."""
+    s = _settings(fresh_nats, tmp_path, "kvi-t")
+    bus = await Bus.open(s, "reset-start-test")
+    js = bus.nc.jetstream()
+    hb = Heartbeats(bus, "w8", epoch=2)
+    svc = KvIndexService(s)
+    await svc.start()
+    try:
+        old, refs = _chain(8, seed=80)
+        pub = kvevents.KvEventPublisher(js, "w8", epoch=2)
+        for i in range(8):  # more events than the new stream will hold
+            await _write(pub, refs[i:i + 1])
+        await _until(lambda: _holds(bus, old, 8))
+        await svc.stop()  # writes its snapshot
+        await js.delete_stream(subjects.KV_STREAM)
+        await kvevents.ensure_stream(js)
+        new, refs = _chain(2, seed=81)
+        await _write(kvevents.KvEventPublisher(js, "w8", epoch=2), refs)
+        asks = await bus.nc.subscribe(subjects.kv_reannounce("w8"))
+        svc = KvIndexService(s)
+        await svc.start()
+        wire.decode((await asks.next_msg(timeout=10)).data, wire.Reannounce)
+        await _until(lambda: _holds(bus, new, 2))
+        assert (await _lookup(bus, old)).num_blocks == 0
+    finally:
+        await hb.stop()
+        await bus.close()
+        await svc.stop()
+
+
+async def _holds(bus: Bus, hs: bytes, n: int) -> bool:
+    return (await _lookup(bus, hs)).num_blocks == n
+
+
 async def test_sequence_gap_asks_for_reannounce(env: tuple) -> None:
     _, bus, js = env
     ask = await bus.nc.subscribe(subjects.kv_reannounce("w2"))

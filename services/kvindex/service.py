@@ -32,7 +32,8 @@ from cpd.ops import metrics, telemetry
 from cpd.ops.config import Settings
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ForgedSender, InvalidRequest
-from services.kvindex.index import Changes, Index, valid_namespace
+from services.kvindex.checks import check_event_sender, check_query
+from services.kvindex.index import Changes, Index
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -60,6 +61,7 @@ class KvIndexService(Service):
         self._reannounce_all = False
         self._asked: set[str] = set()
         self._sub = None
+        self._stream_created: object = None  # CPD_KV's creation time: its identity
         m = telemetry.meter()
         self._m_events = metrics.counter(m, metrics.KVINDEX_EVENTS)
         # Counted in an int and observed at export: an SDK counter's add() on every
@@ -110,19 +112,18 @@ class KvIndexService(Service):
         self._load_snapshot()
         info = await self.js.stream_info(subjects.KV_STREAM)
         self.target_seq = info.state.last_seq
-        if info.state.first_seq > self.applied_seq + 1 and info.state.messages:
+        self._stream_created = info.created
+        if info.state.last_seq < self.applied_seq:
+            # The stream is younger than the snapshot (recreated, its events lost).
+            self._forget("stream_reset", info)
+        elif info.state.first_seq > self.applied_seq + 1 and info.state.messages:
             # Events between our snapshot and the stream's oldest one aged out: what
             # nodes hold may be unknown to us, so every node is asked to re-announce.
             self._reannounce_all = True
             self.log.warning("kvindex.stream_truncated", snapshot_seq=self.applied_seq,
                              first_seq=info.state.first_seq)
         self.recovering = self.applied_seq < self.target_seq
-        self._sub = await self.js.subscribe(
-            subjects.KV_EVENTS_ALL, cb=self._on_event, ordered_consumer=True,
-            idle_heartbeat=self.cfg.consumer_heartbeat_s,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            config=api.ConsumerConfig(opt_start_seq=self.applied_seq + 1),
-        )
+        await self._subscribe()
         await self.bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await self.add_endpoint("lookup", subjects.KVINDEX_LOOKUP, self._lookup,
                                 expect=wire.LookupRequest, queue=subjects.QUEUE_KVINDEX,
@@ -131,6 +132,7 @@ class KvIndexService(Service):
                                 expect=wire.ChecksumsRequest, queue=subjects.QUEUE_KVINDEX,
                                 inline=True)
         self.spawn(self._sweep_leases(), "lease-sweeper")
+        self.spawn(self._watch_stream(), "stream-watcher")
         self.spawn(self._snapshots(), "snapshots")
         if not self.recovering:
             self._mark_ready(t0)
@@ -144,6 +146,44 @@ class KvIndexService(Service):
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
         self._write_snapshot()
+
+    async def _subscribe(self) -> None:
+        self._sub = await self.js.subscribe(
+            subjects.KV_EVENTS_ALL, cb=self._on_event, ordered_consumer=True,
+            idle_heartbeat=self.cfg.consumer_heartbeat_s,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            config=api.ConsumerConfig(opt_start_seq=self.applied_seq + 1))
+
+    def _forget(self, why: str, info: api.StreamInfo) -> None:
+        """Drop the index: the events it was built from are gone from the stream. It
+        is rebuilt from what the stream holds and from every node's re-announcement."""
+        self.log.warning(f"kvindex.{why}", applied_seq=self.applied_seq,
+                         stream_last_seq=info.state.last_seq, blocks=self.index.num_blocks)
+        self.index, self.applied_seq, self._snapshot_seq = Index(), 0, -1
+        self._reannounce_all, self._asked = True, set()
+
+    async def _watch_stream(self) -> None:
+        """Notice ``CPD_KV`` recreated under a running index (a NATS server that lost
+        its store, an operator's delete): the ordered consumer would wait past the old
+        sequence for events that start again at 1. Replay the new stream instead."""
+        while not self.stopping:
+            await asyncio.sleep(self.cfg.stream_check_interval_s)
+            try:
+                info = await self.js.stream_info(subjects.KV_STREAM)
+            except Exception:  # NATS down or the stream not there yet: look again later
+                continue
+            if info.created == self._stream_created and info.state.last_seq >= self.applied_seq:
+                continue
+            if self._sub is not None:
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+            self._forget("stream_reset", info)
+            self._stream_created, self.target_seq = info.created, info.state.last_seq
+            self._t_recovery = time.perf_counter()
+            self.recovering = self.applied_seq < self.target_seq
+            await self._subscribe()
+            if not self.recovering:
+                self._mark_ready(self._t_recovery)
 
     def _mark_ready(self, t0: float) -> None:
         # The recovered index is long-lived: keep the collector from re-scanning its
@@ -222,7 +262,7 @@ class KvIndexService(Service):
         seq = msg.metadata.sequence.stream
         try:
             ev = wire.decode(msg.data, wire.KvEvent)
-            _check_event_sender(msg.subject, ev)
+            check_event_sender(msg.subject, ev)
         except ForgedSender as e:  # durable, so refused again on every replay
             self.reject(msg.subject, e)
             ch = Changes()
@@ -334,7 +374,7 @@ class KvIndexService(Service):
         self.lookups += 1
         if self.recovering:
             return wire.LookupReply(request_id=req.request_id, status="recovering")
-        self._check_query(req.namespace, req.block_hashes)
+        check_query(req.namespace, req.block_hashes, self.cfg.max_lookup_blocks)
         reply = self.index.lookup(req.namespace, req.block_hashes, time.monotonic(),
                                   req.include_pending, req.checksums)
         reply.request_id = req.request_id
@@ -342,7 +382,7 @@ class KvIndexService(Service):
         return reply
 
     async def _checksums(self, req: wire.ChecksumsRequest, _: Request) -> wire.ChecksumsReply:
-        self._check_query(req.namespace, req.block_hashes)
+        check_query(req.namespace, req.block_hashes, self.cfg.max_lookup_blocks)
         try:
             subjects.check_token(req.node, "node")
         except ValueError as e:
@@ -351,18 +391,6 @@ class KvIndexService(Service):
                                    else self.index.checksums(req.namespace, req.node,
                                                              req.block_hashes, time.monotonic()))
 
-    def _check_query(self, namespace: str, block_hashes: bytes) -> None:
-        """Refuse, typed, a query's malformed namespace or hash array, or too many blocks."""
-        if not valid_namespace(namespace):
-            raise InvalidRequest(f"namespace {namespace!r} is not a 32-hex-digit id")
-        n, rest = divmod(len(block_hashes), wire.HASH_BYTES)
-        if rest:
-            raise InvalidRequest(f"block_hashes is {len(block_hashes)} bytes, "
-                                 f"not a multiple of {wire.HASH_BYTES}")
-        if n > self.cfg.max_lookup_blocks:
-            raise InvalidRequest(f"{n} blocks in one lookup; the limit is "
-                                 f"{self.cfg.max_lookup_blocks}")
-
 
 def serve(settings: Settings) -> None:
     """Run one kvindex process until SIGTERM/SIGINT (``python -m services.kvindex``,
@@ -370,13 +398,3 @@ def serve(settings: Settings) -> None:
     telemetry.setup("kvindex", settings.telemetry)
     run_service(KvIndexService(settings))
 
-
-def _check_event_sender(subject: str, ev: wire.KvEvent) -> None:
-    """A node publishes only its own blocks' events; kvindex's pseudo node (whose
-    subject only kvindex may publish on) only lease expiries, naming the node whose
-    lease ran out."""
-    if subject == subjects.kv_events(subjects.KVINDEX_EVENTS_NODE):
-        if not isinstance(ev, wire.LeaseExpired):
-            raise ForgedSender(f"a {type(ev).__name__} came on kvindex's own subject")
-        return
-    wire.check_sender(subject, ev)

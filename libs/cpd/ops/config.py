@@ -298,6 +298,9 @@ class KvIndexSettings(_Section):
     # consumer, so this bounds how long kvindex goes without events (nats-py's default
     # of 5 s meant 10-20 s of a stale index after a restart; docs/reliability.md).
     consumer_heartbeat_s: Annotated[float, msgspec.Meta(ge=0.1, le=30.0)] = 1.0
+    # How often kvindex checks that CPD_KV is the stream it has been reading (not one
+    # recreated since, whose events start again at 1; the index is then rebuilt).
+    stream_check_interval_s: Positive = 5.0
 
 
 EvictionName = Literal["lru", "tinylfu"]
