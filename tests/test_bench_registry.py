@@ -37,6 +37,7 @@ FLAGS: dict[str, set[str]] = {
     "faults": {"--quick", "--scenarios", "--concurrency", "--duration-s"},
     "plan": {"--quick", "--jobs"},
     "fuzz": {"--cases", "--seed"},
+    "soak": {"--minutes", "--concurrency", "--fault-every"},
 }
 
 # (command line after `cpd bench`, attributes it must parse to)
@@ -77,6 +78,9 @@ PARSES: list[tuple[str, dict[str, object]]] = [
      {"quick": True, "scenarios": "a,b", "concurrency": 60, "duration_s": 14.0}),
     ("fuzz", {"cases": 10_000, "seed": 0}),
     ("fuzz --cases 200 --seed 3", {"cases": 200, "seed": 3}),
+    ("soak", {"minutes": 30.0, "concurrency": 100, "fault_every": 4}),
+    ("soak --minutes 2 --concurrency 40 --fault-every 2",
+     {"minutes": 2.0, "concurrency": 40, "fault_every": 2}),
 ]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -719,12 +720,28 @@ async def run_scenario(name: str, index: int, cluster: SimCluster, cfg: FaultCon
     return row
 
 
-async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
-    """Start the cluster, run every scenario of ``cfg``, stop; the JSON result."""
-    unknown = [s for s in cfg.scenarios if s not in SCENARIOS]
-    if unknown:
-        raise CpdError(f"unknown fault scenarios {unknown}; known: {list(SCENARIOS)}")
-    proxy_cls = FaultProxy
+@dataclass
+class Rig:
+    """A running fault cluster: what :func:`run_scenario` acts on and checks with."""
+
+    cluster: SimCluster
+    timeline: Timeline
+    proxy: Any
+    ucx_proxy: Any
+    heartbeats: Heartbeats
+
+    async def scenario(self, name: str, index: int, cfg: FaultConfig) -> dict:
+        """Run scenario ``name`` once the router sees every node again; its row."""
+        await self.cluster.until_router_sees(set(self.cluster.nodes), timeout_s=60.0)
+        return await run_scenario(name, index, self.cluster, cfg, self.timeline,
+                                  self.proxy, self.ucx_proxy, self.heartbeats)
+
+
+@contextlib.asynccontextmanager
+async def fault_rig(cfg: FaultConfig, tmp: Path) -> AsyncIterator[Rig]:
+    """The harness's cluster (two routers, a NATS fault proxy in front of one prefill
+    node, a UCX one in front of another, killed nodes restarted by the supervisor) for
+    the length of the block; everything it started is stopped after."""
     env = {
         "CPD_SIM__TIME_SCALE": str(cfg.time_scale),
         "CPD_ADMISSION__MAX_INFLIGHT": str(cfg.concurrency * 2 + 32),
@@ -737,16 +754,14 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
     # The proxied node's NATS URL is the proxy's, which forwards to NATS on a port picked
     # now (so the proxy exists before the node starts).
     nats_port = free_port()
-    proxy = proxy_cls("127.0.0.1", nats_port).start_in_thread()
+    proxy = FaultProxy("127.0.0.1", nats_port).start_in_thread()
     ucx_port = free_port()
-    ucx_proxy = proxy_cls("127.0.0.1", ucx_port).start_in_thread()
+    ucx_proxy = FaultProxy("127.0.0.1", ucx_port).start_in_thread()
     cluster = SimCluster(NODES, tmp, label="faults", env=env, nats_port=nats_port,
                          router_node=ROUTER, routers=(SPARE_ROUTER,), node_env={
         PROXIED_NODE: {"CPD_NATS__SERVERS": f"nats://127.0.0.1:{proxy.port}"},
         UCX_PROXIED_NODE: {"CPD_DATAPLANE__LISTEN_PORT": str(ucx_port),
                            "CPD_DATAPLANE__ADVERTISE_PORT": str(ucx_proxy.port)}})
-    t0 = time.monotonic()
-    rows: list[dict] = []
     try:
         await cluster.start()
         cluster.supervise()
@@ -755,19 +770,42 @@ async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
         timeline.namespace_specs = heartbeats.specs
         assert cluster.client is not None
         await heartbeats.start(cluster.client)
-        for i, name in enumerate(cfg.scenarios):
-            await cluster.until_router_sees(set(cluster.nodes), timeout_s=60.0)
-            try:
-                rows.append(await run_scenario(name, i, cluster, cfg, timeline, proxy,
-                                               ucx_proxy, heartbeats))
-            except Exception as e:  # the cluster may be broken: report, stop here
-                rows.append(failed_row(name, e))
-                print(f"{name}: FAILED {e!r}", file=sys.stderr, flush=True)
-                break
+        yield Rig(cluster, timeline, proxy, ucx_proxy, heartbeats)
     finally:
         await cluster.stop()
         proxy.stop_thread()
         ucx_proxy.stop_thread()
+
+
+def check_scenarios(names: Iterable[str]) -> None:
+    """Refuse, typed, scenario names the harness does not know."""
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown:
+        raise CpdError(f"unknown fault scenarios {unknown}; known: {list(SCENARIOS)}")
+
+
+def run_in_tmp(main: Callable[[Path], Awaitable[dict]], prefix: str) -> dict:
+    """``main(folder)`` in a new event loop and a temporary folder removed after."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        return asyncio.run(main(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def run_async(cfg: FaultConfig, tmp: Path) -> dict:
+    """Start the cluster, run every scenario of ``cfg``, stop; the JSON result."""
+    check_scenarios(cfg.scenarios)
+    t0 = time.monotonic()
+    rows: list[dict] = []
+    async with fault_rig(cfg, tmp) as rig:
+        for i, name in enumerate(cfg.scenarios):
+            try:
+                rows.append(await rig.scenario(name, i, cfg))
+            except Exception as e:  # the cluster may be broken: report, stop here
+                rows.append(failed_row(name, e))
+                print(f"{name}: FAILED {e!r}", file=sys.stderr, flush=True)
+                break
     result = summarize(rows, cfg)
     # The fuzzer runs its own event loop: in a thread of its own, after the cluster.
     result["fuzz_crashes"] = await asyncio.to_thread(run_fuzz, cfg)
@@ -819,11 +857,7 @@ def run_fuzz(cfg: FaultConfig) -> int | None:
 
 def run(cfg: FaultConfig) -> dict:
     """Run the harness in a temporary folder; returns the JSON result."""
-    tmp = Path(tempfile.mkdtemp(prefix="cpd-faults-"))
-    try:
-        return asyncio.run(run_async(cfg, tmp))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return run_in_tmp(functools.partial(run_async, cfg), "cpd-faults-")
 
 
 def config_for(quick: bool, scenarios: str | None = None, concurrency: int | None = None,
@@ -884,6 +918,6 @@ def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
     return result
 
 
-__all__ = ["FULL", "QUICK", "SCENARIOS", "FaultConfig", "Timeline", "add_arguments",
-           "check_blocks", "config_for", "markdown", "reference_tokens", "run", "run_args",
-           "run_async"]
+__all__ = ["FULL", "QUICK", "SCENARIOS", "FaultConfig", "Rig", "Timeline", "add_arguments",
+           "check_blocks", "check_scenarios", "config_for", "fault_rig", "markdown",
+           "reference_tokens", "run", "run_args", "run_async", "run_in_tmp"]

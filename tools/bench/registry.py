@@ -74,6 +74,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "planner speed: the paper's protocol and a 256-node cluster, simulated"),
     Benchmark("faults", "tools.bench.faults",
               "fault scenarios under load: lost requests, wrong tokens, recovery"),
+    Benchmark("soak", "tools.bench.soak",
+              "long load with a fault every few rounds: memory, files, caches bounded"),
     Benchmark("fuzz", "tools.bench.fuzz",
               "hostile input on every subject a service listens on"),
 )}
