@@ -478,6 +478,13 @@ async def test_health_is_liveness_and_ready_needs_a_router_and_workers(
     router.kvindex = "recovering"
     resp = await http.get("/ready")
     assert resp.status_code == 503 and resp.json()["reason"] == "kvindex is recovering"
+    # A slow index (some lookups past their deadline) serves: it keeps the gateway in
+    # service; a lagging or unavailable one does not.
+    router.nodes = [wire.NodeStatus(node="pp-0", role="preprefill", alive=True),
+                    wire.NodeStatus(node="d-0", role="decode", alive=True)]
+    for state, code in (("slow", 200), ("lagging", 503), ("unavailable", 503), ("ok", 200)):
+        router.kvindex = state
+        assert (await http.get("/ready")).status_code == code, state
 
 
 async def test_ready_without_a_router(http: httpx.AsyncClient) -> None:

@@ -215,9 +215,34 @@ async def test_a_recreated_stream_is_replayed_and_every_node_asked_to_reannounce
         await _write(kvevents.KvEventPublisher(js, "w7", epoch=5), refs)
         await _until(lambda: _holds(bus, new, 4))
         last = (await js.stream_info(subjects.KV_STREAM)).state.last_seq
-        assert svc.applied_seq == last
+        assert svc.applied_seq == last and svc.stream_resets == 1
     finally:
         await hb.stop()
+        await bus.close()
+        await svc.stop()
+
+
+async def test_a_stream_that_grows_while_it_is_checked_is_not_taken_as_reset(
+        fresh_nats: NatsServer, tmp_path: Path) -> None:
+    """Events go on arriving while the stream's state is asked for: kvindex may have
+    applied past the last sequence the answer gives, which is not a younger stream."""
+    s = _settings(fresh_nats, tmp_path, "kvi-g", **{"kvindex.stream_check_interval_s": "0.01"})
+    svc = KvIndexService(s)
+    await svc.start()
+    bus = await Bus.open(s, "grow-test")
+    js = bus.nc.jetstream()
+    try:
+        pubs = [kvevents.KvEventPublisher(js, f"grow{i}", epoch=1) for i in range(12)]
+        for round_ in range(20):  # ~1 s of events, each node a chain of its own per round
+            await asyncio.gather(*(p.allocated(NS.id, _chain(64, seed=12 * round_ + i)[1])
+                                   for i, p in enumerate(pubs)))
+        last = (await js.stream_info(subjects.KV_STREAM)).state.last_seq
+
+        async def caught_up() -> bool:
+            return svc.applied_seq == last
+        await _until(caught_up)
+        assert svc.stream_resets == 0
+    finally:
         await bus.close()
         await svc.stop()
 

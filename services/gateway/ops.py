@@ -19,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import cpd
 from cpd.client import Client
 from cpd.engines.servedmodel import ServedModel
-from cpd.protocol import wire
 from cpd.protocol.errors import CpdError
 from cpd.protocol.roles import PREFILL_ROLES
 from services.gateway import protocol
@@ -32,9 +31,6 @@ HEALTH_TIMEOUT_S = 1.0
 
 # A request needs a node of each kind to run: a prefill side (warm or cold) and decode.
 _NEEDED_ROLES: dict[str, set[str]] = {"prefill": set(PREFILL_ROLES), "decode": {"decode"}}
-# kvindex states in which requests are served as usual: a slow index makes some lookups
-# misses (routed as uncached), which is not a reason to take the gateway out of service.
-_SERVING_KVINDEX = frozenset({wire.KvIndexState.OK, wire.KvIndexState.SLOW})
 
 
 class OpsRoutes:
@@ -110,7 +106,7 @@ class OpsRoutes:
             return _unhealthy(f"no router answered: {e.message}")
         alive = {n.role for n in status.nodes if n.alive}
         missing = [kind for kind, roles in _NEEDED_ROLES.items() if not alive & roles]
-        if status.kvindex not in _SERVING_KVINDEX:
+        if not status.kvindex.serving:
             return _unhealthy(f"kvindex is {status.kvindex}")
         if missing:
             return _unhealthy(f"no live {' or '.join(missing)} worker")

@@ -62,6 +62,7 @@ class KvIndexService(Service):
         self._asked: set[str] = set()
         self._sub = None
         self._stream_created: object = None  # CPD_KV's creation time: its identity
+        self.stream_resets = 0  # times CPD_KV was found recreated under the index
         m = telemetry.meter()
         self._m_events = metrics.counter(m, metrics.KVINDEX_EVENTS)
         # Counted in an int and observed at export: an SDK counter's add() on every
@@ -168,12 +169,14 @@ class KvIndexService(Service):
         sequence for events that start again at 1. Replay the new stream instead."""
         while not self.stopping:
             await asyncio.sleep(self.cfg.stream_check_interval_s)
+            applied = self.applied_seq  # events go on arriving while the answer does
             try:
                 info = await self.js.stream_info(subjects.KV_STREAM)
             except Exception:  # NATS down or the stream not there yet: look again later
                 continue
-            if info.created == self._stream_created and info.state.last_seq >= self.applied_seq:
+            if info.created == self._stream_created and info.state.last_seq >= applied:
                 continue
+            self.stream_resets += 1
             if self._sub is not None:
                 with contextlib.suppress(Exception):
                     await self._sub.unsubscribe()

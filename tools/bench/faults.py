@@ -380,7 +380,7 @@ async def recovered(cluster: SimCluster, prompts: Prompts, cfg: FaultConfig,
     """Seconds from ``since`` until the system is back at full capacity: every node
     alive in the router's status and heard from since ``since`` (a node in ``killed``:
     from an incarnation started after its kill, wall ms), the router's kvindex state
-    ``ok``, and a probe pair
+    serving (``ok``, or ``slow``: lookups past their deadline under load), and a probe pair
     served (:func:`probe`: a fresh document computed, then read back from the cache).
     The time is when the successful probe pair *started* (its own latency under load is
     not recovery). ``None`` if that does not happen within the recovery timeout (what
@@ -405,11 +405,11 @@ async def recovered(cluster: SimCluster, prompts: Prompts, cfg: FaultConfig,
             dead = want - fresh
             if not dead:
                 marks.setdefault("all_leased", round(t - since, 2))
-            if status.kvindex == "ok":
-                marks.setdefault("kvindex_ok", round(t - since, 2))
+            if status.kvindex.serving:
+                marks.setdefault("kvindex_serving", round(t - since, 2))
             missing = (f"nodes not leased: {sorted(dead)}" if dead
-                       else f"router's kvindex state {status.kvindex!r}")
-            if not dead and status.kvindex == "ok":
+                       else f"router's kvindex state {status.kvindex.value!r}")
+            if not dead and status.kvindex.serving:
                 why = await probe(cluster.client, prompts, cfg)
                 if why is None:
                     marks["probe_done"] = round(time.monotonic() - since, 2)

@@ -880,6 +880,12 @@ class KvIndexState(enum.StrEnum):
     LAGGING = "lagging"          # answering, but over the limit behind the CPD_KV stream
     UNAVAILABLE = "unavailable"  # nobody answers, or too many lookups in a row missed
 
+    @property
+    def serving(self) -> bool:
+        """Whether requests are served as usual: a slow index makes some lookups misses
+        (routed as uncached), which is no reason to take a gateway out of service."""
+        return self in (KvIndexState.OK, KvIndexState.SLOW)
+
 
 class StatusReply(Message, tag="status_reply", kw_only=True):
     router: RouterStats
