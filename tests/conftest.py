@@ -18,17 +18,31 @@ from tests.helpers.cluster import VllmCluster, run_engine_helper
 from tools.cluster.spec import compile_cache
 
 _CHILD_TMP = "_cpd_child_tmp"
+_SHM_BEFORE = "_cpd_shm_before"
+_SHM = Path("/dev/shm")
+# What vLLM-CPU's ranks (and torch's and Python's multiprocessing) leave in shared
+# memory when they are killed, not stopped: gone with the session that made it.
+_SHM_LEFTOVERS = ("vllm_dist_", "psm_", "sem.mp-")
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {p.name for p in _SHM.iterdir() if p.name.startswith(_SHM_LEFTOVERS)}
+    except OSError:
+        return set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """The processes the tests start get a temp folder of the session's own, removed at
     its end: vLLM leaves sockets and rank rendezvous files there, and a killed process
     whatever it held. The test process keeps the system one (its base for tmp_path),
-    and torch's compile cache stays where it is shared across runs."""
+    and torch's compile cache stays where it is shared across runs. Shared-memory
+    leftovers made during the session are removed at its end."""
     tempfile.gettempdir()  # pinned before TMPDIR changes for the children
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache()  # shared across runs
     folder = tempfile.mkdtemp(prefix="cpd-tests-")
     setattr(config, _CHILD_TMP, folder)
+    setattr(config, _SHM_BEFORE, _shm_entries())
     os.environ["TMPDIR"] = folder
 
 
@@ -36,6 +50,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     folder = getattr(config, _CHILD_TMP, None)
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
+    before = getattr(config, _SHM_BEFORE, None)
+    if before is not None:
+        for name in _shm_entries() - before:
+            (_SHM / name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
