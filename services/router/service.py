@@ -248,7 +248,7 @@ class RouterService(Service):
             if self.kvindex.missed(e.code):
                 self.log.warning("router.kvindex_unavailable", error=e.code.value)
             return Hits(ok=False)
-        if self.kvindex.answered(reply) is wire.KvIndexState.LAGGING:
+        if self.kvindex.answered(reply) is not wire.KvIndexState.OK:  # recovering, lagging
             return Hits(ok=False)
         return Hits.from_reply(reply)
 

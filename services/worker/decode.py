@@ -119,7 +119,6 @@ class DecodeHandler:
             except Exception as e:
                 core.log.warning("decode.failed", error=repr(e))
                 core.count_stream_rejection(self.subject, e)
-                core.running.discard(("decode", req.request_id))  # before the last message
                 await out.error(e)
             finally:
                 core.running.discard(("decode", req.request_id))
@@ -203,9 +202,6 @@ class DecodeHandler:
                                   stop_reason=last.stop_token,
                                   completion_tokens=generated + first)
                    for i, (last, generated) in enumerate(ends)]
-        # Free before the stream's last message: once the router has it, a client may
-        # send the same id again, and it must not find the id still held here.
-        self.core.running.discard(("decode", req.request_id))
         await out.final(finish_reason=choices[0].finish_reason,
                         stop_reason=choices[0].stop_reason,
                         choices=choices if not first else [],

@@ -81,7 +81,6 @@ class PrefillHandler:
                 await self._prefill(req, out)
         except BaseException as e:
             self.core.count_stream_rejection(subjects.run(self.role, self.core.node_id), e)
-            self.core.running.discard(("prefill", req.request_id))  # before the last message
             await out.error(e)
             if not isinstance(e, Exception):
                 raise
@@ -128,7 +127,6 @@ class PrefillHandler:
                          prefill_ms=(t_done - t_load) * 1e3, queue_ms=queued * 1e3)
         cancelled = req.request_id in core.cancelled  # e.g. a stop string in the token
         if stopped or (req.sampling.max_tokens <= 1 and not several) or cancelled:
-            core.running.discard(("prefill", req.request_id))  # before the last message
             await out.final(finish_reason=("abort" if cancelled and (several or
                                                                   not step.finished)
                                            else step.finish_reason or "length"),
@@ -255,10 +253,7 @@ class PrefillHandler:
             core.kv.unpin(lease)
             raise DecodeUnavailable(f"decode node {req.decode_node} did not take the "
                                     f"request: {e.message}", node=req.decode_node) from e
-        # Decode owns the rest of the stream, and may end it before this task runs again:
-        # the id is free here from now on (a client may reuse it right after its final).
-        core.running.discard(("prefill", req.request_id))
-        out.hand_over()
+        out.hand_over()  # decode owns the rest of the stream
 
     async def _on_pull_ack(self, msg: Msg) -> None:
         assert self._service is not None
