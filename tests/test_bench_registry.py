@@ -35,7 +35,7 @@ FLAGS: dict[str, set[str]] = {
               "--ramp-s", "--steady-s", "--settle-s", "--topologies", "--stop-after",
               "--out"},
     "faults": {"--quick", "--scenarios", "--concurrency", "--duration-s"},
-    "plan": {"--quick", "--jobs"},
+    "plan": {"--quick", "--jobs", "--fidelity", "--sweep-json"},
     "fuzz": {"--cases", "--seed"},
     "soak": {"--minutes", "--concurrency", "--fault-every"},
 }

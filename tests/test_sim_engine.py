@@ -14,6 +14,7 @@ import pytest
 
 from cpd.engines import ArenaSpec, EngineRequest, EngineStep
 from cpd.engines.sim.engine import (
+    HOST_SLACK_S,
     CacheCleared,
     CacheEvent,
     CacheRemoved,
@@ -272,6 +273,37 @@ async def test_time_scale_paces_wall_time() -> None:
     # ~40 steps of ~3 ms simulated = ~0.1 s simulated = ~10 ms wall at 10x.
     assert sim > 40 * B200_TP4_8B.overhead_s
     assert wall >= 0.9 * sim / 10.0
+
+
+@pytest.mark.parametrize(("lag_s", "chained"), [(0.002, True), (2 * HOST_SLACK_S, False)])
+async def test_host_lag_between_steps_is_not_simulated_compute(
+        monkeypatch: pytest.MonkeyPatch, lag_s: float, chained: bool) -> None:
+    """Back-to-back steps chain in simulated time, as a GPU's do: the host blocking
+    ``lag_s`` after each step (delivering tokens, other work on the loop) does not move
+    the next step's start while it is under the slack; past it, the host is the
+    bottleneck and its lag counts."""
+    e = SimEngine(B200_TP4_8B, block_size=BS, time_scale=1.0, prefix_caching=False)
+    deliver = e._deliver
+
+    def slow_deliver(plan: object) -> None:
+        deliver(plan)  # type: ignore[arg-type]
+        time.sleep(lag_s)
+
+    monkeypatch.setattr(e, "_deliver", slow_deliver)
+    await e.start()
+    try:
+        await gen(e, "a", sampling=wire.SamplingParams(max_tokens=20, ignore_eos=True))
+    finally:
+        await e.stop()
+    steps = e.steps
+    # The simulated clock ends where the busy time says, plus the first step's start
+    # (simulated time while idle follows the wall clock) and, unchained, every lag.
+    gap = e._sim_clock - e.busy_s
+    assert steps == 20
+    if chained:
+        assert gap < 0.5 * (steps - 1) * lag_s
+    else:
+        assert gap >= (steps - 1) * lag_s
 
 
 async def test_rejects_bad_requests(engine: SimEngine) -> None:

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from cpd.ops.config import Settings
 from cpd.ops.cpuset import usable_cpus
+from cpd.protocol.errors import CpdError
 from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.loaddriver import Phases
 from tools.bench.registry import SettingsFactory
@@ -185,11 +186,25 @@ def run(settings: Settings, *, quick: bool = False, jobs: int = 0) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``cpd bench plan``'s flags."""
     parser.add_argument("--quick", action="store_true",
-                        help="2 topologies at 2 loads for 60 s; a 32-node cluster for 60 s")
+                        help="2 topologies at 2 loads for 60 s; a 32-node cluster for 60 s "
+                             "(--fidelity: 2 topologies at 2 loads, 10 + 10 + 40 s)")
     parser.add_argument("--jobs", type=int, default=0,
                         help="processes of the paper's protocol (default: usable CPUs)")
+    parser.add_argument("--fidelity", action="store_true",
+                        help="instead: the planner against cpd bench sweep on the same "
+                             "workload, loads and phases (the sweep runs for about an hour)")
+    parser.add_argument("--sweep-json", metavar="PATH",
+                        help="--fidelity against this cpd bench sweep result instead of "
+                             "running one")
 
 
 def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
     """Run from ``cpd bench plan``'s flags, with the common ``--config``/``--set``."""
+    if args.sweep_json and not args.fidelity:
+        raise CpdError("--sweep-json goes with --fidelity")
+    if args.fidelity:
+        from tools.bench import fidelity
+
+        return fidelity.run(settings(), quick=args.quick, sweep_json=args.sweep_json,
+                            jobs=args.jobs)
     return run(settings(), quick=args.quick, jobs=args.jobs)

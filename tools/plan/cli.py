@@ -48,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ramp-s", type=float)
     p.add_argument("--settle-s", type=float)
     p.add_argument("--steady-s", type=float)
+    p.add_argument("--max-inflight", type=int, default=PlanConfig.max_inflight,
+                   help="requests the client keeps out at once; the rest queue at the "
+                        f"client, in TTFT (default {PlanConfig.max_inflight}, the paper's)")
     p.add_argument("--network-gbps", type=float, default=50.0,
                    help="KV bandwidth into each node from peers, GB/s (default 50)")
     p.add_argument("--jobs", type=int, default=0, help="processes (default: usable CPUs)")
@@ -117,11 +120,14 @@ def config_for(settings: Settings, args: argparse.Namespace) -> PlanConfig:
         seeds=args.seeds or (QUICK_SEEDS if args.quick else 5), phases=phases,
         ladder=tuple(float(x) for x in args.qps.split(",")) if args.qps else None,
         resolution=QUICK_RESOLUTION if args.quick else PlanConfig.resolution,
-        network_gbps=args.network_gbps, jobs=args.jobs, settings=settings)
+        network_gbps=args.network_gbps, max_inflight=args.max_inflight, jobs=args.jobs,
+        settings=settings)
     if args.paper:
         cfg = paper(cfg)
     if cfg.seeds < 1:
         raise CpdError("--seeds must be >= 1")
+    if cfg.max_inflight < 1:
+        raise CpdError("--max-inflight must be >= 1")
     return cfg
 
 

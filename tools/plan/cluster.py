@@ -7,7 +7,9 @@ Everything that decides is the services' own pure code; only the I/O is replaced
   :func:`services.router.service.make_policy` as the router service builds its own,
   fed the :class:`~services.router.policy.Hits` kvindex would answer and the
   :class:`~services.router.policy.NodeLoad` the workers' load reports would give
-  (held prefills with their time in the engine: reports here are never late).
+  (held prefills with their time in the engine), as late as the workers' reports
+  make them: each node's as of its last report (every ``report_interval_s``), plus the
+  router's own estimates of what it sent there since, as the router service keeps them.
   Single-flight waits are honoured as the router does (woken when the prefix is
   sealed, then decide once more).
 * **Engines** — :class:`cpd.sim.scheduler.Scheduler` with the node's cost preset and
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -54,6 +57,11 @@ from tools.plan.prefixstore import PrefixStore
 # kvindex's visibility event reaching the router, and its look-up (services/router/
 # waiters.py; the wake-up benchmark measures it).
 SINGLE_FLIGHT_WAKE_S = 0.002
+# The services' latency around the engines, as measured on the real services with sim
+# engines at a low load (tools.plan.fidelity; docs/plan.md, "What the services add").
+DISPATCH_S = 0.012
+RELAY_S = 0.006
+HANDOFF_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -81,10 +89,17 @@ class ClusterConfig:
     # Between nodes, per receiving node (GB/s of modelled KV bytes).
     network_gbps: float = 50.0
     max_inflight: int = 24
-    # Router work and bus hops before the prefill node has the request, and between the
-    # first token and decode having the hand-off (simulated seconds).
-    dispatch_s: float = 0.002
-    handoff_s: float = 0.002
+    # Workers' load reports (worker.load_report_interval_s; 0: the router always sees
+    # the present).
+    report_interval_s: float = 0.15
+    # The services' own latency (simulated seconds; docs/plan.md, "What the services
+    # add"): from the client's send to the request in the prefill node's engine (the
+    # router's look-up and decision, its bus hop, the worker's admission), from a
+    # worker's token to the client (the worker's and the router's bus hops), and from
+    # the first token to decode having the hand-off.
+    dispatch_s: float = DISPATCH_S
+    relay_s: float = RELAY_S
+    handoff_s: float = HANDOFF_S
 
     def __post_init__(self) -> None:
         if not any(n.role == Role.DECODE for n in self.nodes):
@@ -95,17 +110,34 @@ class ClusterConfig:
             raise ValueError("max_inflight and network_gbps must be > 0")
 
 
+@dataclass(slots=True)
+class _Held:
+    """A prefill a node holds, as its load report lists it."""
+
+    new_tokens: int
+    context_tokens: int
+    routed: float              # when the router sent it
+    est_ms: float              # the router's estimate of it (load + compute)
+    start: float = -1.0        # in the engine since (-1: still pulling)
+    ended: float = -1.0        # its first token (-1: still held)
+
+
 @dataclass
 class _Req:
     w: WorkloadRequest
     blocks: tuple[int, ...]          # full engine blocks
     sent: float = -1.0
-    first: float | None = None
+    routed: float | None = None      # dispatched to its prefill node
+    entered: float | None = None     # in the prefill node's engine (its pull done)
+    decode_in: float | None = None   # in the decode node's engine
+    prefilled: float | None = None   # the first token left the prefill node
+    first: float | None = None       # ... and reached the client
     finish: float | None = None
     decision: Decision | None = None
     waited: bool = False
     # Per node it is on: arena blocks found sealed when it entered the engine.
     dram_have: int = 0
+    sealed: int = 0                  # leading blocks its prefill node has sealed
     cached_tokens: int = 0
     tokens: wire.PromptTokens = field(default_factory=wire.PromptTokens)
 
@@ -125,8 +157,10 @@ class _Node:
                                 touch_on_hit=False)
         self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
         self.reqs: dict[str, _Req] = {}           # in the engine
-        # Prefills held (pulling or in the engine): [new tokens, context, engine start].
-        self.held: dict[str, list[float]] = {}
+        # Prefills held (pulling or in the engine), and those that ended since the last
+        # report (a report still lists them).
+        self.held: dict[str, _Held] = {}
+        self.gone: deque[_Held] = deque()
         self.busy = False
         self.epoch = 0            # a step end scheduled under an older epoch is void
         self.span: tuple[float, object] | None = None
@@ -229,6 +263,10 @@ class Cluster:
         self._at(self.now + self.cfg.dispatch_s, self._route, r)
 
     def _done(self, r: _Req) -> None:
+        """The last token left its node: the client has it a relay later."""
+        self._at(self.now + self.cfg.relay_s, self._finished, r)
+
+    def _finished(self, r: _Req) -> None:
         r.finish = self.now
         self._out -= 1
         if self._queue:
@@ -255,16 +293,29 @@ class Cluster:
         return Hits(gpu=gpu, dram=dram, pending=pending)
 
     def _loads(self) -> list[NodeLoad]:
-        now = self.now
+        every = self.cfg.report_interval_s
+        # The workers' last reports (all taken at one phase), or now if never late.
+        at = math.floor(self.now / every) * every if every > 0 else self.now
         out = []
         for x in self.workers:
             if x.prefill_role:
+                gone = x.gone
+                while gone and gone[0].ended <= at:
+                    gone.popleft()
+                reported: list[_Held] = []
+                dispatched: list[float] = []
+                for h in itertools.chain(gone, x.held.values()):
+                    if h.routed > at:
+                        dispatched.append(h.est_ms)
+                    else:
+                        reported.append(h)
                 works = tuple(wire.PrefillWork(
-                    new_tokens=int(h[0]), context_tokens=int(h[1]),
-                    elapsed_ms=(now - h[2]) * 1e3 if h[2] >= 0 else 0.0)
-                    for h in itertools.islice(x.held.values(), wire.MAX_REPORTED_PREFILLS))
+                    new_tokens=h.new_tokens, context_tokens=h.context_tokens,
+                    elapsed_ms=(at - h.start) * 1e3 if 0 <= h.start <= at else 0.0)
+                    for h in reported[:wire.MAX_REPORTED_PREFILLS])
                 out.append(NodeLoad(node=x.name, role=x.role, in_flight=len(x.reqs),
                                     bandwidth_gbps=self.cfg.network_gbps, prefills=works,
+                                    dispatched_ms=tuple(dispatched),
                                     shares_steps=self.shares_steps))
             else:
                 out.append(NodeLoad(node=x.name, role=x.role, in_flight=len(x.reqs),
@@ -283,10 +334,12 @@ class Cluster:
             self._at(self.now + d.wait.max_wait_ms / 1e3, self._wait_over, r, node)
             return
         r.decision = d
+        r.routed = self.now
         self.result.paths[d.path] += 1
         p = d.plan
         node = self.nodes[p.node]
-        node.held[r.w.request_id] = [p.computed_tokens, r.w.prompt_len - p.computed_tokens, -1.0]
+        node.held[r.w.request_id] = _Held(p.computed_tokens, r.w.prompt_len - p.computed_tokens,
+                                          self.now, p.load_ms + p.compute_ms)
         remote = [s for s in p.sources if s.node != p.node and s.num_blocks]
         if not remote:
             self._enter(node, r)
@@ -314,10 +367,12 @@ class Cluster:
 
     def _enter(self, node: _Node, r: _Req) -> None:
         rid = r.w.request_id
+        r.entered = self.now
         r.dram_have = node.dram.match(r.blocks)
+        r.sealed = r.dram_have
         held = node.held.get(rid)
         if held is not None:
-            held[2] = self.now
+            held.start = self.now
         for b in r.blocks[r.dram_have:]:
             node.writing[b] += 1
         node.reqs[rid] = r
@@ -327,17 +382,12 @@ class Cluster:
     def _prefilled(self, node: _Node, r: _Req) -> None:
         rid = r.w.request_id
         del node.reqs[rid]
-        node.held.pop(rid, None)
-        n = len(r.blocks)
-        node.gpu.insert(r.blocks, n)
-        node.dram.insert(r.blocks, n)
-        w = node.writing
-        for b in r.blocks[r.dram_have:]:
-            if w[b] <= 1:
-                del w[b]
-            else:
-                w[b] -= 1
-        r.first = self.now
+        held = node.held.pop(rid, None)
+        if held is not None:
+            held.ended = self.now
+            node.gone.append(held)
+        self._seal(node, r, len(r.blocks))
+        r.prefilled, r.first = self.now, self.now + self.cfg.relay_s
         t = r.tokens
         t.computed = r.w.prompt_len - r.cached_tokens
         # Pulled blocks the engine held on its GPU were not loaded (the worker's rule).
@@ -355,6 +405,23 @@ class Cluster:
         self._at(self.now + self.cfg.handoff_s, self._handoff, node,
                  self.nodes[r.decision.decode_node], r)
 
+    def _seal(self, node: _Node, r: _Req, upto: int) -> None:
+        """The prefill has computed ``upto`` leading blocks: sealed in the arena and
+        held in the GPU cache, visible to the router as kvindex shows a worker's sealed
+        blocks while the rest of the prompt is still computed."""
+        upto = min(upto, len(r.blocks))
+        if upto <= r.sealed:
+            return
+        node.gpu.insert(r.blocks, upto)
+        node.dram.insert(r.blocks, upto)
+        w = node.writing
+        for b in r.blocks[r.sealed:upto]:
+            if w[b] <= 1:
+                del w[b]
+            else:
+                w[b] -= 1
+        r.sealed = upto
+
     # ------------------------------------------------------------------- decode
 
     def _handoff(self, src: _Node, dst: _Node, r: _Req) -> None:
@@ -369,6 +436,7 @@ class Cluster:
     def _decode(self, node: _Node, r: _Req, upto: int) -> None:
         node.dram.insert(r.blocks, upto)
         rid = r.w.request_id
+        r.decode_in = self.now
         r.dram_have = node.dram.match(r.blocks)
         node.reqs[rid] = r
         node.sched.add(rid, r.w.prompt_len + 1, r.w.output_len - 1)
@@ -411,11 +479,14 @@ class Cluster:
             return
         node.busy = False
         node.busy_s += plan.duration_s  # type: ignore[attr-defined]
+        bs = self.bs
         for adv in plan.advances:  # type: ignore[attr-defined]
-            if not adv.emits_token:
-                continue
             r = node.reqs.get(adv.request_id)
             if r is None:
+                continue
+            if not adv.emits_token:
+                if node.prefill_role:
+                    self._seal(node, r, adv.prompt_done // bs)
                 continue
             if node.prefill_role:
                 self._prefilled(node, r)
@@ -459,8 +530,22 @@ def _result(r: _Req) -> Result:
         output_tokens=r.w.output_len if r.finish is not None else 0,
         cached_tokens=r.cached_tokens, path=d.path if d else "",
         prefill_node=d.plan.node if d else "", decode_node=d.decode_node if d else "",
-        tokens=r.tokens, turn=r.w.turn,
+        tokens=r.tokens, turn=r.w.turn, timings=_timings(r),
         error=None if r.finish is not None else UNFINISHED)
+
+
+def _timings(r: _Req) -> dict[str, float] | None:
+    """The request's phases as the services' final message times them (simulated ms;
+    the load driver's report averages them per route path)."""
+    if (r.finish is None or r.first is None or r.prefilled is None or r.routed is None
+            or r.entered is None):
+        return None
+    ms = 1e3
+    decode_in = r.decode_in if r.decode_in is not None else r.prefilled
+    return {"decision_ms": (r.routed - r.sent) * ms, "load_ms": (r.entered - r.routed) * ms,
+            "prefill_ms": (r.prefilled - r.entered) * ms, "ttft_ms": (r.first - r.sent) * ms,
+            "handoff_ms": (decode_in - r.prefilled) * ms,
+            "decode_ms": (r.finish - decode_in) * ms, "total_ms": (r.finish - r.sent) * ms}
 
 
 def _cover(node: _Node, blocks: tuple[int, ...], n: int) -> int:

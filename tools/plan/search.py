@@ -44,7 +44,15 @@ from services.router.cost import PrefillCost
 from services.router.policy import Router
 from tools.bench.loaddriver import Phases, report
 from tools.bench.sweep import MAX_CONTEXT_TOKENS, WORKLOAD_SEED, Topology
-from tools.plan.cluster import ClusterConfig, NodeSpec, SimResult, simulate
+from tools.plan.cluster import (
+    DISPATCH_S,
+    HANDOFF_S,
+    RELAY_S,
+    ClusterConfig,
+    NodeSpec,
+    SimResult,
+    simulate,
+)
 
 Workload = Literal["coding-agent", "mooncake", "poisson"]
 
@@ -85,8 +93,9 @@ class PlanConfig:
     network_gbps: float = 50.0
     dram_bytes: int = 2 << 40
     max_inflight: int = 24
-    dispatch_s: float = 0.002
-    handoff_s: float = 0.002
+    dispatch_s: float = DISPATCH_S
+    relay_s: float = RELAY_S
+    handoff_s: float = HANDOFF_S
     # Poisson workload without a trace: fresh prompts of this shape.
     prompt_tokens: int = 8_192
     output_tokens: int = 128
@@ -203,7 +212,9 @@ def cluster_config(cfg: PlanConfig, top: Topology) -> ClusterConfig:
         nodes=nodes, scheduler=sched, async_kv_load=s.worker.async_kv_load,
         block_size=s.cache.block_size, gpu_cache_blocks=s.sim.gpu_cache_blocks or None,
         dram_bytes=cfg.dram_bytes, network_gbps=cfg.network_gbps,
-        max_inflight=cfg.max_inflight, dispatch_s=cfg.dispatch_s, handoff_s=cfg.handoff_s)
+        report_interval_s=s.worker.load_report_interval_s,
+        max_inflight=cfg.max_inflight, dispatch_s=cfg.dispatch_s, relay_s=cfg.relay_s,
+        handoff_s=cfg.handoff_s)
 
 
 def prefill_cost(cfg: PlanConfig) -> PrefillCost:

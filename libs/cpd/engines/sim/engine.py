@@ -4,7 +4,10 @@ scale and capacity experiments (docs/architecture.md, "Engines", like Dynamo's m
 * Steps come from :class:`~cpd.sim.scheduler.Scheduler` (FCFS, token budget, chunked
   prefill, continuous batching); each one takes its simulated duration divided by
   ``time_scale`` of wall time (``asyncio.sleep`` to an absolute deadline, so lateness
-  does not accumulate). While idle, simulated time follows wall time × ``time_scale``.
+  does not accumulate). A step that follows another starts where it ended in simulated
+  time, as a GPU's does: the host's own time between steps is not simulated compute
+  unless the host falls more than ``HOST_SLACK_S`` behind. While idle, simulated time
+  follows wall time × ``time_scale``.
 * Output tokens are pseudo-random ids derived from (prompt tokens, position): two runs,
   and a run with or without cache hits, produce identical tokens: the "deterministic
   sim" reference for the correctness test of the KV path. KV that passed its checksum
@@ -52,6 +55,9 @@ DEFAULT_VOCAB = 32_000
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 FINISH_ABORT = "abort"
+# Wall seconds the host may lag between two steps before the lag counts as simulated
+# time (the host, not the modelled GPU, is then the bottleneck).
+HOST_SLACK_S = 0.005
 _MASK64 = (1 << 64) - 1
 
 
@@ -289,14 +295,19 @@ class SimEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        chained = False   # the previous iteration ran a step: the next one follows it
         try:
             while True:
                 if not self._sched.has_work():
+                    chained = False
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                start = max(self._sim_clock, self._wall_sim())
+                wall = self._wall_sim()   # after a step, the next starts where it ended
+                start = (self._sim_clock if chained and wall - self._sim_clock
+                         <= HOST_SLACK_S * self.time_scale else max(self._sim_clock, wall))
                 plan = self._sched.step(start)
+                chained = plan is not None
                 if plan is None:  # only KV loads in flight (or a KV cap holds the queue)
                     self._wake.clear()
                     ready = self._sched.next_ready_s()

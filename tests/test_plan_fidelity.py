@@ -1,0 +1,142 @@
+"""The planner against the real services (``cpd bench plan --fidelity``): the pure
+comparison table-driven, the plan configured from a sweep's own JSON, and the quick
+benchmark end to end on real services (a sweep on sim engines, then the plan)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpd.ops.config import Settings
+from cpd.protocol.errors import CpdError
+from tools.bench.fidelity import plan_config
+from tools.cli import build_parser
+from tools.plan.fidelity import compare, rel_diff, ttft_loads
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED = ROOT / "docs/benchmarks/sweep/coding-agent-1d.json"
+
+
+def _point(q: float, ok: bool = True, p50: float | None = 0.1,
+           p90: float | None = 0.5) -> dict:
+    return {"target_qps_per_gpu": q, "sustainable": ok, "ttft_p50_s": p50,
+            "ttft_p90_s": p90}
+
+
+def _sweep(points: list[dict], sustainable: float) -> dict:
+    return {"points": points, "sustainable_qps_per_gpu": sustainable}
+
+
+def _plan(points: list[dict], sustainable: float) -> dict:
+    return {"seeds": [{"points": points, "sustainable_qps_per_gpu": sustainable}]}
+
+
+@pytest.mark.parametrize(("plan", "real", "want"), [
+    (1.1, 1.0, 0.1), (0.9, 1.0, 0.1), (1.0, 1.0, 0.0), (0.0, 0.0, 0.0),
+    (0.5, 0.0, None), (None, 1.0, None), (1.0, None, None), (0.0292, 0.0250, 0.168),
+])
+def test_rel_diff_is_relative_to_the_real_services(plan: float | None, real: float | None,
+                                                   want: float | None) -> None:
+    assert rel_diff(plan, real) == want
+
+
+@pytest.mark.parametrize(("real", "plan", "want"), [
+    # the two lowest loads both sustained
+    ([_point(0.4), _point(0.6), _point(0.8)], [_point(0.4), _point(0.6), _point(0.8)],
+     [0.4, 0.6]),
+    # a load one side did not sustain, or did not run, is not compared
+    ([_point(0.4, ok=False), _point(0.6), _point(0.8)],
+     [_point(0.4), _point(0.6), _point(0.8)], [0.6, 0.8]),
+    ([_point(0.4), _point(0.8)], [_point(0.4), _point(0.6)], [0.4]),
+    ([_point(0.4, ok=False)], [_point(0.4)], []),
+])
+def test_ttft_loads_are_the_lowest_both_sustained(real: list[dict], plan: list[dict],
+                                                  want: list[float]) -> None:
+    assert ttft_loads(real, plan) == want
+
+
+def test_compare_reports_each_topology_and_the_worst_difference() -> None:
+    sweep = {"topologies": {
+        "2P1D pd-kv": _sweep([_point(0.4, p50=0.04, p90=0.1), _point(0.6, p50=0.05, p90=0.2),
+                              _point(0.8, ok=False)], 0.6),
+        "CPD-1D": _sweep([_point(0.4, p50=0.04, p90=0.1), _point(0.6, p50=0.05, p90=0.2),
+                          _point(0.8)], 0.8)}}
+    plan = {"topologies": {
+        "2P1D pd-kv": _plan([_point(0.4, p50=0.04, p90=0.11), _point(0.6, p50=0.05, p90=0.2),
+                             _point(0.8, ok=False)], 0.6),
+        "CPD-1D": _plan([_point(0.4, p50=0.046, p90=0.1), _point(0.6, p50=0.05, p90=0.2),
+                         _point(0.8), _point(1.0, ok=False)], 0.88)}}
+    r = compare(sweep, plan)
+    assert set(r["topologies"]) == {"2P1D pd-kv", "CPD-1D"}   # pd-rr: not run
+    kv, cpd = r["topologies"]["2P1D pd-kv"], r["topologies"]["CPD-1D"]
+    assert kv["sustainable_rel_diff"] == 0.0 and cpd["sustainable_rel_diff"] == 0.1
+    assert kv["ttft_loads"] == [0.4, 0.6]
+    assert kv["ttft"]["0.4"]["ttft_p90_rel_diff"] == 0.1
+    assert kv["ttft_max_rel_diff"] == 0.1 and cpd["ttft_max_rel_diff"] == 0.15
+    assert r["fidelity_max_rel_diff"] == 0.1 and r["fidelity_met"] is True
+    assert r["ttft_max_rel_diff"] == 0.15 and r["ttft_met"] is True
+    plan["topologies"]["CPD-1D"]["seeds"][0]["sustainable_qps_per_gpu"] = 0.6
+    r = compare(sweep, plan)
+    assert r["fidelity_max_rel_diff"] == 0.25 and r["fidelity_met"] is False
+
+
+def test_nothing_compared_meets_no_target() -> None:
+    r = compare({"topologies": {}}, {"topologies": {}})
+    assert r["fidelity_max_rel_diff"] is None and r["fidelity_met"] is False
+    assert r["ttft_met"] is False
+
+
+def test_the_plan_takes_the_recorded_sweep_configuration() -> None:
+    sweep = json.loads(RECORDED.read_text())
+    cfg = plan_config(Settings(), sweep, jobs=1)
+    c = sweep["config"]
+    assert [t.label for t in cfg.topologies] == c["topologies"]
+    assert cfg.ladder == tuple(c["qps_per_gpu"]) and cfg.seeds == 1
+    assert (cfg.phases.ramp_s, cfg.phases.settle_s, cfg.phases.steady_s) == (
+        c["ramp_s"], c["settle_s"], c["steady_s"])
+    assert cfg.preset == c["preset"] and cfg.max_inflight == c["max_inflight"]
+    assert cfg.slo_ttft_p90_s == c["ttft_slo_s"] and cfg.stop_after == 1
+    assert (cfg.settings.worker.long_prefill_token_threshold
+            == c["long_prefill_token_threshold"])
+
+
+def test_a_file_that_is_not_a_sweep_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(CpdError, match="not a cpd bench sweep result"):
+        plan_config(Settings(), {"config": {"workload": "coding-agent"}}, jobs=1)
+    from tools.bench import fidelity
+
+    bad = tmp_path / "x.json"
+    bad.write_text("{")
+    with pytest.raises(CpdError, match="cannot read the sweep result"):
+        fidelity.run(Settings(), sweep_json=str(bad))
+
+
+def test_fidelity_flags_parse() -> None:
+    args = build_parser().parse_args(["bench", "plan", "--fidelity", "--sweep-json", "s.json"])
+    assert (args.fidelity, args.sweep_json, args.quick) == (True, "s.json", False)
+    args = build_parser().parse_args(["plan", "--max-inflight", "64"])
+    assert args.max_inflight == 64
+
+
+@pytest.mark.timeout(300)
+def test_against_the_recorded_sweep(tmp_path: Path) -> None:
+    """The plan of the recorded sweep's protocol, compared with that sweep's result:
+    every topology compared on its sustainable load and at two loads."""
+    out = tmp_path / "fidelity.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "bench", "plan", "--fidelity", "--sweep-json",
+         str(RECORDED), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["topologies"]) == {"2P1D pd-rr", "2P1D pd-kv", "CPD-1D"}
+    for label, t in r["topologies"].items():
+        assert t["plan_sustainable_qps_per_gpu"] > 0, label
+        assert len(t["ttft_loads"]) == 2, label
+    assert r["fidelity_max_rel_diff"] == max(
+        t["sustainable_rel_diff"] for t in r["topologies"].values())
+    assert r["fidelity_met"] == (r["fidelity_max_rel_diff"] <= r["fidelity_target"])

@@ -1,0 +1,110 @@
+"""``cpd bench plan --fidelity``: the planner against the real services on the same
+workload (docs/benchmarks/plan.md, "Fidelity").
+
+One ``cpd bench sweep`` (NATS, kvindex, router and workers as processes, sim engines,
+real UCX) and one ``cpd plan`` on one seed, with the same topologies, workload, preset,
+loads, phases, SLO, client in-flight cap and worker settings; then
+:func:`tools.plan.fidelity.compare`. The sweep takes an hour at the recorded protocol,
+so ``--sweep-json`` compares against a sweep already run (``cpd bench sweep --json``),
+planning with that sweep's own configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import msgspec
+
+from cpd.ops.config import Settings
+from cpd.protocol.errors import CpdError
+from tools.bench import sweep
+from tools.bench.hostinfo import load_average, machine_info
+from tools.bench.loaddriver import Phases
+from tools.plan import fidelity, planner
+from tools.plan.search import PlanConfig
+
+# The recorded sweep's protocol (docs/benchmarks/sweep.md, "1D, coding agent").
+PRESET = "b200-tp4-llama-3.1-8b-fp8"
+LADDER = (0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6)
+PHASES = Phases(ramp_s=30.0, settle_s=60.0, steady_s=200.0)
+LONG_PREFILL_TOKEN_THRESHOLD = 2048
+STOP_AFTER = 1
+TIME_SCALE = 1.0
+# --quick: two topologies at two loads below saturation, short phases.
+QUICK_TOPOLOGIES = ("2P1D pd-kv", "CPD-1D")
+QUICK_LADDER = (0.4, 0.6)
+QUICK_PHASES = Phases(ramp_s=10.0, settle_s=10.0, steady_s=40.0)
+
+
+def sweep_config(settings: Settings, *, quick: bool) -> sweep.SweepConfig:
+    """The sweep the benchmark runs (the recorded protocol, or its quick version)."""
+    labels = QUICK_TOPOLOGIES if quick else fidelity.TOPOLOGIES
+    return sweep.SweepConfig(
+        preset=PRESET, time_scale=TIME_SCALE,
+        qps_per_gpu=QUICK_LADDER if quick else LADDER,
+        phases=QUICK_PHASES if quick else PHASES,
+        topologies=tuple(sweep.BY_LABEL[x] for x in labels),
+        ttft_slo_s=settings.sim.ttft_slo_s, progress=False,
+        stop_after_unsustainable=STOP_AFTER, floor_qps_per_gpu=None,
+        long_prefill_token_threshold=LONG_PREFILL_TOKEN_THRESHOLD)
+
+
+def plan_config(settings: Settings, sweep_result: dict, jobs: int) -> PlanConfig:
+    """The plan of one seed with the sweep's own configuration (its JSON ``config``)."""
+    c = sweep_result["config"]
+    try:
+        tops = tuple(sweep.BY_LABEL[x] for x in c["topologies"]
+                     if x in sweep_result["topologies"])
+        worker = msgspec.structs.replace(
+            settings.worker,
+            long_prefill_token_threshold=int(c.get("long_prefill_token_threshold") or 0))
+        return PlanConfig(
+            topologies=tops, workload=c["workload"],
+            trace=Path(c["trace"]) if c.get("trace") else None,
+            trace_block_size=sweep.MOONCAKE_BLOCK_TOKENS, preset=c["preset"],
+            slo_ttft_p90_s=float(c["ttft_slo_s"]), seeds=1,
+            phases=Phases(ramp_s=float(c["ramp_s"]), settle_s=float(c["settle_s"]),
+                          steady_s=float(c["steady_s"])),
+            ladder=tuple(float(q) for q in c["qps_per_gpu"]),
+            stop_after=c.get("stop_after_unsustainable"),
+            max_inflight=int(c["max_inflight"]), jobs=jobs,
+            settings=msgspec.structs.replace(settings, worker=worker))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CpdError(f"not a cpd bench sweep result: {e!r}") from None
+
+
+def run(settings: Settings, *, quick: bool = False, sweep_json: str | None = None,
+        jobs: int = 0) -> dict:
+    """Run (or read) the sweep, plan the same, compare; the JSON-able result."""
+    load_before = load_average()
+    t0 = time.perf_counter()
+    if sweep_json:
+        try:
+            real = json.loads(Path(sweep_json).read_text())
+        except (OSError, ValueError) as e:
+            raise CpdError(f"cannot read the sweep result {sweep_json}: {e}") from None
+    else:
+        real = sweep.run(settings, sweep_config(settings, quick=quick))
+    sweep_s = time.perf_counter() - t0
+    cfg = plan_config(settings, real, jobs)
+    t1 = time.perf_counter()
+    plan = planner.run(cfg)
+    plan_s = time.perf_counter() - t1
+    out = fidelity.compare(real, plan, labels=[t.label for t in cfg.topologies])
+    return {
+        **out,
+        "quick": quick,
+        "sweep_json": sweep_json,
+        "config": real["config"],
+        "sweep_wall_s": round(sweep_s, 1) if not sweep_json else real.get("wall_s"),
+        "plan_wall_s": round(plan_s, 2),
+        "plan": {"dispatch_s": cfg.dispatch_s, "relay_s": cfg.relay_s,
+                 "handoff_s": cfg.handoff_s, "network_gbps": cfg.network_gbps},
+        "host": machine_info() | {"load_average_before": load_before,
+                                  "load_average_after": load_average()},
+    }
+
+
+__all__ = ["plan_config", "run", "sweep_config"]
