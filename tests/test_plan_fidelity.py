@@ -15,6 +15,7 @@ from cpd.ops.config import Settings
 from cpd.protocol.errors import CpdError
 from tools.bench.fidelity import plan_config
 from tools.cli import build_parser
+from tools.plan.cli import config_for
 from tools.plan.fidelity import compare, rel_diff, ttft_loads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,8 +119,14 @@ def test_a_file_that_is_not_a_sweep_is_a_typed_error(tmp_path: Path) -> None:
 def test_fidelity_flags_parse() -> None:
     args = build_parser().parse_args(["bench", "plan", "--fidelity", "--sweep-json", "s.json"])
     assert (args.fidelity, args.sweep_json, args.quick) == (True, "s.json", False)
-    args = build_parser().parse_args(["plan", "--max-inflight", "64"])
-    assert args.max_inflight == 64
+    args = build_parser().parse_args(["plan", "--max-inflight", "64", "--dispatch-ms", "3",
+                                      "--relay-ms", "1.5"])
+    assert (args.max_inflight, args.dispatch_ms, args.relay_ms) == (64, 3.0, 1.5)
+    cfg = config_for(Settings(), args)
+    assert (cfg.max_inflight, cfg.dispatch_s, cfg.relay_s) == (64, 0.003, 0.0015)
+    for bad in (["--max-inflight", "0"], ["--relay-ms", "-1"]):
+        with pytest.raises(CpdError):
+            config_for(Settings(), build_parser().parse_args(["plan", *bad]))
 
 
 @pytest.mark.timeout(300)
@@ -140,3 +147,25 @@ def test_against_the_recorded_sweep(tmp_path: Path) -> None:
     assert r["fidelity_max_rel_diff"] == max(
         t["sustainable_rel_diff"] for t in r["topologies"].values())
     assert r["fidelity_met"] == (r["fidelity_max_rel_diff"] <= r["fidelity_target"])
+
+
+@pytest.mark.timeout(400)
+def test_quick_fidelity_runs_the_real_services_and_agrees_at_low_load(tmp_path: Path) -> None:
+    """``--fidelity --quick``: a sweep of CPD-1D on the real services (sim engines), the
+    plan of the same, compared. The planner's median TTFT at the lowest load is within
+    twice the benchmark's tolerance of the services' (a 2-core host is noisy; leaving
+    out the services' own latency alone is a third of it)."""
+    out = tmp_path / "fidelity.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "bench", "plan", "--fidelity", "--quick",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["quick"] is True and r["sweep_wall_s"] > 0
+    assert list(r["topologies"]) == ["CPD-1D"]
+    t = r["topologies"]["CPD-1D"]
+    assert t["ttft_loads"] and t["ttft_loads"][0] == 0.4, t
+    low = t["ttft"]["0.4"]
+    assert low["sweep_ttft_p50_s"] > 0 and low["plan_ttft_p50_s"] > 0
+    assert low["ttft_p50_rel_diff"] <= 2 * r["ttft_target"], low

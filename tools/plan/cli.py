@@ -51,6 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=PlanConfig.max_inflight,
                    help="requests the client keeps out at once; the rest queue at the "
                         f"client, in TTFT (default {PlanConfig.max_inflight}, the paper's)")
+    p.add_argument("--dispatch-ms", type=float, default=PlanConfig.dispatch_s * 1e3,
+                   help="the services' latency from the client's send to the prefill "
+                        "engine, ms (default: measured on the reference host)")
+    p.add_argument("--relay-ms", type=float, default=PlanConfig.relay_s * 1e3,
+                   help="from a worker's token to the client, ms (default: measured)")
     p.add_argument("--network-gbps", type=float, default=50.0,
                    help="KV bandwidth into each node from peers, GB/s (default 50)")
     p.add_argument("--jobs", type=int, default=0, help="processes (default: usable CPUs)")
@@ -120,7 +125,8 @@ def config_for(settings: Settings, args: argparse.Namespace) -> PlanConfig:
         seeds=args.seeds or (QUICK_SEEDS if args.quick else 5), phases=phases,
         ladder=tuple(float(x) for x in args.qps.split(",")) if args.qps else None,
         resolution=QUICK_RESOLUTION if args.quick else PlanConfig.resolution,
-        network_gbps=args.network_gbps, max_inflight=args.max_inflight, jobs=args.jobs,
+        network_gbps=args.network_gbps, max_inflight=args.max_inflight,
+        dispatch_s=args.dispatch_ms / 1e3, relay_s=args.relay_ms / 1e3, jobs=args.jobs,
         settings=settings)
     if args.paper:
         cfg = paper(cfg)
@@ -128,6 +134,8 @@ def config_for(settings: Settings, args: argparse.Namespace) -> PlanConfig:
         raise CpdError("--seeds must be >= 1")
     if cfg.max_inflight < 1:
         raise CpdError("--max-inflight must be >= 1")
+    if cfg.dispatch_s < 0 or cfg.relay_s < 0:
+        raise CpdError("--dispatch-ms and --relay-ms must be >= 0")
     return cfg
 
 
