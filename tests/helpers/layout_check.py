@@ -66,6 +66,14 @@ def phase(model_cache: str, arena_path: str, tp: int, save: list[int],
     from cpd.modelbuild.runtime import engine_kwargs
 
     preset, dtype, kv_cache_dtype = variant
+    from cpd.engines.vllm.cpu import check_kv_cache_dtype, cpu_flags
+    from cpd.protocol.errors import ConfigError
+
+    try:  # as a worker's VllmEngine does before it starts vLLM on a CPU
+        check_kv_cache_dtype(kv_cache_dtype, cpu_flags())
+    except ConfigError:
+        print("RESULT " + json.dumps({"refused": "config_error"}), flush=True)
+        return
     folder = build(preset, model_cache)
     llm = LLM(**engine_kwargs(folder, dtype=dtype, prefix_caching=True), block_size=BLOCK,
               tensor_parallel_size=tp, distributed_executor_backend="mp",

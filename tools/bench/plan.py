@@ -187,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``cpd bench plan``'s flags."""
     parser.add_argument("--quick", action="store_true",
                         help="2 topologies at 2 loads for 60 s; a 32-node cluster for 60 s "
-                             "(--fidelity: CPD-1D at 2 loads, 10 + 10 + 30 s)")
+                             "(--fidelity: CPD-1D at 0.4 QPS/GPU, 10 + 10 + 20 s)")
     parser.add_argument("--jobs", type=int, default=0,
                         help="processes of the paper's protocol (default: usable CPUs)")
     parser.add_argument("--fidelity", action="store_true",

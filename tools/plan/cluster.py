@@ -29,8 +29,10 @@ Everything that decides is the services' own pure code; only the I/O is replaced
   rest in a FIFO whose wait counts in TTFT (measured from the scheduled arrival).
 
 The flow of one request is the workers': route → pull the planned remote prefix →
-prefill (first token) → seal the new blocks (visible to kvindex) → hand-off: decode
-pulls what it lacks → decode to the last token.
+prefill, its new blocks sealed (visible to kvindex) as each chunk ends → first token →
+hand-off: decode pulls what it lacks → decode to the last token. The services' own
+latency around the engines is charged as fixed delays (``dispatch_s``, ``relay_s``,
+``handoff_s``; docs/plan.md, "What the services add").
 """
 
 from __future__ import annotations

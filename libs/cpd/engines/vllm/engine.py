@@ -17,6 +17,7 @@ import numpy as np
 
 from cpd.engines.protocol import ArenaSpec, EngineRequest, EngineStep
 from cpd.engines.vllm.connector import PARAMS_KEY
+from cpd.engines.vllm.cpu import check_kv_cache_dtype, cpu_flags
 from cpd.engines.vllm.forced import FORCED_KEY, FQCN
 from cpd.engines.vllm.version import check_vllm_version
 from cpd.modelbuild.runtime import engine_kwargs, engine_thread_env, prepare_cpu_env
@@ -127,6 +128,10 @@ class VllmEngine:
         import vllm
 
         check_vllm_version(vllm.__version__, allow_untested=self.allow_untested_vllm)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            check_kv_cache_dtype(self.engine.kv_cache_dtype, cpu_flags())
         prepare_cpu_env(self.kv_cache_gib)
         os.environ.update(self.process_env())
         self._rpc_path_before = os.environ.get(_RPC_PATH)
