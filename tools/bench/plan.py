@@ -192,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes of the paper's protocol (default: usable CPUs)")
     parser.add_argument("--fidelity", action="store_true",
                         help="instead: the planner against cpd bench sweep on the same "
-                             "workload, loads and phases (the sweep runs for about an hour)")
+                             "workload, loads and phases (the sweep runs for about 40 minutes)")
     parser.add_argument("--sweep-json", metavar="PATH",
                         help="--fidelity against this cpd bench sweep result instead of "
                              "running one")
