@@ -4,7 +4,7 @@ workload (docs/benchmarks/plan.md, "Fidelity").
 One ``cpd bench sweep`` (NATS, kvindex, router and workers as processes, sim engines,
 real UCX) and one ``cpd plan`` on one seed, with the same topologies, workload, preset,
 loads, phases, SLO, client in-flight cap and worker settings; then
-:func:`tools.plan.fidelity.compare`. The sweep takes an hour at the recorded protocol,
+:func:`tools.plan.fidelity.compare`. The sweep takes about 40 minutes on a 2-core host,
 so ``--sweep-json`` compares against a sweep already run (``cpd bench sweep --json``),
 planning with that sweep's own configuration.
 """
