@@ -187,6 +187,29 @@ async def test_timed_out_and_cancelled_requests_leave_nothing_behind(
     assert r.num_blocks == 5 and bus._replies.pending == 0
 
 
+async def test_a_cancel_that_lands_with_a_message_still_cancels_the_reader(bus: Bus) -> None:
+    """A message queued for the reader in the same loop turn as its task is cancelled:
+    nats' wait for the message drops such a cancel on Python 3.11 and returns the
+    message; the reader raises the cancel all the same (a client that left mid-stream
+    must not have its request generated to the end)."""
+    reader = StreamReader(bus, idle_timeout=5)
+    inbox = await reader.open()
+    queue = reader._sub._pending_queue
+    put = queue.put_nowait
+    task = asyncio.create_task(reader.next(5))
+
+    def put_and_cancel(msg: Msg) -> None:  # the interleaving, made certain
+        put(msg)
+        task.cancel()
+    queue.put_nowait = put_and_cancel
+    await asyncio.sleep(0.05)
+    await bus.nc.publish(inbox, wire.encode(wire.TokenChunk(request_id="c", seq=0,
+                                                            token_ids=[1])))
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    await reader.close()
+
+
 async def test_stream_in_order_ends_with_final(bus: Bus, echo: EchoService) -> None:
     msgs = [m async for m in bus.stream(f"{echo.prefix}.generate",
                                         wire.GenerateRequest(request_id="g", prompt="abc"),

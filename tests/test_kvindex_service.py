@@ -170,18 +170,27 @@ async def test_lease_expiry_invalidates_and_is_durable(env: tuple) -> None:
 
 
 async def test_lookups_say_how_far_behind_the_event_stream_the_index_is(env: tuple) -> None:
-    """A burst of events (many nodes at once) lands faster than kvindex applies them:
-    lookups answered meanwhile carry the backlog (``lag_events``), none once applied."""
+    """Events that land faster than kvindex applies them (here: its first one held at
+    publishing what it changed): lookups answered meanwhile carry the backlog
+    (``lag_events``), none once applied."""
     svc, bus, js = env
-    pubs = [kvevents.KvEventPublisher(js, f"lag{i}", epoch=3) for i in range(100)]
-    chains = [_chain(1024, seed=100 + i) for i in range(len(pubs))]
-    lags: list[int] = []
-    burst = asyncio.gather(*(p.allocated(NS.id, refs)
-                             for p, (_, refs) in zip(pubs, chains, strict=True)))
-    while not burst.done() or svc.lag_events:
-        lags.append((await _lookup(bus, chains[0][0])).lag_events)
-    await burst
-    assert max(lags) >= 10, lags
+    held, release = asyncio.Event(), asyncio.Event()
+    publish = svc._publish
+
+    async def slow_publish(ch: object) -> None:
+        held.set()
+        await release.wait()
+        await publish(ch)
+    svc._publish = slow_publish
+    chains = [_chain(64, seed=100 + i) for i in range(100)]
+    await asyncio.gather(*(kvevents.KvEventPublisher(js, f"lag{i}", epoch=3)
+                           .allocated(NS.id, refs) for i, (_, refs) in enumerate(chains)))
+    await asyncio.wait_for(held.wait(), 5)
+
+    async def behind() -> bool:
+        return (await _lookup(bus, chains[0][0])).lag_events >= 10
+    await _until(behind)
+    release.set()
 
     async def caught_up() -> bool:
         return (await _lookup(bus, chains[-1][0])).lag_events == 0

@@ -34,6 +34,17 @@ T = TypeVar("T", bound=wire.Message)
 log = telemetry.get_logger("cpd.bus")
 
 
+def _raise_if_cancel_swallowed() -> None:
+    """Re-raise a cancellation the wait for a message lost. nats' ``next_msg`` waits in
+    a task of its own, through ``asyncio.wait_for``; on Python 3.11 a cancel that lands in
+    the same loop turn as a message is dropped there and the message returned instead, so
+    the reader would go on as if never cancelled (a client that left would have its
+    request generated to the end). The task still counts the request (``cancelling``)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class StreamReader:
     """The receiving half of a streamed reply: an inbox whose messages come out in
     ``seq`` order, whoever published them.
@@ -125,6 +136,7 @@ class StreamReader:
                 raw = await self._sub.next_msg(timeout=max(left, 0.001))
             except nats.errors.TimeoutError:
                 continue
+            _raise_if_cancel_swallowed()
             self._heard = time.monotonic()
             if is_no_responders(raw):
                 raise NoResponders(f"no responders on {self.subject or self.inbox}")
