@@ -13,16 +13,21 @@ import msgspec
 import pytest
 
 from cpd.engines.profile import SimProfile
+from cpd.ops.config import load_settings
 from cpd.protocol.errors import CpdError
 from cpd.sim.workloads import WorkloadRequest
 from services.router.configured import make_policy
+from tools.bench import eviction as eviction_bench
+from tools.cli import build_parser
 from tools.plan.blocks import engine_blocks
-from tools.plan.cli import parse_topologies
+from tools.plan.cli import config_for, parse_topologies
+from tools.plan.cluster import _Node
 from tools.plan.planner import Verdict, verdict
 from tools.plan.prefixstore import PrefixStore
 from tools.plan.search import (
     QUICK_PHASES,
     PlanConfig,
+    cluster_config,
     interval,
     planner_settings,
     ratio_interval,
@@ -117,7 +122,7 @@ def test_verdict_codes(summary: dict, code: Verdict) -> None:
 
 
 def test_prefix_store_matches_the_longest_held_prefix() -> None:
-    s = PrefixStore(100, touch_on_hit=True)
+    s = PrefixStore(100)
     assert s.insert((1, 2, 3, 4), 4) == 4
     assert s.insert((1, 2, 5), 3) == 1       # shares 1, 2
     assert [s.match(p) for p in [(1, 2, 3, 4, 9), (1, 2, 5), (1, 9), (9,), ()]] == [
@@ -126,7 +131,7 @@ def test_prefix_store_matches_the_longest_held_prefix() -> None:
 
 
 def test_prefix_store_evicts_the_least_recent_chain_tail_first() -> None:
-    s = PrefixStore(6, touch_on_hit=True)
+    s = PrefixStore(6)
     s.insert((1, 2, 3), 3)
     s.insert((7, 8, 9), 3)
     s.hit((1, 2, 3))                  # 1-2-3 is now the more recent chain
@@ -134,21 +139,67 @@ def test_prefix_store_evicts_the_least_recent_chain_tail_first() -> None:
     assert s.match((7, 8, 9)) == 2 and s.match((1, 2, 3)) == 3 and s.evictions == 1
 
 
-def test_prefix_store_never_evicts_a_block_before_its_held_child() -> None:
-    s = PrefixStore(4, touch_on_hit=False)
+@pytest.mark.parametrize("eviction", ["lru", "tinylfu"])
+def test_prefix_store_never_evicts_a_block_before_its_held_child(eviction: str) -> None:
+    s = PrefixStore(4, eviction=eviction)
     s.insert((1, 2), 2)
     s.insert((1, 2, 3), 3)            # extends 1-2: 3 is 1-2's child
     s.insert((5, 6, 7), 3)            # two over: 1-2 is older, but 3 goes first, then 2
     assert s.match((1, 2, 3)) == 1 and s.match((5, 6, 7)) == 3 and len(s) == 4
 
 
-def test_an_arena_ages_from_writing_not_from_hits() -> None:
-    s = PrefixStore(4, touch_on_hit=False)
+def test_a_look_up_is_not_a_use() -> None:
+    s = PrefixStore(4)
     s.insert((1, 2), 2)
     s.insert((3, 4), 2)
-    s.hit((1, 2))                     # no refresh in an arena
+    s.match((1, 2))                   # a router's look-up: no refresh
     s.insert((5,), 1)
     assert s.match((1, 2)) == 1 and s.match((3, 4)) == 2
+
+
+def _replay(store: PrefixStore, pattern: eviction_bench.Pattern) -> float:
+    """The planner's side of ``eviction_bench.replay``: a load's pin of the held prefix,
+    the new blocks written, the hand-off's pin of the whole chain."""
+    hits = total = 0
+    for n, chain in enumerate(pattern.accesses):
+        held = store.hit(chain)
+        if n >= pattern.warmup:
+            hits, total = hits + held, total + len(chain)
+        store.insert(chain, len(chain))
+        store.hit(chain)
+    return hits / total
+
+
+ARENA_BLOCKS = 1024  # sessions of 8 to 24 blocks: the planner's arenas hold many
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pattern", eviction_bench.patterns(ARENA_BLOCKS),
+                         ids=lambda p: p.name)
+@pytest.mark.parametrize("eviction", ["lru", "tinylfu"])
+def test_the_planner_arena_hits_as_the_real_arena_does(
+        pattern: eviction_bench.Pattern, eviction: str) -> None:
+    """The run-granular store gives the block hit rate of the arena's own policy
+    (:class:`cpd.kvstore.BlockStore`) on every pattern of the eviction benchmark: a
+    cyclic revisit of 1.5x the arena keeps 0.6 under ``tinylfu``, none under ``lru``."""
+    real = eviction_bench.hit_rate(eviction, pattern, ARENA_BLOCKS)
+    planned = _replay(PrefixStore(ARENA_BLOCKS, eviction=eviction), pattern)
+    assert abs(planned - real) <= 0.02, (planned, real)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "tinylfu"])
+def test_the_plan_runs_the_arena_size_and_policy_of_its_settings(eviction: str) -> None:
+    s = load_settings(environ={}, overrides=[f"dataplane.eviction={eviction}"])
+    args = build_parser().parse_args(["plan", "--arena-gb", "64"])
+    cfg = config_for(s, args)
+    cc = cluster_config(cfg, topology("cpd", 1, 1, 1))
+    assert (cc.dram_bytes, cc.eviction) == (64 * 10**9, eviction)
+    node = _Node(cc.nodes[0], cc)
+    assert node.dram.eviction == eviction and node.gpu.eviction == "lru"
+    assert node.dram.capacity_blocks == 64 * 10**9 // (
+        cc.nodes[0].cost.kv_bytes_per_token * cc.block_size)
+    with pytest.raises(CpdError):
+        config_for(s, build_parser().parse_args(["plan", "--arena-gb", "-1"]))
 
 
 # ------------------------------------------------------------------ block ids

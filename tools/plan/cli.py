@@ -58,6 +58,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="from a worker's token to the client, ms (default: measured)")
     p.add_argument("--network-gbps", type=float, default=50.0,
                    help="KV bandwidth into each node from peers, GB/s (default 50)")
+    p.add_argument("--arena-gb", type=float, default=PlanConfig.dram_bytes / 1e9,
+                   help="host DRAM of each worker's block arena, GB of modelled KV; it "
+                        "evicts by dataplane.eviction (default "
+                        f"{PlanConfig.dram_bytes / 1e9:,.0f})")
     p.add_argument("--jobs", type=int, default=0, help="processes (default: usable CPUs)")
     p.add_argument("--paper", action="store_true",
                    help="the paper's experiment: 2P1D, 2P2D (pd-rr, pd-kv), CPD-1D, "
@@ -126,14 +130,16 @@ def config_for(settings: Settings, args: argparse.Namespace) -> PlanConfig:
         ladder=tuple(float(x) for x in args.qps.split(",")) if args.qps else None,
         resolution=QUICK_RESOLUTION if args.quick else PlanConfig.resolution,
         network_gbps=args.network_gbps, max_inflight=args.max_inflight,
-        dispatch_s=args.dispatch_ms / 1e3, relay_s=args.relay_ms / 1e3, jobs=args.jobs,
-        settings=settings)
+        dram_bytes=int(args.arena_gb * 1e9), dispatch_s=args.dispatch_ms / 1e3,
+        relay_s=args.relay_ms / 1e3, jobs=args.jobs, settings=settings)
     if args.paper:
         cfg = paper(cfg)
     if cfg.seeds < 1:
         raise CpdError("--seeds must be >= 1")
     if cfg.max_inflight < 1:
         raise CpdError("--max-inflight must be >= 1")
+    if cfg.dram_bytes < 0:
+        raise CpdError("--arena-gb must be >= 0")
     if cfg.dispatch_s < 0 or cfg.relay_s < 0:
         raise CpdError("--dispatch-ms and --relay-ms must be >= 0")
     return cfg

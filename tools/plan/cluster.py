@@ -18,9 +18,11 @@ Everything that decides is the services' own pure code; only the I/O is replaced
   whole decode spans (:meth:`~cpd.sim.scheduler.Scheduler.decode_span`), which price
   exactly the steps one by one would.
 * **Caches** — each worker's GPU prefix cache and DRAM arena as a
-  :class:`~tools.plan.prefixstore.PrefixStore` of their capacities (prefix-closed LRU;
-  the arena ages blocks from their writing, the GPU cache from their use), looked up
-  per location by binary search as kvindex does.
+  :class:`~tools.plan.prefixstore.PrefixStore` of their capacities, the GPU cache by
+  LRU, the arena by its own policy (``dataplane.eviction``), both prefix-closed; a
+  block's use is a hit in the engine or a pin in the arena (a load, a peer's pull, a
+  hand-off), a router's look-up is none; looked up per location by binary search as
+  kvindex does.
 * **Transfers** — a peer pull costs :class:`services.router.cost.LoadCost` (the data
   plane's fixed cost plus bytes over the network bandwidth), one pull at a time per
   receiving node; loads from a node's own arena into its engine are the cost model's
@@ -44,6 +46,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from cpd.kvstore.eviction import EvictionName
 from cpd.protocol import wire
 from cpd.protocol.roles import PREFILL_ROLES, Role
 from cpd.sim.costmodel import CostModel
@@ -86,8 +89,10 @@ class ClusterConfig:
     block_size: int = 256
     # The engine's GPU prefix cache in blocks (None: from each preset's GPU memory).
     gpu_cache_blocks: int | None = None
-    # Host DRAM each worker gives its block arena.
+    # Host DRAM each worker gives its block arena, and the arena's eviction policy
+    # (dataplane.eviction).
     dram_bytes: int = 2 << 40
+    eviction: EvictionName = "tinylfu"
     # Between nodes, per receiving node (GB/s of modelled KV bytes).
     network_gbps: float = 50.0
     max_inflight: int = 24
@@ -154,9 +159,9 @@ class _Node:
         self.sched = Scheduler(spec.cost, sc, admit_hook=self._admit)
         gpu = (cfg.gpu_cache_blocks if cfg.gpu_cache_blocks is not None
                else spec.cost.kv_capacity_tokens // bs)
-        self.gpu = PrefixStore(gpu, touch_on_hit=True)
+        self.gpu = PrefixStore(gpu)
         self.dram = PrefixStore(cfg.dram_bytes // (spec.cost.kv_bytes_per_token * bs),
-                                touch_on_hit=False)
+                                eviction=cfg.eviction)
         self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
         self.reqs: dict[str, _Req] = {}           # in the engine
         # Prefills held (pulling or in the engine), and those that ended since the last
@@ -350,7 +355,7 @@ class Cluster:
         src = remote[0]
         peer = self.nodes[src.node]
         end = src.first_block + src.num_blocks
-        got = max(0, peer.dram.match(r.blocks, end) - src.first_block)
+        got = max(0, peer.dram.hit(r.blocks, end) - src.first_block)  # pinned to send
         start = max(self.now, node.nic_free)
         node.nic_free = start + self.load.ms(got * self.bs, self.cfg.network_gbps) / 1e3
         r.tokens.remote = got * self.bs
@@ -370,7 +375,7 @@ class Cluster:
     def _enter(self, node: _Node, r: _Req) -> None:
         rid = r.w.request_id
         r.entered = self.now
-        r.dram_have = node.dram.match(r.blocks)
+        r.dram_have = node.dram.hit(r.blocks)  # pinned for the load
         r.sealed = r.dram_have
         held = node.held.get(rid)
         if held is not None:
@@ -428,8 +433,8 @@ class Cluster:
 
     def _handoff(self, src: _Node, dst: _Node, r: _Req) -> None:
         n = len(r.blocks)
-        held = src.dram.match(r.blocks, n)
-        lack = held - dst.dram.match(r.blocks, held)
+        held = src.dram.hit(r.blocks, n)  # pinned for the hand-off, at both ends
+        lack = held - dst.dram.hit(r.blocks, held)
         start = max(self.now, dst.nic_free)
         dst.nic_free = start + (self.load.ms(lack * self.bs, self.cfg.network_gbps) / 1e3
                                 if lack > 0 else 0.0)

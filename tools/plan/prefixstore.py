@@ -1,5 +1,5 @@
-"""The blocks one node holds in one tier, for the planner: prefix-closed LRU over runs of
-blocks instead of single blocks.
+"""The blocks one node holds in one tier, for the planner: prefix-closed eviction over
+runs of blocks instead of single blocks.
 
 A block id here names its whole prefix (a chain hash does; so do the planner's engine
 block ids, :mod:`tools.plan.blocks`), so what a node holds of a prompt's chain is always
@@ -7,26 +7,45 @@ a prefix of it, and the longest held prefix is a binary search of membership pro
 as kvindex looks a location up (``services/kvindex/index.py``).
 
 The store keeps a radix tree of **runs**: a run is a stretch of one prompt's blocks,
-its parent the run holding the block before it. Eviction is the tiers' rule
-(:class:`cpd.kvstore.arena.BlockStore`, :class:`cpd.sim.prefixcache.PrefixCache`): a
-block with a held child is never evicted before it, the least recently used chain loses
-its tail first. Recency is per run, so a request that reuses a 120K-token context costs
-one update per run on its path (about one per turn of its session), not one per block.
-``touch_on_hit`` says whether use refreshes recency — a hit, or a prompt that extends a
-held prefix — as in the engine's GPU prefix cache, or only writing does, as in the DRAM
-arena, whose blocks age from their allocation (a worker allocates only a prompt's new
-blocks).
+its parent the run holding the block before it. A block with a held child is never
+evicted before it, and a run loses its tail first. Recency and reference counts are
+per run, so a request that reuses a 120K-token context costs one update per run on its
+path (about one per turn of its session), not one per block.
+
+Two policies, the arena's (:mod:`cpd.kvstore.eviction`, ``dataplane.eviction``):
+
+* ``lru``: the least recently used chain's tail goes first, as in the engine's GPU
+  prefix cache (:class:`cpd.sim.prefixcache.PrefixCache`).
+* ``tinylfu``: new runs enter a window of ``window`` × capacity blocks in front of a
+  main LRU; once main is full the window's LRU leaf joins main in place of main's LRU
+  leaf only if it was referenced more often (not counting the reference that brought
+  it in) or that leaf has gone unreferenced for over ``stale`` × the mean reuse
+  distance, else it leaves. The clock advances by one per block used or written, as
+  the arena's does, so the correlation window, the reuse distances and the staleness
+  test are in the same units. As in the arena, a request's own new blocks never lose
+  the contest they caused (the arena's writer pins them): when they are the window's
+  only leaf, main pays and the window grows to hold requests this large, shrinking
+  back by 1/capacity per block written.
+
+:meth:`PrefixStore.match` is a lookup (kvindex's, a router's): it changes nothing.
+:meth:`PrefixStore.hit` is a use (the arena's pins for a load or a hand-off; the GPU
+cache's hit) and refreshes what it matched.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+
+from cpd.kvstore.eviction import EWMA_ALPHA, MAX_FREQ, EvictionName
 
 
 class _Run:
-    __slots__ = ("blocks", "children", "end", "parent", "start", "uid", "used")
+    __slots__ = ("blocks", "children", "end", "freq", "in_window", "parent", "ref_tick",
+                 "start", "uid", "used")
 
     def __init__(self, blocks: Sequence[int], start: int, end: int, parent: _Run | None,
                  used: int, uid: int) -> None:
@@ -37,23 +56,45 @@ class _Run:
         self.children = 0         # runs whose parent this is
         self.used = used          # last use (the store's clock)
         self.uid = uid
+        self.ref_tick = 0         # the last reference (uses further apart than correlation)
+        self.freq = 0             # references, up to MAX_FREQ
+        self.in_window = False    # tinylfu: in the admission window, not main
+
+
+_Heap = list[tuple[int, int, _Run]]
 
 
 class PrefixStore:
-    """Prefix-closed LRU of ``capacity_blocks`` blocks (see the module doc)."""
+    """Prefix-closed eviction of ``capacity_blocks`` blocks by ``eviction`` (see the
+    module doc)."""
 
-    def __init__(self, capacity_blocks: int, *, touch_on_hit: bool) -> None:
+    def __init__(self, capacity_blocks: int, *, eviction: EvictionName = "lru",
+                 window: float = 0.1, correlation: float = 0.5, ghost: float = 1.0,
+                 stale: float = 1.5) -> None:
         if capacity_blocks < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity_blocks = capacity_blocks
-        self.touch_on_hit = touch_on_hit
+        self.eviction: EvictionName = eviction
         self.size = 0
         self.evictions = 0
         self._run_of: dict[int, _Run] = {}
-        # (last use, uid, run) of leaf runs; stale records are skipped when popped.
-        self._leaves: list[tuple[int, int, _Run]] = []
+        # (last use, uid, run) of leaf runs, per segment; stale records are skipped
+        # when popped.
+        self._main: _Heap = []
+        self._window: _Heap = []
         self._clock = 0
         self._uids = itertools.count()
+        admit = eviction == "tinylfu"
+        self._window_base = max(1, int(capacity_blocks * window)) if admit else 0
+        self._window_target = float(self._window_base)
+        self._correlation = int(capacity_blocks * correlation)
+        self._ghost_max = int(capacity_blocks * ghost) if admit else 0
+        self._stale = stale
+        self._ghost: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._distance = 0.0      # running mean of reuse distances; 0: none seen yet
+        self._arrivals: deque[_Run] = deque()  # window runs by arrival, lazily pruned
+        self._window_size = 0
+        self._main_size = 0
 
     def __contains__(self, block: object) -> bool:
         return block in self._run_of
@@ -79,10 +120,10 @@ class PrefixStore:
         return lo
 
     def hit(self, blocks: Sequence[int], limit: int | None = None) -> int:
-        """:meth:`match`, refreshing the matched blocks when hits count as use."""
+        """:meth:`match`, and a use of the matched blocks (recency and references)."""
         n = self.match(blocks, limit)
-        if n and self.touch_on_hit:
-            self._clock += 1
+        if n:
+            self._clock += n
             self._touch(self._cut(blocks, n))
         return n
 
@@ -93,25 +134,67 @@ class PrefixStore:
         if n <= 0 or self.capacity_blocks == 0:
             return 0
         have = self.match(blocks, n)
-        self._clock += 1
         parent = self._cut(blocks, have) if have else None
-        if parent is not None and self.touch_on_hit:
+        if parent is not None:
+            self._clock += 1
             self._touch(parent)
         if have == n:
             return 0
+        self._clock += n - have
         run = _Run(blocks, have, n, parent, self._clock, next(self._uids))
         held = self._run_of
         for b in blocks[have:n]:
             held[b] = run
         if parent is not None:
             parent.children += 1
-        heapq.heappush(self._leaves, (run.used, run.uid, run))
         self.size += n - have
+        self._added(run)
         if self.size > self.capacity_blocks:
-            self._evict(self.size - self.capacity_blocks)
+            self._evict(self.size - self.capacity_blocks, run)
         return n - have
 
     # ----------------------------------------------------------------- internals
+
+    def _added(self, run: _Run) -> None:
+        """A new run's reference (a recently evicted block's count comes back) and its
+        segment: main under ``lru``; the window under ``tinylfu``, whose oldest
+        arrivals join main unopposed while main has room."""
+        previous = count = back = 0
+        if self._ghost:
+            pop = self._ghost.pop
+            for b in run.blocks[run.start:run.end]:
+                g = pop(b, None)
+                if g is not None:
+                    back += 1
+                    if g > (previous, count):
+                        previous, count = g
+        if previous:
+            self._mean_distance(self._clock - previous, back)
+        run.ref_tick, run.freq = self._clock, min(count + 1, MAX_FREQ)
+        k = run.end - run.start
+        if not self._window_base:
+            self._main_size += k
+            heapq.heappush(self._main, (run.used, run.uid, run))
+            return
+        run.in_window = True
+        self._window_size += k
+        base = self._window_base
+        self._window_target -= ((self._window_target - base)
+                                * (1 - (1 - 1 / self.capacity_blocks) ** k))
+        self._arrivals.append(run)
+        heapq.heappush(self._window, (run.used, run.uid, run))
+        room = self.capacity_blocks - self._window_target
+        while (self._window_size > self._window_target and self._main_size < room
+               and self._arrivals):
+            oldest = self._arrivals.popleft()
+            if oldest.in_window and oldest.end > oldest.start:
+                self._admit(oldest)
+
+    def _mean_distance(self, distance: int, blocks: int) -> None:
+        """Fold a reuse distance of ``blocks`` blocks into the running mean, which the
+        arena keeps over blocks (the first one is the mean)."""
+        weight = 1 - (1 - EWMA_ALPHA) ** blocks if self._distance else 1
+        self._distance += (distance - self._distance) * weight
 
     def _cut(self, blocks: Sequence[int], n: int) -> _Run:
         """The run ending with ``blocks[n - 1]``, splitting the run that holds it when
@@ -123,37 +206,103 @@ class PrefixStore:
         at = run.blocks.index(b, run.start, run.end) + 1
         head = _Run(run.blocks, run.start, at, run.parent, run.used, next(self._uids))
         head.children = 1
+        head.ref_tick, head.freq, head.in_window = run.ref_tick, run.freq, run.in_window
         for x in run.blocks[run.start:at]:
             self._run_of[x] = head
         run.start, run.parent = at, head
         return head
 
     def _touch(self, run: _Run | None) -> None:
+        """A use of ``run`` and its ancestors: recency, and a reference for each whose
+        last one is further back than the correlation window."""
         clock = self._clock
         while run is not None and run.used != clock:
             run.used = clock
+            if clock - run.ref_tick > self._correlation:
+                if run.ref_tick:
+                    self._mean_distance(clock - run.ref_tick, run.end - run.start)
+                run.ref_tick = clock
+                run.freq = min(run.freq + 1, MAX_FREQ)
             if not run.children:
-                heapq.heappush(self._leaves, (clock, run.uid, run))
+                heapq.heappush(self._window if run.in_window else self._main,
+                               (clock, run.uid, run))
             run = run.parent
 
-    def _evict(self, count: int) -> None:
-        held = self._run_of
-        while count > 0 and self._leaves:
-            used, _, run = heapq.heappop(self._leaves)
-            if run.used != used or run.children or run.end == run.start:
-                continue  # stale: touched since, has children now, or gone
-            take = min(count, run.end - run.start)
-            for b in run.blocks[run.end - take:run.end]:
-                del held[b]
-            run.end -= take
-            count -= take
-            self.size -= take
-            self.evictions += take
-            if run.end > run.start:
-                heapq.heappush(self._leaves, (run.used, run.uid, run))
+    def _leaf(self, heap: _Heap, in_window: bool) -> _Run | None:
+        """The segment's least recently used leaf run (left on its heap)."""
+        while heap:
+            used, _, run = heap[0]
+            if (run.used == used and not run.children and run.end > run.start
+                    and run.in_window == in_window):
+                return run
+            heapq.heappop(heap)  # stale: touched since, has children, gone or moved
+        return None
+
+    def _wins(self, candidate: _Run, resident: _Run) -> bool:
+        """The arena's admission test (:class:`cpd.kvstore.eviction.TinyLfu`)."""
+        return (candidate.freq - 1 > resident.freq
+                or 0 < self._stale * self._distance < self._clock - resident.ref_tick)
+
+    def _admit(self, run: _Run | None) -> None:
+        """Move ``run`` and every ancestor of it still in the window into main."""
+        while run is not None and run.in_window:
+            run.in_window = False
+            k = run.end - run.start
+            self._window_size -= k
+            self._main_size += k
+            if not run.children:
+                heapq.heappush(self._main, (run.used, run.uid, run))
+            run = run.parent
+
+    def _evict(self, count: int, fresh: _Run) -> None:
+        """Free ``count`` blocks after ``fresh`` was written."""
+        while count > 0:
+            excess = math.ceil(self._window_size - self._window_target)
+            candidate = self._leaf(self._window, True) if excess > 0 else None
+            if candidate is fresh:  # the writer's own blocks: main pays, the window grows
+                self._window_target = float(self._window_size)
+                candidate = None
+            if candidate is not None:
+                resident = self._leaf(self._main, False)
+                if resident is None or not self._wins(candidate, resident):
+                    count -= self._drop(candidate, min(count, excess))
+                    continue
+                self._admit(candidate)
+                count -= self._drop(resident, count)
                 continue
-            parent = run.parent
-            if parent is not None:
-                parent.children -= 1
-                if not parent.children:
-                    heapq.heappush(self._leaves, (parent.used, parent.uid, parent))
+            victim = self._leaf(self._main, False) or self._leaf(self._window, True)
+            if victim is None:
+                return
+            count -= self._drop(victim, count)
+
+    def _drop(self, run: _Run, most: int) -> int:
+        """Evict up to ``most`` blocks off ``run``'s tail; returns how many left."""
+        take = min(most, run.end - run.start)
+        held = self._run_of
+        gone = run.blocks[run.end - take:run.end]
+        for b in gone:
+            del held[b]
+        if self._ghost_max:
+            ghost = self._ghost
+            mark = (run.ref_tick, run.freq)
+            for b in gone:
+                ghost[b] = mark
+            while len(ghost) > self._ghost_max:
+                ghost.popitem(last=False)
+        run.end -= take
+        self.size -= take
+        self.evictions += take
+        if run.in_window:
+            self._window_size -= take
+        else:
+            self._main_size -= take
+        if run.end > run.start:
+            return take
+        parent = run.parent
+        if parent is not None:
+            parent.children -= 1
+            if not parent.children:
+                heapq.heappush(self._window if parent.in_window else self._main,
+                               (parent.used, parent.uid, parent))
+        return take
+

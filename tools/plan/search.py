@@ -211,8 +211,8 @@ def cluster_config(cfg: PlanConfig, top: Topology) -> ClusterConfig:
     return ClusterConfig(
         nodes=nodes, scheduler=sched, async_kv_load=s.worker.async_kv_load,
         block_size=s.cache.block_size, gpu_cache_blocks=s.sim.gpu_cache_blocks or None,
-        dram_bytes=cfg.dram_bytes, network_gbps=cfg.network_gbps,
-        report_interval_s=s.worker.load_report_interval_s,
+        dram_bytes=cfg.dram_bytes, eviction=s.dataplane.eviction,
+        network_gbps=cfg.network_gbps, report_interval_s=s.worker.load_report_interval_s,
         max_inflight=cfg.max_inflight, dispatch_s=cfg.dispatch_s, relay_s=cfg.relay_s,
         handoff_s=cfg.handoff_s)
 

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 
 # Weight of one reference in the running mean of reuse distances.
-_EWMA_ALPHA = 1 / 32
+EWMA_ALPHA = 1 / 32
 # Reference counts saturate here (W-TinyLFU's 4-bit counters).
-_MAX_FREQ = 15
+MAX_FREQ = 15
 # A lazy heap is rebuilt once its stale records outnumber live blocks by this factor.
 _HEAP_SLACK = 4
 
@@ -162,7 +162,7 @@ class Admission(EvictionPolicy):
 
     What the test may use is kept per block: its *references* (uses more than
     ``correlation`` × capacity uses apart: a request's own pins of the blocks it just
-    wrote are the same reference as the write), counted up to :data:`_MAX_FREQ`, the
+    wrote are the same reference as the write), counted up to :data:`MAX_FREQ`, the
     last one's tick, and, for blocks evicted lately (``ghost`` × capacity of them),
     both.
     """
@@ -192,11 +192,11 @@ class Admission(EvictionPolicy):
         """A reference to ``entry`` now; ``previous``: the tick of the last one, if any."""
         if previous:
             self._mean_distance(self._tick - previous)
-        entry.ref_tick, entry.freq = self._tick, min(count + 1, _MAX_FREQ)
+        entry.ref_tick, entry.freq = self._tick, min(count + 1, MAX_FREQ)
 
     def _mean_distance(self, distance: int) -> None:
         """Fold one reuse distance into the running mean (the first one is the mean)."""
-        self._distance += (distance - self._distance) * (_EWMA_ALPHA if self._distance else 1)
+        self._distance += (distance - self._distance) * (EWMA_ALPHA if self._distance else 1)
 
     def added(self, entry: BlockEntry) -> None:
         entry.tick = self._next_tick()
@@ -223,10 +223,10 @@ class Admission(EvictionPolicy):
         if tick - previous > self._correlation:
             if previous:
                 mean = self._distance
-                self._distance = (mean + (tick - previous - mean) * _EWMA_ALPHA if mean
+                self._distance = (mean + (tick - previous - mean) * EWMA_ALPHA if mean
                                   else float(tick - previous))
             entry.ref_tick = tick
-            if entry.freq < _MAX_FREQ:
+            if entry.freq < MAX_FREQ:
                 entry.freq += 1
 
     def offer(self, entry: BlockEntry) -> None:
