@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -200,6 +201,29 @@ def test_the_plan_runs_the_arena_size_and_policy_of_its_settings(eviction: str) 
         cc.nodes[0].cost.kv_bytes_per_token * cc.block_size)
     with pytest.raises(CpdError):
         config_for(s, build_parser().parse_args(["plan", "--arena-gb", "-1"]))
+
+
+def test_a_disk_tier_keeps_what_a_small_arena_loses() -> None:
+    """An arena of about seven contexts under an engine cache of 2,000 blocks: the
+    prefill node recomputes most reused prefixes. With a disk tier below each arena
+    (read at 50 GB/s, so that reading beats recomputing), what the arena evicted is
+    read back instead, counted as ``disk``; the plan's settings reach the cluster."""
+    base = PlanConfig(topologies=())
+    s = base.settings
+    s = msgspec.structs.replace(
+        s, sim=msgspec.structs.replace(s.sim, gpu_cache_blocks=2000),
+        router=msgspec.structs.replace(s.router, disk_bandwidth_gbps=50.0))
+    top = topology("cpd", 1, 1, 1)
+    tokens = {}
+    for disk_gb in (0, 2000):
+        args = build_parser().parse_args(["plan", "--quick", "--arena-gb", "50",
+                                          "--disk-gb", str(disk_gb)])
+        cfg = replace(config_for(s, args), seeds=1)
+        cc = cluster_config(cfg, top)
+        assert (cc.disk_bytes, cc.disk_gbps) == (disk_gb * 10**9, 50.0)
+        tokens[disk_gb] = run_probe(cfg, top, 0.6, 0)[1].tokens
+    assert tokens[0].disk == 0 and tokens[2000].disk > 0
+    assert tokens[2000].computed < 0.5 * tokens[0].computed
 
 
 # ------------------------------------------------------------------ block ids

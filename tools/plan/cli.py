@@ -62,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="host DRAM of each worker's block arena, GB of modelled KV; it "
                         "evicts by dataplane.eviction (default "
                         f"{PlanConfig.dram_bytes / 1e9:,.0f})")
+    p.add_argument("--disk-gb", type=float, default=0.0,
+                   help="each worker's disk tier below its arena, GB of modelled KV, read "
+                        "at router.disk_bandwidth_gbps (default 0: none)")
     p.add_argument("--jobs", type=int, default=0, help="processes (default: usable CPUs)")
     p.add_argument("--paper", action="store_true",
                    help="the paper's experiment: 2P1D, 2P2D (pd-rr, pd-kv), CPD-1D, "
@@ -130,7 +133,8 @@ def config_for(settings: Settings, args: argparse.Namespace) -> PlanConfig:
         ladder=tuple(float(x) for x in args.qps.split(",")) if args.qps else None,
         resolution=QUICK_RESOLUTION if args.quick else PlanConfig.resolution,
         network_gbps=args.network_gbps, max_inflight=args.max_inflight,
-        dram_bytes=int(args.arena_gb * 1e9), dispatch_s=args.dispatch_ms / 1e3,
+        dram_bytes=int(args.arena_gb * 1e9), disk_bytes=int(args.disk_gb * 1e9),
+        dispatch_s=args.dispatch_ms / 1e3,
         relay_s=args.relay_ms / 1e3, jobs=args.jobs, settings=settings)
     if args.paper:
         cfg = paper(cfg)
@@ -138,8 +142,8 @@ def config_for(settings: Settings, args: argparse.Namespace) -> PlanConfig:
         raise CpdError("--seeds must be >= 1")
     if cfg.max_inflight < 1:
         raise CpdError("--max-inflight must be >= 1")
-    if cfg.dram_bytes < 0:
-        raise CpdError("--arena-gb must be >= 0")
+    if cfg.dram_bytes < 0 or cfg.disk_bytes < 0:
+        raise CpdError("--arena-gb and --disk-gb must be >= 0")
     if cfg.dispatch_s < 0 or cfg.relay_s < 0:
         raise CpdError("--dispatch-ms and --relay-ms must be >= 0")
     return cfg

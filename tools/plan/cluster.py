@@ -53,7 +53,7 @@ from cpd.sim.costmodel import CostModel
 from cpd.sim.scheduler import Admission, Scheduler, SchedulerConfig
 from cpd.sim.workloads import WorkloadRequest
 from services.router.hits import Hits
-from services.router.policy import Decision, NodeLoad, Router
+from services.router.policy import Decision, NodeLoad, Plan, Router
 from tools.bench.loaddriver import UNFINISHED, Result
 from tools.plan.blocks import engine_blocks
 from tools.plan.prefixstore import PrefixStore
@@ -93,6 +93,11 @@ class ClusterConfig:
     # (dataplane.eviction).
     dram_bytes: int = 2 << 40
     eviction: EvictionName = "tinylfu"
+    # Each worker's disk tier below its arena (dataplane.disk_bytes; 0: none), which
+    # every sealed block is written behind to, evicting by the same policy, and its
+    # read rate (GB/s; the router's router.disk_bandwidth_gbps, which prices it).
+    disk_bytes: int = 0
+    disk_gbps: float = 2.0
     # Between nodes, per receiving node (GB/s of modelled KV bytes).
     network_gbps: float = 50.0
     max_inflight: int = 24
@@ -160,8 +165,11 @@ class _Node:
         gpu = (cfg.gpu_cache_blocks if cfg.gpu_cache_blocks is not None
                else spec.cost.kv_capacity_tokens // bs)
         self.gpu = PrefixStore(gpu)
-        self.dram = PrefixStore(cfg.dram_bytes // (spec.cost.kv_bytes_per_token * bs),
-                                eviction=cfg.eviction)
+        block_bytes = spec.cost.kv_bytes_per_token * bs
+        self.dram = PrefixStore(cfg.dram_bytes // block_bytes, eviction=cfg.eviction)
+        self.disk = (PrefixStore(cfg.disk_bytes // block_bytes, eviction=cfg.eviction)
+                     if cfg.disk_bytes else None)
+        self.disk_free = 0.0      # its disk reads, one at a time
         self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
         self.reqs: dict[str, _Req] = {}           # in the engine
         # Prefills held (pulling or in the engine), and those that ended since the last
@@ -175,6 +183,12 @@ class _Node:
         self.busy_s = 0.0
         self.waiters: list[_Req] = []            # single-flight requests waiting on us
         self.prefill_role = spec.role in PREFILL_ROLES
+
+    def keep(self, blocks: Sequence[int], upto: int) -> None:
+        """``blocks[:upto]`` sealed in the arena, and written behind to the disk tier."""
+        self.dram.insert(blocks, upto)
+        if self.disk is not None:
+            self.disk.insert(blocks, upto)
 
     def _admit(self, rid: str) -> Admission:
         """The sim engine's rule (cpd.engines.sim.engine.SimEngine._admit)."""
@@ -285,6 +299,7 @@ class Cluster:
         blocks, n = r.blocks, len(r.blocks)
         gpu: dict[str, int] = {}
         dram: dict[str, int] = {}
+        disk: dict[str, int] = {}
         pending: dict[str, int] = {}
         single_flight = self.single_flight
         for x in self.workers:
@@ -293,11 +308,13 @@ class Cluster:
             d = x.dram.match(blocks, n)
             if d:
                 dram[x.name] = d
+            if x.disk is not None and (k := x.disk.match(blocks, n)) > d:
+                disk[x.name] = k
             if single_flight and x.writing and d < n:
                 cover = _cover(x, blocks, n)
                 if cover > d:
                     pending[x.name] = cover
-        return Hits(gpu=gpu, dram=dram, pending=pending)
+        return Hits(gpu=gpu, dram=dram, pending=pending, disk=disk)
 
     def _loads(self) -> list[NodeLoad]:
         every = self.cfg.report_interval_s
@@ -347,19 +364,50 @@ class Cluster:
         node = self.nodes[p.node]
         node.held[r.w.request_id] = _Held(p.computed_tokens, r.w.prompt_len - p.computed_tokens,
                                           self.now, p.load_ms + p.compute_ms)
+        self._fetch(node, r, p)
+
+    def _fetch(self, node: _Node, r: _Req, p: Plan) -> None:
+        """Bring the plan's reused prefix into ``node``'s arena, then start its
+        prefill: what the node holds on its disk only is read back first, and a peer's
+        run is pulled (one pull at a time into a node, its NIC, as the transfer client
+        queues them) once the peer has read back what it holds on disk only."""
+        ready = self.now
+        if p.disk_tokens:
+            end = max(s.first_block + s.num_blocks for s in p.sources if s.node == p.node)
+            ready, read = self._read_back(node, r.blocks, end)
+            r.tokens.disk = read * self.bs
         remote = [s for s in p.sources if s.node != p.node and s.num_blocks]
         if not remote:
-            self._enter(node, r)
+            if ready > self.now:
+                self._at(ready, self._enter, node, r)
+            else:
+                self._enter(node, r)
             return
-        # One pull at a time into a node (its NIC), as the transfer client queues them.
         src = remote[0]
         peer = self.nodes[src.node]
         end = src.first_block + src.num_blocks
+        sent, _ = self._read_back(peer, r.blocks, end)
         got = max(0, peer.dram.hit(r.blocks, end) - src.first_block)  # pinned to send
-        start = max(self.now, node.nic_free)
+        start = max(sent, node.nic_free)
         node.nic_free = start + self.load.ms(got * self.bs, self.cfg.network_gbps) / 1e3
         r.tokens.remote = got * self.bs
-        self._at(node.nic_free, self._pulled, node, r, src.first_block + got)
+        self._at(max(node.nic_free, ready), self._pulled, node, r, src.first_block + got)
+
+    def _read_back(self, node: _Node, blocks: tuple[int, ...], end: int) -> tuple[float, int]:
+        """Read the blocks of ``blocks[:end]`` that ``node`` holds on its disk but not in
+        its arena into the arena (one read at a time per disk); when the read ends, and
+        how many blocks it read."""
+        if node.disk is None:
+            return self.now, 0
+        have = node.dram.match(blocks, end)
+        on_disk = node.disk.hit(blocks, end)
+        if on_disk <= have:
+            return self.now, 0
+        start = max(self.now, node.disk_free)
+        node.disk_free = start + self.load.ms((on_disk - have) * self.bs,
+                                              self.cfg.disk_gbps) / 1e3
+        node.dram.insert(blocks, on_disk)
+        return node.disk_free, on_disk - have
 
     def _wait_over(self, r: _Req, node: _Node) -> None:
         if r in node.waiters:
@@ -367,7 +415,7 @@ class Cluster:
             self._route(r)
 
     def _pulled(self, node: _Node, r: _Req, upto: int) -> None:
-        node.dram.insert(r.blocks, upto)
+        node.keep(r.blocks, upto)
         self._enter(node, r)
 
     # -------------------------------------------------------------- prefill side
@@ -397,9 +445,11 @@ class Cluster:
         r.prefilled, r.first = self.now, self.now + self.cfg.relay_s
         t = r.tokens
         t.computed = r.w.prompt_len - r.cached_tokens
-        # Pulled blocks the engine held on its GPU were not loaded (the worker's rule).
+        # Pulled or read blocks the engine held on its GPU were not loaded (the worker's
+        # rule).
         t.remote = min(t.remote, t.dram)
-        t.dram -= t.remote
+        t.disk = min(t.disk, t.dram - t.remote)
+        t.dram -= t.remote + t.disk
         self.result.tokens.add(t)
         if node.waiters:
             wake = self.now + SINGLE_FLIGHT_WAKE_S
@@ -420,7 +470,7 @@ class Cluster:
         if upto <= r.sealed:
             return
         node.gpu.insert(r.blocks, upto)
-        node.dram.insert(r.blocks, upto)
+        node.keep(r.blocks, upto)
         w = node.writing
         for b in r.blocks[r.sealed:upto]:
             if w[b] <= 1:
@@ -441,7 +491,7 @@ class Cluster:
         self._at(dst.nic_free, self._decode, dst, r, held)
 
     def _decode(self, node: _Node, r: _Req, upto: int) -> None:
-        node.dram.insert(r.blocks, upto)
+        node.keep(r.blocks, upto)
         rid = r.w.request_id
         r.decode_in = self.now
         r.dram_have = node.dram.match(r.blocks)

@@ -92,6 +92,7 @@ class PlanConfig:
     stop_after: int | None = 1
     network_gbps: float = 50.0
     dram_bytes: int = 2 << 40
+    disk_bytes: int = 0    # each worker's disk tier (0: none)
     max_inflight: int = 24
     dispatch_s: float = DISPATCH_S
     relay_s: float = RELAY_S
@@ -212,6 +213,7 @@ def cluster_config(cfg: PlanConfig, top: Topology) -> ClusterConfig:
         nodes=nodes, scheduler=sched, async_kv_load=s.worker.async_kv_load,
         block_size=s.cache.block_size, gpu_cache_blocks=s.sim.gpu_cache_blocks or None,
         dram_bytes=cfg.dram_bytes, eviction=s.dataplane.eviction,
+        disk_bytes=cfg.disk_bytes, disk_gbps=s.router.disk_bandwidth_gbps,
         network_gbps=cfg.network_gbps, report_interval_s=s.worker.load_report_interval_s,
         max_inflight=cfg.max_inflight, dispatch_s=cfg.dispatch_s, relay_s=cfg.relay_s,
         handoff_s=cfg.handoff_s)
