@@ -20,11 +20,12 @@ from cpd.sim.workloads import WorkloadRequest
 from services.router.configured import make_policy
 from tools.bench import eviction as eviction_bench
 from tools.cli import build_parser
+from tools.plan import cluster as cluster_module
 from tools.plan.blocks import engine_blocks
 from tools.plan.cli import config_for, parse_topologies
 from tools.plan.cluster import _Node
 from tools.plan.planner import Verdict, verdict
-from tools.plan.prefixstore import PrefixStore
+from tools.plan.prefixstore import Copies, PrefixStore
 from tools.plan.search import (
     QUICK_PHASES,
     PlanConfig,
@@ -156,6 +157,57 @@ def test_a_look_up_is_not_a_use() -> None:
     s.match((1, 2))                   # a router's look-up: no refresh
     s.insert((5,), 1)
     assert s.match((1, 2)) == 1 and s.match((3, 4)) == 2
+
+
+@pytest.mark.parametrize("eviction", ["lru", "tinylfu"])
+@pytest.mark.parametrize(("steps", "kept", "gone"), [
+    # Both chains only here: the older one (1-2-3) goes, by the policy.
+    ([("a", (1, 2, 3)), ("a", (7, 8, 9)), ("a", (4,))], [(7, 8, 9)], [(1, 2, 3)]),
+    # 7-8-9 also on b: a's copy of it goes first, though it is the more recent chain.
+    ([("a", (1, 2, 3)), ("a", (7, 8, 9)), ("b", (7, 8, 9)), ("a", (4,))],
+     [(1, 2, 3)], [(7, 8, 9)]),
+    # b holds only 7-8 of it: a's 9 is its last copy; a evicts by its policy.
+    ([("a", (1, 2, 3)), ("a", (7, 8, 9)), ("b", (7, 8)), ("a", (4,))],
+     [(7, 8, 9)], [(1, 2, 3)]),
+    # b held 7-8-9 and dropped it: a's copy is the last again.
+    ([("a", (1, 2, 3)), ("a", (7, 8, 9)), ("b", (7, 8, 9)), ("b", (5, 6)),
+      ("a", (4,))], [(7, 8, 9)], [(1, 2, 3)]),
+])
+def test_an_arena_evicts_blocks_with_a_copy_elsewhere_first(
+        eviction: str, steps: list[tuple[str, tuple[int, ...]]],
+        kept: list[tuple[int, ...]], gone: list[tuple[int, ...]]) -> None:
+    copies = Copies()
+    stores = {"a": PrefixStore(6, eviction=eviction, copies=copies, copies_first=True),
+              "b": PrefixStore(3, eviction=eviction, copies=copies, copies_first=True)}
+    for name, chain in steps:
+        stores[name].insert(chain, len(chain))
+    a = stores["a"]
+    assert all(a.match(c) == len(c) for c in kept) and a.match((4,)) == 1
+    assert all(a.match(c) < len(c) for c in gone)
+
+
+class _NoCopiesSeen(Copies):
+    """A registry that never reports a copy elsewhere: each arena by its policy alone."""
+
+    def count(self, block: object) -> int:
+        return min(super().count(block), 1)
+
+
+def test_cpd_arenas_pool_their_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPD-1D with 100 GB arenas (about fifteen contexts each) under an engine cache of
+    2,000 blocks: evicting blocks with a copy elsewhere first, the pre-prefill, prefill
+    and decode arenas hold what the others do not, and far less is recomputed than when
+    each arena keeps its own set by its policy alone."""
+    base = PlanConfig(topologies=())
+    s = base.settings
+    s = msgspec.structs.replace(s, sim=msgspec.structs.replace(s.sim, gpu_cache_blocks=2000))
+    cfg = replace(config_for(s, build_parser().parse_args(["plan", "--quick", "--arena-gb",
+                                                           "100"])), seeds=1)
+    top = topology("cpd", 1, 1, 1)
+    pooled = run_probe(cfg, top, 0.6, 0)[1].tokens
+    monkeypatch.setattr(cluster_module, "Copies", _NoCopiesSeen)
+    apart = run_probe(cfg, top, 0.6, 0)[1].tokens
+    assert pooled.computed < 0.7 * apart.computed, (pooled, apart)
 
 
 def _replay(store: PrefixStore, pattern: eviction_bench.Pattern) -> float:

@@ -56,7 +56,7 @@ from services.router.hits import Hits
 from services.router.policy import Decision, NodeLoad, Plan, Router
 from tools.bench.loaddriver import UNFINISHED, Result
 from tools.plan.blocks import engine_blocks
-from tools.plan.prefixstore import PrefixStore
+from tools.plan.prefixstore import Copies, PrefixStore
 
 # A single-flight waiter resumes this long after the awaited node sealed the prefix:
 # kvindex's visibility event reaching the router, and its look-up (services/router/
@@ -155,7 +155,8 @@ class _Req:
 
 
 class _Node:
-    def __init__(self, spec: NodeSpec, cfg: ClusterConfig) -> None:
+    def __init__(self, spec: NodeSpec, cfg: ClusterConfig, copies: Copies | None = None
+                 ) -> None:
         self.name, self.role, self.cost = spec.name, spec.role, spec.cost
         bs = cfg.block_size
         async_load = cfg.async_kv_load == "all" or (cfg.async_kv_load == "decode"
@@ -166,9 +167,11 @@ class _Node:
                else spec.cost.kv_capacity_tokens // bs)
         self.gpu = PrefixStore(gpu)
         block_bytes = spec.cost.kv_bytes_per_token * bs
-        self.dram = PrefixStore(cfg.dram_bytes // block_bytes, eviction=cfg.eviction)
-        self.disk = (PrefixStore(cfg.disk_bytes // block_bytes, eviction=cfg.eviction)
-                     if cfg.disk_bytes else None)
+        # The arena evicts blocks with a copy elsewhere first (kvindex tells it which).
+        self.dram = PrefixStore(cfg.dram_bytes // block_bytes, eviction=cfg.eviction,
+                                copies=copies, copies_first=True)
+        self.disk = (PrefixStore(cfg.disk_bytes // block_bytes, eviction=cfg.eviction,
+                                 copies=copies) if cfg.disk_bytes else None)
         self.disk_free = 0.0      # its disk reads, one at a time
         self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
         self.reqs: dict[str, _Req] = {}           # in the engine
@@ -229,7 +232,8 @@ class Cluster:
 
     def __init__(self, cfg: ClusterConfig, router: Router, record_decisions: int = 0) -> None:
         self.cfg = cfg
-        self.nodes = {s.name: _Node(s, cfg) for s in cfg.nodes}
+        copies = Copies()  # every arena's and disk tier's blocks, as kvindex counts them
+        self.nodes = {s.name: _Node(s, cfg, copies) for s in cfg.nodes}
         self.workers = list(self.nodes.values())
         self.prefill_side = [n for n in self.workers if n.prefill_role]
         self.bs = cfg.block_size

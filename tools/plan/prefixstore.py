@@ -27,6 +27,12 @@ Two policies, the arena's (:mod:`cpd.kvstore.eviction`, ``dataplane.eviction``):
   only leaf, main pays and the window grows to hold requests this large, shrinking
   back by 1/capacity per block written.
 
+Stores of one cluster share a :class:`Copies` registry, kvindex's count of each block's
+served copies (arenas and disk tiers). An arena store evicts, before its policy's
+victim, the least recently used leaf run whose tail block has a copy elsewhere, as the
+arena does (``BlockStore.mark_copies``): so the arenas of a pre-prefill, a prefill and
+a decode node pool their capacity instead of holding the same blocks three times.
+
 :meth:`PrefixStore.match` is a lookup (kvindex's, a router's): it changes nothing.
 :meth:`PrefixStore.hit` is a use (the arena's pins for a load or a hand-off; the GPU
 cache's hit) and refreshes what it matched.
@@ -38,7 +44,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from cpd.kvstore.eviction import EWMA_ALPHA, MAX_FREQ, EvictionName
 
@@ -64,11 +70,68 @@ class _Run:
 _Heap = list[tuple[int, int, _Run]]
 
 
+class Copies:
+    """Which stores hold each block across a cluster's arenas and disk tiers: kvindex's
+    served copies, by which an arena knows that a block has a copy elsewhere.
+
+    Kept only once some arena first has to evict (:meth:`activate` counts what the
+    stores hold then): until then no decision depends on it, and a planner run whose
+    arenas never fill pays nothing for it."""
+
+    def __init__(self) -> None:
+        self._holders: dict[Hashable, list[PrefixStore]] = {}
+        self._stores: list[PrefixStore] = []
+        self.active = False
+
+    def join(self, store: PrefixStore) -> None:
+        """Count ``store``'s blocks as copies."""
+        self._stores.append(store)
+
+    def activate(self) -> None:
+        """Start counting: every store's blocks now, then each change."""
+        if self.active:
+            return
+        self.active = True
+        holders = self._holders
+        for store in self._stores:
+            for b in store._run_of:
+                holders.setdefault(b, []).append(store)
+        for store in self._stores:
+            store._offer_shared()
+
+    def count(self, block: Hashable) -> int:
+        """How many stores hold ``block``."""
+        h = self._holders.get(block)
+        return len(h) if h else 0
+
+    def added(self, store: PrefixStore, blocks: Sequence[Hashable]) -> None:
+        """``store`` holds ``blocks`` now; a block's sole holder hears it is shared."""
+        holders = self._holders
+        for b in blocks:
+            h = holders.get(b)
+            if h is None:
+                holders[b] = [store]
+            else:
+                h.append(store)
+                if len(h) == 2:
+                    h[0].shared(b)
+
+    def removed(self, store: PrefixStore, blocks: Sequence[Hashable]) -> None:
+        """``store`` no longer holds ``blocks``."""
+        holders = self._holders
+        for b in blocks:
+            h = holders[b]
+            h.remove(store)
+            if not h:
+                del holders[b]
+
+
 class PrefixStore:
     """Prefix-closed eviction of ``capacity_blocks`` blocks by ``eviction`` (see the
     module doc)."""
 
     def __init__(self, capacity_blocks: int, *, eviction: EvictionName = "lru",
+                 copies: Copies | None = None, copies_first: bool = False,
                  window: float = 0.1, correlation: float = 0.5, ghost: float = 1.0,
                  stale: float = 1.5) -> None:
         if capacity_blocks < 0:
@@ -82,6 +145,14 @@ class PrefixStore:
         # when popped.
         self._main: _Heap = []
         self._window: _Heap = []
+        # With ``copies``, the store's blocks count as copies; with ``copies_first``
+        # too, leaf runs whose tail has a copy elsewhere leave first (the arena's
+        # rule), least recently used first.
+        self._copies = copies
+        self._copies_first = copies_first and copies is not None
+        self._shared: _Heap = []
+        if copies is not None:
+            copies.join(self)
         self._clock = 0
         self._uids = itertools.count()
         admit = eviction == "tinylfu"
@@ -145,6 +216,8 @@ class PrefixStore:
         held = self._run_of
         for b in blocks[have:n]:
             held[b] = run
+        if self._copies is not None and self._copies.active:
+            self._copies.added(self, blocks[have:n])
         if parent is not None:
             parent.children += 1
         self.size += n - have
@@ -174,7 +247,7 @@ class PrefixStore:
         k = run.end - run.start
         if not self._window_base:
             self._main_size += k
-            heapq.heappush(self._main, (run.used, run.uid, run))
+            self._offer(run)
             return
         run.in_window = True
         self._window_size += k
@@ -182,7 +255,7 @@ class PrefixStore:
         self._window_target -= ((self._window_target - base)
                                 * (1 - (1 - 1 / self.capacity_blocks) ** k))
         self._arrivals.append(run)
-        heapq.heappush(self._window, (run.used, run.uid, run))
+        self._offer(run)
         room = self.capacity_blocks - self._window_target
         while (self._window_size > self._window_target and self._main_size < room
                and self._arrivals):
@@ -224,9 +297,67 @@ class PrefixStore:
                 run.ref_tick = clock
                 run.freq = min(run.freq + 1, MAX_FREQ)
             if not run.children:
-                heapq.heappush(self._window if run.in_window else self._main,
-                               (clock, run.uid, run))
+                self._offer(run)
             run = run.parent
+
+    def shared(self, block: Hashable) -> None:
+        """``block``, held here, has a copy elsewhere now (:class:`Copies`)."""
+        run = self._run_of.get(block)
+        if (self._copies_first and run is not None and not run.children
+                and run.blocks[run.end - 1] == block):
+            heapq.heappush(self._shared, (run.used, run.uid, run))
+
+    def _offer(self, run: _Run) -> None:
+        """A leaf run's record on its segment's heap, and on the shared heap when its
+        tail block has a copy elsewhere."""
+        record = (run.used, run.uid, run)
+        heapq.heappush(self._window if run.in_window else self._main, record)
+        if self._sharing() and self._tail_shared(run):
+            heapq.heappush(self._shared, record)
+
+    def _sharing(self) -> bool:
+        """Whether this store evicts copies first and the copies are counted yet."""
+        return self._copies_first and self._copies.active  # type: ignore[union-attr]
+
+    def _offer_shared(self) -> None:
+        """Every leaf run whose tail has a copy elsewhere, on the shared heap (once the
+        copies start being counted)."""
+        if not self._sharing():
+            return
+        for run in {id(r): r for r in self._run_of.values()}.values():
+            if not run.children and run.end > run.start and self._tail_shared(run):
+                heapq.heappush(self._shared, (run.used, run.uid, run))
+
+    def _tail_shared(self, run: _Run) -> bool:
+        assert self._copies is not None
+        return self._copies.count(run.blocks[run.end - 1]) > 1
+
+    def _shared_tail(self, run: _Run, most: int) -> int:
+        """How many of ``run``'s last blocks (at most ``most``) have a copy elsewhere."""
+        assert self._copies is not None
+        count, blocks = self._copies.count, run.blocks
+        i = run.end - 1
+        while i >= run.start and run.end - i <= most and count(blocks[i]) > 1:
+            i -= 1
+        return run.end - 1 - i
+
+    def _shared_leaf(self, fresh: _Run) -> _Run | None:
+        """The least recently used leaf run but ``fresh`` whose tail has a copy
+        elsewhere (left on the shared heap)."""
+        heap, skipped, found = self._shared, None, None
+        while heap:
+            used, _, run = heap[0]
+            if (run.used == used and not run.children and run.end > run.start
+                    and self._tail_shared(run)):
+                if run is not fresh:
+                    found = run
+                    break
+                skipped = heapq.heappop(heap)
+                continue
+            heapq.heappop(heap)
+        if skipped is not None:
+            heapq.heappush(heap, skipped)
+        return found
 
     def _leaf(self, heap: _Heap, in_window: bool) -> _Run | None:
         """The segment's least recently used leaf run (left on its heap)."""
@@ -251,12 +382,20 @@ class PrefixStore:
             self._window_size -= k
             self._main_size += k
             if not run.children:
-                heapq.heappush(self._main, (run.used, run.uid, run))
+                self._offer(run)
             run = run.parent
 
     def _evict(self, count: int, fresh: _Run) -> None:
-        """Free ``count`` blocks after ``fresh`` was written."""
+        """Free ``count`` blocks after ``fresh`` was written: blocks with a copy
+        elsewhere first (never ``fresh``'s own, which its writer holds), then by the
+        policy."""
+        if self._copies_first:
+            assert self._copies is not None
+            self._copies.activate()
         while count > 0:
+            if self._copies_first and (run := self._shared_leaf(fresh)) is not None:
+                count -= self._drop(run, self._shared_tail(run, count))
+                continue
             excess = math.ceil(self._window_size - self._window_target)
             candidate = self._leaf(self._window, True) if excess > 0 else None
             if candidate is fresh:  # the writer's own blocks: main pays, the window grows
@@ -282,6 +421,8 @@ class PrefixStore:
         gone = run.blocks[run.end - take:run.end]
         for b in gone:
             del held[b]
+        if self._copies is not None and self._copies.active:
+            self._copies.removed(self, gone)
         if self._ghost_max:
             ghost = self._ghost
             mark = (run.ref_tick, run.freq)
@@ -297,12 +438,13 @@ class PrefixStore:
         else:
             self._main_size -= take
         if run.end > run.start:
+            if self._sharing() and self._tail_shared(run):
+                heapq.heappush(self._shared, (run.used, run.uid, run))
             return take
         parent = run.parent
         if parent is not None:
             parent.children -= 1
             if not parent.children:
-                heapq.heappush(self._window if parent.in_window else self._main,
-                               (parent.used, parent.uid, parent))
+                self._offer(parent)
         return take
 
