@@ -20,8 +20,9 @@ model: setup
 run: model
 	$(BIN)/cpd up
 
+# The slowest tests are listed at the end: the suite's time is watched.
 test: model system-deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests (CI runs them all via `make test`).
 test-fast: model

@@ -32,12 +32,35 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+def _shm_in_use() -> set[str]:
+    """The shared-memory entries some live process still maps or holds open: another
+    session's engines (a second test session, a benchmark) that started meanwhile."""
+    used: set[str] = set()
+    prefix = f"{_SHM}/"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                at = line.find(prefix)
+                if at >= 0:
+                    used.add(line[at + len(prefix):].split(" ")[0])
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(prefix):
+                    used.add(target[len(prefix):].split(" ")[0])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return used
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The processes the tests start get a temp folder of the session's own, removed at
     its end: vLLM leaves sockets and rank rendezvous files there, and a killed process
     whatever it held. The test process keeps the system one (its base for tmp_path),
     and torch's compile cache stays where it is shared across runs. Shared-memory
-    leftovers made during the session are removed at its end."""
+    leftovers made during the session are removed at its end, unless a live process
+    still uses them."""
     tempfile.gettempdir()  # pinned before TMPDIR changes for the children
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache()  # shared across runs
     folder = tempfile.mkdtemp(prefix="cpd-tests-")
@@ -52,7 +75,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     before = getattr(config, _SHM_BEFORE, None)
     if before is not None:
-        for name in _shm_entries() - before:
+        for name in _shm_entries() - before - _shm_in_use():
             (_SHM / name).unlink(missing_ok=True)
 
 

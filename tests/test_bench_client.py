@@ -266,16 +266,16 @@ def test_vllm_version_comes_from_whichever_distribution_installed_it() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_client_benchmark_runs_end_to_end(tmp_path: Path, model_cache: Path) -> None:
-    """``cpd bench client --quick`` on the real system: ``cpd up`` with its vLLM-CPU
-    engines and vLLM's own server, driven by the ``openai`` client. Every request
-    succeeds on both, each of CPD's repeats reuses the cached prompt (the gateway's route
-    says so), and the JSON has every documented key. Its figures are the benchmark's,
-    not asserted here (docs/benchmarks/client.md)."""
+    """``cpd bench client --quick`` on the real system (two of its three context
+    sizes): ``cpd up`` with its vLLM-CPU engines and vLLM's own server, driven by the
+    ``openai`` client. Every request succeeds on both, each of CPD's repeats reuses the
+    cached prompt (the gateway's route says so), and the JSON has every documented key.
+    Its figures are the benchmark's, not asserted here (docs/benchmarks/client.md)."""
     out = tmp_path / "client.json"
     env = {**os.environ, "CPD_MODEL__CACHE_DIR": str(model_cache)}
     proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "client", "--quick",
-                           "--json", str(out)], env=env, capture_output=True, text=True,
-                          timeout=1100)
+                           "--contexts", "1024", "4096", "--json", str(out)], env=env,
+                          capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     for key in ("cached_over_unique_at_max", "cached_over_unique_worst",
@@ -284,7 +284,9 @@ def test_the_client_benchmark_runs_end_to_end(tmp_path: Path, model_cache: Path)
                 "requests", "requests_failed", "failures", "warm_hops_p50_ms", "rows",
                 "contexts", "iterations", "servers", "load_average_1m", "machine"):
         assert key in r, key
-    assert r["requests_failed"] == 0 and r["requests"] == 2 * 3 * 3 * 2 * 3
+    assert r["contexts"] == [1024, 4096]
+    # servers × contexts × iterations × APIs × cases
+    assert r["requests_failed"] == 0 and r["requests"] == 2 * 2 * 3 * 2 * 3
     hop_rows = r["warm_hops_p50_ms"]["rows"]
     assert len(hop_rows) == len(APIS) * len(r["contexts"])
     assert all(h["prefill"] > 0 and h["requests"] == r["iterations"] for h in hop_rows)

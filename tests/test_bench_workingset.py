@@ -99,17 +99,19 @@ def test_headline_keys_compare_with_monolithic_at_each_size() -> None:
 @pytest.mark.timeout(1500)
 def test_the_quick_run_serves_every_request_on_both_servers(model_cache: Path,
                                                             tmp_path: Path) -> None:
+    """``--quick`` at its larger size only (2x one engine's cache): every request served
+    on both servers, and CPD's three arenas, each the size of one engine's cache, pool
+    what one cannot hold (they reused 0.44 of it before evicting copies first, 0.86
+    after)."""
     out = tmp_path / "ws.json"
     env = {**os.environ, "CPD_MODEL__CACHE_DIR": str(model_cache)}
     subprocess.run([sys.executable, "-m", "tools.cli", "bench", "workingset", "--quick",
-                    "--json", str(out)], check=True, env=env, timeout=1400,
-                   cwd=Path(__file__).resolve().parents[1])
+                    "--ratios", str(RATIOS_QUICK[-1]), "--json", str(out)], check=True,
+                   env=env, timeout=1400, cwd=Path(__file__).resolve().parents[1])
     result = json.loads(out.read_text())
     assert result["requests_failed"] == 0
     assert result["configs"] == list(CONFIGS_QUICK)
     for config in CONFIGS_QUICK:
-        assert [r["ratio"] for r in result["sizes"][config]] == list(RATIOS_QUICK)
-    # Half an engine's cache holds every session on either server.
-    assert result["sizes"]["monolithic"][0]["reuse"] > 0.8
-    assert result["sizes"]["cpd"][0]["reuse"] > 0.8
-    assert "reuse_at_2x_engine" in result and "ttft_p50_at_2x_over_monolithic" in result
+        assert [r["ratio"] for r in result["sizes"][config]] == [RATIOS_QUICK[-1]]
+    assert result["reuse_at_2x_engine"] > 0.6
+    assert "ttft_p50_at_2x_over_monolithic" in result

@@ -43,6 +43,7 @@ import msgspec
 from cpd.modelbuild import PRESETS, build
 from cpd.ops.config import Settings, load_settings
 from cpd.protocol import wire
+from cpd.protocol.errors import CpdError
 from tools.bench.corpus import CorpusPrompts
 from tools.bench.hostinfo import load_average
 from tools.bench.registry import SettingsFactory
@@ -393,14 +394,17 @@ def make_plan(prompts: CorpusPrompts, sizes: Sequence[int], iterations: int
     return plan
 
 
-def context_sizes(quick: bool, max_model_len: int) -> list[int]:
-    """Context sizes to measure, up to what fits the window with a question, the chat
-    template and the generated tokens."""
+def context_sizes(quick: bool, max_model_len: int,
+                  contexts: Sequence[int] | None = None) -> list[int]:
+    """Context sizes to measure (``contexts``, else the run's defaults), up to what fits
+    the window with a question, the chat template and the generated tokens."""
     room = max_model_len - MAX_TOKENS - QUESTION_TOKENS - 256
-    return [n for n in (CONTEXTS_QUICK if quick else CONTEXTS_FULL) if n <= room]
+    wanted = contexts or (CONTEXTS_QUICK if quick else CONTEXTS_FULL)
+    return [n for n in wanted if n <= room]
 
 
-async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]:
+async def _measure(settings: Settings, tmp: Path, quick: bool,
+                   contexts: Sequence[int] | None) -> dict[str, Any]:
     from cpd.engines.profile import engine_profile
 
     # The local model on the real engine, whatever the settings otherwise name.
@@ -408,7 +412,10 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
         settings, model=msgspec.structs.replace(settings.model, preset=PRESET),
         worker=msgspec.structs.replace(settings.worker, engine="vllm"))
     folder = build(PRESET, settings.model_cache_dir)
-    sizes = context_sizes(quick, PRESETS[PRESET].max_position_embeddings)
+    sizes = context_sizes(quick, PRESETS[PRESET].max_position_embeddings, contexts)
+    if not sizes:
+        raise CpdError(f"no context of {list(contexts or ())} fits the "
+                       f"{PRESETS[PRESET].max_position_embeddings}-token window")
     iterations = ITERATIONS_QUICK if quick else ITERATIONS_FULL
     prompts = CorpusPrompts(folder, random.Random(SEED))
     # Every server gets the very same requests: the plan is drawn once.
@@ -436,10 +443,12 @@ async def _measure(settings: Settings, tmp: Path, quick: bool) -> dict[str, Any]
     return result
 
 
-def run(settings: Settings | None = None, quick: bool = False) -> dict[str, Any]:
+def run(settings: Settings | None = None, quick: bool = False,
+        contexts: Sequence[int] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able result."""
     settings = settings or load_settings()
-    result = run_in_tmp("cpd-bench-client-", lambda tmp: _measure(settings, tmp, quick))
+    result = run_in_tmp("cpd-bench-client-",
+                        lambda tmp: _measure(settings, tmp, quick, contexts))
     if result["requests_failed"]:
         print(f"cpd bench client: {result['requests_failed']} requests failed:\n  "
               + "\n  ".join(f"{f['server']} {f['api']} {f['context_tokens']} {f['case']}: "
@@ -451,8 +460,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``cpd bench client``'s flags."""
     parser.add_argument("--quick", action="store_true",
                         help="a short run: fewer context sizes and iterations (tests, CI)")
+    parser.add_argument("--contexts", nargs="+", type=int, metavar="TOKENS",
+                        help="context sizes to measure instead of the run's own "
+                             f"(full: {', '.join(map(str, CONTEXTS_FULL))}; "
+                             f"quick: {', '.join(map(str, CONTEXTS_QUICK))})")
 
 
 def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
     """Run from ``cpd bench client``'s flags."""
-    return run(settings(), quick=args.quick)
+    return run(settings(), quick=args.quick, contexts=args.contexts)
