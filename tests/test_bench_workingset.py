@@ -25,6 +25,7 @@ from tools.bench.workingset import (
     headline,
     make_visits,
     per_size,
+    plot,
     sessions_for,
 )
 
@@ -93,6 +94,22 @@ def test_headline_keys_compare_with_monolithic_at_each_size() -> None:
                           "worst_ttft_p50_over_monolithic": False,
                           "reuse_at_8x_engine_disk": True}
     assert set(TARGETS) >= set(out["met"])
+
+
+def test_the_tier_plot_goes_beside_the_json(tmp_path: Path) -> None:
+    def row(ratio: float, tiers: dict[str, float], p50: float) -> dict:
+        return {"ratio": ratio, "reuse": sum(tiers.values()), "reuse_by_tier": tiers,
+                "ttft_p50_ms": p50}
+
+    result = {"configs": ["cpd", "cpd_disk", "monolithic"], "engine_blocks": 64,
+              "block_size": 256, "sizes": {
+                  "cpd": [row(2.0, {"gpu": 0.1, "dram": 0.2, "remote": 0.63}, 73),
+                          row(8.0, {"gpu": 0.05, "remote": 0.1}, 186)],
+                  "cpd_disk": [row(8.0, {"dram": 0.7, "disk": 0.02, "remote": 0.22}, 58)],
+                  "monolithic": [row(2.0, {"gpu": 0.08}, 270), row(8.0, {"gpu": 0.01}, 259)]}}
+    out = tmp_path / "ws.png"
+    assert plot(result, out) == [str(out)]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
 @pytest.mark.slow

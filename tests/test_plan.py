@@ -278,6 +278,28 @@ def test_a_disk_tier_keeps_what_a_small_arena_loses() -> None:
     assert tokens[2000].computed < 0.5 * tokens[0].computed
 
 
+def test_a_saturated_decode_pool_lends_decode_to_the_prefill_side() -> None:
+    """CPD-1D at 1.4 QPS/GPU of the coding-agent workload, where its one decode node
+    holds dozens of requests: with prefill-side nodes that decode too and
+    ``router.decode_lend_at`` 16, some requests keep their decode on their prefill node
+    (the router's own decisions say so), and decode steps get faster. The P/D
+    baselines never lend: they stand for today's systems."""
+    base = PlanConfig(topologies=(), phases=QUICK_PHASES, seeds=1)
+    s = base.settings
+    lend = msgspec.structs.replace(
+        s, worker=msgspec.structs.replace(s.worker, serve_decode=True),
+        router=msgspec.structs.replace(s.router, decode_lend_at=16))
+    cpd = topology("cpd", 1, 1, 1)
+    off_point, _ = run_probe(base, cpd, 1.4, 0)
+    on = PlanConfig(topologies=(), phases=QUICK_PHASES, seeds=1, settings=lend)
+    on_point, res = run_probe(on, cpd, 1.4, 0, record_decisions=2000)
+    lent = [d for *_, d in res.decisions if d.decode_lent]
+    assert lent and all(d.decode_node == d.plan.node for d in lent)
+    assert on_point["tpot_p50_s"] < off_point["tpot_p50_s"]
+    assert not cluster_config(on, topology("pd-kv", 0, 2, 1)).prefill_decodes
+    assert cluster_config(on, cpd).prefill_decodes
+
+
 # ------------------------------------------------------------------ block ids
 
 

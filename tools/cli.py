@@ -205,7 +205,8 @@ def format_status(status: wire.StatusReply) -> str:
     lines = [f"router {r.node} (policy {r.policy}): {r.in_flight}/{r.max_inflight} in flight, "
              f"{r.queued} queued; {r.completed} done, {r.failed} failed, {r.rejected} "
              f"rejected, {r.failovers} failovers, {r.resumed} resumed; kvindex "
-             f"{status.kvindex} ({r.lookup_misses} decisions without its answer)",
+             f"{status.kvindex} ({r.lookup_misses} decisions without its answer); "
+             f"{r.decode_lent} decodes kept on their prefill node",
              f"{'node':<16} {'role':<10} {'alive':<5} {'queue':>6} {'queued tok':>10} "
              f"{'est ms':>8} {'running':>7} {'DRAM used':>16} {'GB/s':>6} "
              f"{'disk used':>16} {'read GB/s':>9}"]
@@ -214,7 +215,8 @@ def format_status(status: wire.StatusReply) -> str:
                 if n.dram_total_bytes else "-")
         disk = (f"{n.disk_used_bytes / 2**30:.1f}/{n.disk_total_bytes / 2**30:.1f} GiB"
                 if n.disk_total_bytes else "-")
-        lines.append(f"{n.node:<16} {n.role:<10} {'yes' if n.alive else 'NO':<5} "
+        role = f"{n.role}+d" if n.decodes else n.role
+        lines.append(f"{n.node:<16} {role:<10} {'yes' if n.alive else 'NO':<5} "
                      f"{n.queue_depth:>6} {n.queued_new_tokens:>10} {n.est_queue_ms:>8.0f} "
                      f"{n.in_flight:>7} {dram:>16} {n.kv_bandwidth_gbps:>6.2f} "
                      f"{disk:>16} {n.disk_read_gbps:>9.2f}")

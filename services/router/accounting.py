@@ -33,6 +33,7 @@ class RouterAccounts:
         self._admission = metrics.histogram(m, metrics.ROUTER_ADMISSION_WAIT)
         self._decision = metrics.histogram(m, metrics.ROUTER_DECISION)
         self._lookup_misses = metrics.counter(m, metrics.ROUTER_LOOKUP_MISSES)
+        self._decode_lent = metrics.counter(m, metrics.ROUTER_DECODE_LENT)
         self._resumed = metrics.counter(m, metrics.ROUTER_RESUMED)
         self._cancelled = metrics.counter(m, metrics.ROUTER_CANCELLED)
         for reason in wire.CancelReason:  # every reason's series from the start, at 0
@@ -59,14 +60,17 @@ class RouterAccounts:
         self._in_flight.add(-1)
 
     def decided(self, seconds: float, plan_role: str, queue_ms: float, *,
-                first_try: bool, lookup_missed: bool) -> None:
+                first_try: bool, lookup_missed: bool, decode_lent: bool = False) -> None:
         """A routing decision took ``seconds`` (hashing and lookup included), with or
-        without kvindex's answer; the first try's plan estimated ``queue_ms`` of
-        queueing on a ``plan_role`` node."""
+        without kvindex's answer, keeping the decode on the prefill node or not; the
+        first try's plan estimated ``queue_ms`` of queueing on a ``plan_role`` node."""
         self._decision.record(seconds, {"policy": self.policy})
         if lookup_missed:
             self.stats.lookup_misses += 1
             self._lookup_misses.add(1)
+        if decode_lent:
+            self.stats.decode_lent += 1
+            self._decode_lent.add(1)
         if first_try:
             self._queue.record(queue_ms / 1000, {"role": plan_role})
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cpd.protocol import wire
-from cpd.protocol.roles import WORKER_ROLES, Role
+from cpd.protocol.roles import PREFILL_ROLES, WORKER_ROLES, Role
 from services.router.cost import PrefillCost
 from services.router.policy import NodeLoad
 from services.router.queueing import ahead_ms
@@ -24,6 +24,7 @@ class _Node:
     capacity_blocks: int = 0
     load: wire.LoadReport | None = None
     started_unix_ms: int = 0
+    decodes: bool = False        # a prefill-side node that also serves decode
     # Work this router sent since the node's last load report (estimated ms per
     # request): without it, a burst between two reports would all land on the node
     # that looked idlest.
@@ -57,6 +58,7 @@ class NodeTable:
         n.namespace = hb.namespace
         n.capacity_blocks = hb.capacity_blocks
         n.started_unix_ms = hb.started_unix_ms
+        n.decodes = hb.decodes and n.role in PREFILL_ROLES
 
     def load_report(self, report: wire.LoadReport, now: float) -> None:
         """Record a load report (it renews liveness too: a node that reports is alive)."""
@@ -102,7 +104,8 @@ class NodeTable:
                                 disk_gbps=r.disk_read_gbps if r else 0.0,
                                 prefills=tuple(r.prefills) if r else (),
                                 dispatched_ms=tuple(n.dispatched_ms),
-                                shares_steps=bool(r and r.prefill_token_cap)))
+                                shares_steps=bool(r and r.prefill_token_cap),
+                                decodes=n.decodes))
         return out
 
     def status(self, now: float, cost: PrefillCost) -> list[wire.NodeStatus]:
@@ -122,7 +125,7 @@ class NodeTable:
                 dram_used_bytes=r.dram_used_bytes, dram_total_bytes=r.dram_total_bytes,
                 kv_bandwidth_gbps=r.kv_bandwidth_gbps, capacity_blocks=n.capacity_blocks,
                 disk_used_bytes=r.disk_used_bytes, disk_total_bytes=r.disk_total_bytes,
-                disk_read_gbps=r.disk_read_gbps))
+                disk_read_gbps=r.disk_read_gbps, decodes=n.decodes))
         return out
 
     def serves_every_role(self, now: float) -> bool:

@@ -30,6 +30,8 @@ class NodeLoad:
     prefills: tuple[wire.PrefillWork, ...] = ()
     dispatched_ms: tuple[float, ...] = ()
     shares_steps: bool = False
+    # A prefill-side node that also decodes (its heartbeat says so).
+    decodes: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class PolicyConfig:
     overflow_margin_ms: float = 100.0
     # A warm request may take an idle pre-prefill node that holds its prefix itself.
     warm_on_idle_preprefill: bool = True
+    # The decode stays on a prefill node that decodes once the least loaded decode node
+    # holds this many requests (services.router.elastic); 0: never.
+    decode_lend_at: int = 0
     # Until a node reports a measured bandwidth.
     default_bandwidth_gbps: float = 1.0
     # Loading from a node's own DRAM into its engine.
@@ -66,6 +71,7 @@ class PolicyConfig:
                    min_reuse_tokens=router.min_reuse_tokens,
                    overflow_margin_ms=router.overflow_margin_ms,
                    warm_on_idle_preprefill=router.warm_on_idle_preprefill,
+                   decode_lend_at=router.decode_lend_at,
                    default_bandwidth_gbps=router.default_bandwidth_gbps,
                    host_bandwidth_gbps=router.host_bandwidth_gbps,
                    disk_bandwidth_gbps=router.disk_bandwidth_gbps,

@@ -35,6 +35,7 @@ from cpd.protocol.roles import PREFILL_ROLES, Role
 from cpd.protocol.wire import RouteReason
 from services.router.breaker import SourceBreaker
 from services.router.cost import LoadCost, PrefillCost
+from services.router.elastic import lend_decode
 from services.router.hits import Hits
 from services.router.plans import NodeLoad, Plan, PolicyConfig, PolicyName, Wait
 from services.router.queueing import ahead_ms, wait_ms
@@ -66,6 +67,7 @@ class Decision:
     wait: Wait | None = None
     waited_for: str = ""
     lookup_missed: bool = False   # decided without kvindex's answer
+    decode_lent: bool = False     # decode stays on the prefill node (services.router.elastic)
 
     def route(self) -> wire.Route:
         """The decision as the ``Route`` of the final message."""
@@ -81,7 +83,7 @@ class Decision:
                           est_ttft_ms=round(p.ttft_ms, 3),
                           busy_ttft_ms=round(self.busy_ttft_ms, 3),
                           remote_node=p.remote_node, waited_for=self.waited_for,
-                          lookup_missed=self.lookup_missed)
+                          lookup_missed=self.lookup_missed, decode_lent=self.decode_lent)
 
 
 class Router:
@@ -122,6 +124,7 @@ class Router:
             hits = Hits(ok=False)  # kvindex slow, stale or restarting: a miss, never a guess
         hits = self.breaker.filter(hits)  # no source whose last load failed
         d = self.policy.choose(self, prompt_tokens, block_size, hits, nodes, decode)
+        d = lend_decode(d, nodes, self.config.decode_lend_at)
         return d if hits.ok else replace(d, lookup_missed=True)
 
     # -------------------------------------------------------------------- plans

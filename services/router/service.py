@@ -326,7 +326,8 @@ class RouterService(Service):
             self.accounts.decided((hash_ms + cost.total_ms - cost.wait_ms) / 1000,
                                   decision.plan.role, decision.plan.queue_ms,
                                   first_try=attempt == 1,
-                                  lookup_missed=decision.lookup_missed)
+                                  lookup_missed=decision.lookup_missed,
+                                  decode_lent=decision.decode_lent)
             try:
                 final = await self._attempt(req, attempt, decision, packed, ns, hashes,
                                             deadline_unix_ms, relay)

@@ -62,7 +62,10 @@ class WorkerService(Service):
         self.name = role
         super().__init__(settings, nats_url=nats_url)
         self.role = Role(role)
-        self.handler_kinds = tuple(dict.fromkeys(handlers or (self.role,)))
+        # worker.serve_decode: a prefill-side node takes decode hand-offs too.
+        both = (self.role, Role.DECODE) if (settings.worker.serve_decode
+                                            and self.role in PREFILL_ROLES) else ()
+        self.handler_kinds = tuple(dict.fromkeys(handlers or both or (self.role,)))
         if not set(self.handler_kinds) <= {self.role, Role.DECODE}:
             raise ValueError(f"a {role} worker hosts its own role's handler and decode's, "
                              f"not {', '.join(self.handler_kinds)}")
@@ -183,7 +186,8 @@ class WorkerService(Service):
             lease_ttl_ms=int(self.settings.node.lease_ttl_s * 1000),
             ucx_address=core.server.address, capacity_blocks=core.kv.store.num_slots,
             namespace=core.namespace.id, namespace_spec=core.namespace.to_spec(),
-            version=self.version)
+            version=self.version,
+            decodes=self.role in PREFILL_ROLES and Role.DECODE in self.handler_kinds)
 
     async def _heartbeat(self) -> None:
         with contextlib.suppress(CpdError):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import statistics
 import sys
@@ -333,7 +334,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
-    """Run from ``cpd bench workingset``'s flags."""
-    return run(settings(), quick=args.quick, configs=args.configs, ratios=args.ratios,
-               engine_blocks=args.engine_blocks, session_tokens=args.session_tokens,
-               concurrency=args.concurrency)
+    """Run from ``cpd bench workingset``'s flags; with ``--json PATH``, the tier plot
+    goes beside it (``PATH`` with ``.png``; its path in the result's ``plot``)."""
+    result = run(settings(), quick=args.quick, configs=args.configs, ratios=args.ratios,
+                 engine_blocks=args.engine_blocks, session_tokens=args.session_tokens,
+                 concurrency=args.concurrency)
+    if args.json:
+        result["plot"] = next(iter(plot(result, Path(args.json).with_suffix(".png"))), None)
+    return result
+
+
+_TIERS = (("gpu", "tab:green"), ("dram", "tab:blue"), ("disk", "tab:purple"),
+          ("remote", "tab:orange"))
+
+
+def plot(result: dict[str, Any], path: Path) -> list[str]:
+    """The tiers at each working-set size, per configuration: the revisits' reuse split
+    by where the tokens came from (stacked; monolithic vLLM's reuse as one bar), and
+    their TTFT p50 against the size. Empty without matplotlib (the ``bench`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    sizes = result["sizes"]
+    configs = [c for c in result["configs"] if sizes.get(c)]
+    ratios = sorted({r["ratio"] for c in configs for r in sizes[c]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5))
+    width = 0.8 / max(len(configs), 1)
+    for i, config in enumerate(configs):
+        rows = {r["ratio"]: r for r in sizes[config]}
+        xs = [ratios.index(ratio) + (i - (len(configs) - 1) / 2) * width for ratio in rows]
+        bottom = [0.0] * len(rows)
+        tiers = (_TIERS if config != "monolithic" else (("vLLM's own cache", "tab:grey"),))
+        for tier, color in tiers:
+            ys = [(r["reuse"] if config == "monolithic" else r["reuse_by_tier"].get(tier, 0.0))
+                  for r in rows.values()]
+            ax.bar(xs, ys, width, bottom=bottom, color=color, edgecolor="black", lw=0.4,
+                   label=tier if i == 0 or config == "monolithic" else None)
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+        for x, top in zip(xs, bottom, strict=True):
+            ax.text(x, top + 0.01, config, rotation=90, ha="center", va="bottom",
+                    fontsize="x-small")
+        bx.plot(list(rows), [r["ttft_p50_ms"] if r["ttft_p50_ms"] is not None else math.nan
+                             for r in rows.values()], marker="o", label=config)
+    ax.set_xticks(range(len(ratios)), [f"{r:g}x" for r in ratios])
+    ax.set_ylim(0, 1.25)
+    ax.set_xlabel("working set (x one engine's KV cache)")
+    ax.set_ylabel("share of revisited prompt tokens reused")
+    ax.legend(fontsize="small", loc="upper right", ncol=5)
+    bx.set_xscale("log", base=2)
+    bx.set_xticks(ratios, [f"{r:g}x" for r in ratios])
+    bx.minorticks_off()
+    bx.set_yscale("log")
+    bx.set_xlabel("working set (x one engine's KV cache)")
+    bx.set_ylabel("revisit TTFT p50 (ms)")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize="small")
+    fig.suptitle(f"cpd bench workingset: engines and arenas of {result['engine_blocks']} "
+                 f"blocks of {result['block_size']} tokens")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path)]

@@ -98,6 +98,9 @@ class ClusterConfig:
     # read rate (GB/s; the router's router.disk_bandwidth_gbps, which prices it).
     disk_bytes: int = 0
     disk_gbps: float = 2.0
+    # Prefill-side workers also decode (worker.serve_decode): the router may keep a
+    # request's decode on its prefill node (router.decode_lend_at).
+    prefill_decodes: bool = False
     # Between nodes, per receiving node (GB/s of modelled KV bytes).
     network_gbps: float = 50.0
     max_inflight: int = 24
@@ -198,12 +201,13 @@ class _Node:
         r = self.reqs[rid]
         bs = self.sched.config.block_size
         n = len(r.blocks)
-        cap = (r.w.prompt_len - 1) // bs if self.prefill_role else min(r.w.prompt_len // bs, n)
+        prefilling = self.prefill_role and r.decode_in is None
+        cap = (r.w.prompt_len - 1) // bs if prefilling else min(r.w.prompt_len // bs, n)
         gpu = self.gpu.hit(r.blocks, cap)
         have = min(r.dram_have, cap)
         loaded = max(have - gpu, 0)
         cached = max(gpu, have) * bs
-        if not self.prefill_role:  # decode: what the client sees was the prefill's
+        if not prefilling:  # decode: what the client sees was the prefill's
             return Admission(cached_tokens=cached, load_tokens=loaded * bs)
         r.cached_tokens = cached
         r.tokens.gpu, r.tokens.dram = gpu * bs, loaded * bs
@@ -344,7 +348,8 @@ class Cluster:
                 out.append(NodeLoad(node=x.name, role=x.role, in_flight=len(x.reqs),
                                     bandwidth_gbps=self.cfg.network_gbps, prefills=works,
                                     dispatched_ms=tuple(dispatched),
-                                    shares_steps=self.shares_steps))
+                                    shares_steps=self.shares_steps,
+                                    decodes=self.cfg.prefill_decodes))
             else:
                 out.append(NodeLoad(node=x.name, role=x.role, in_flight=len(x.reqs),
                                     bandwidth_gbps=self.cfg.network_gbps))
@@ -545,11 +550,12 @@ class Cluster:
             r = node.reqs.get(adv.request_id)
             if r is None:
                 continue
+            prefilling = node.prefill_role and r.decode_in is None
             if not adv.emits_token:
-                if node.prefill_role:
+                if prefilling:
                     self._seal(node, r, adv.prompt_done // bs)
                 continue
-            if node.prefill_role:
+            if prefilling:
                 self._prefilled(node, r)
             else:
                 if adv.output_index == 0:

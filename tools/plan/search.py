@@ -214,6 +214,8 @@ def cluster_config(cfg: PlanConfig, top: Topology) -> ClusterConfig:
         block_size=s.cache.block_size, gpu_cache_blocks=s.sim.gpu_cache_blocks or None,
         dram_bytes=cfg.dram_bytes, eviction=s.dataplane.eviction,
         disk_bytes=cfg.disk_bytes, disk_gbps=s.router.disk_bandwidth_gbps,
+        # The elastic boundary is CPD's: the P/D baselines stand for today's systems.
+        prefill_decodes=s.worker.serve_decode and top.policy == "cpd",
         network_gbps=cfg.network_gbps, report_interval_s=s.worker.load_report_interval_s,
         max_inflight=cfg.max_inflight, dispatch_s=cfg.dispatch_s, relay_s=cfg.relay_s,
         handoff_s=cfg.handoff_s)

@@ -163,6 +163,10 @@ class RouterSettings(_Section):
     # cache or its DRAM) is served there when that is sooner than on any prefill node:
     # no transfer, and that tier had nothing to do.
     warm_on_idle_preprefill: bool = True
+    # The elastic prefill/decode boundary (services/router/elastic.py): once the least
+    # loaded decode node holds this many requests, a request whose prefill node also
+    # decodes (worker.serve_decode) and holds fewer keeps its decode there. 0: never.
+    decode_lend_at: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Transfer bandwidth assumed until a worker reports a measured one (GB/s).
     default_bandwidth_gbps: Positive = 1.0
     # A node loading from its own DRAM into its engine (GB/s).
@@ -408,6 +412,10 @@ class WorkerSettings(_Section):
     load_report_interval_s: Positive = 0.15
     # How long the prefill side waits for a decode node to accept a hand-off.
     handoff_timeout_s: Positive = 5.0
+    # A pre-prefill or prefill worker also serves decode hand-offs (its own requests'
+    # decode, no transfer), announced in its heartbeats; the router lends it decode
+    # work when the decode pool is saturated (router.decode_lend_at).
+    serve_decode: bool = False
     # Requests a worker holds (running or queued) before it refuses more as overloaded.
     max_queued_requests: PositiveInt = 64
     # The role `python -m services.worker` runs; `python -m services.preprefill`, `.prefill`

@@ -166,6 +166,10 @@ ROUTER_IN_FLIGHT = _m(
     "cpd_router_in_flight", "updown", "requests holding an admission slot")
 ROUTER_KEEPALIVES = _m(
     "cpd_router_keepalives", "counter", "keep-alives sent on silent client streams")
+ROUTER_DECODE_LENT = _m(
+    "cpd_router_decode_lent", "counter",
+    "requests whose decode stayed on their prefill node because the decode pool was "
+    "saturated (router.decode_lend_at): the elastic prefill/decode boundary")
 ROUTER_HASH_MEMO = _m(
     "cpd_router_hash_memo_blocks", "counter",
     "prompt blocks whose hash was reused from an earlier prompt or computed",

@@ -310,6 +310,9 @@ class Route(msgspec.Struct, kw_only=True):
     reason: RouteReason | None = None
     prefill_node: str = ""
     decode_node: str = ""
+    # The decode stayed on the prefill node (it decodes too) because the decode pool was
+    # saturated (router.decode_lend_at): no hand-off transfer.
+    decode_lent: bool = False
     # Where the prompt's KV came from: planned by the router, then as the prefill node
     # reported it.
     tokens: PromptTokens = msgspec.field(default_factory=PromptTokens)
@@ -646,6 +649,9 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     # msgpack of the node's base cpd.protocol.hashing.Namespace: lets kvindex hash vLLM's GPU-tier
     # events (token ids) into CPD block hashes for that namespace.
     namespace_spec: bytes = b""
+    # A prefill-side node that also serves decode hand-offs (worker.serve_decode): the
+    # router may keep a request's decode on it when the decode pool is saturated.
+    decodes: bool = False
 
 
 class PrefillWork(msgspec.Struct, array_like=True):
@@ -843,6 +849,7 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     disk_used_bytes: NonNegInt = 0
     disk_total_bytes: NonNegInt = 0
     disk_read_gbps: NonNegFloat = 0.0
+    decodes: bool = False   # a prefill-side node that also serves decode
 
 
 class RouterStats(msgspec.Struct, kw_only=True):
@@ -862,6 +869,7 @@ class RouterStats(msgspec.Struct, kw_only=True):
     load_failures: NonNegInt = 0
     # Decisions made without kvindex's answer (the prompt treated as uncached).
     lookup_misses: NonNegInt = 0
+    decode_lent: NonNegInt = 0   # decodes kept on their prefill node (router.decode_lend_at)
     # Requests taken over from a router that died mid-stream (``resume_tokens``).
     resumed: NonNegInt = 0
     # Requests ended before their nodes finished, by ``CancelReason``.
