@@ -184,8 +184,20 @@ async def measured(srv: Server, measure: Callable[[], Awaitable[T]]
 def run_in_tmp(prefix: str, measure: Callable[[Path], Coroutine[Any, Any, dict[str, Any]]]
                ) -> dict[str, Any]:
     """Run a server benchmark's ``measure`` in a temporary directory it may fill (removed
-    after); its result, with the machine's description."""
+    after); its result, with the machine's description. The servers it starts get a
+    temp folder inside it (``TMPDIR``): vLLM leaves its IPC sockets and rank rendezvous
+    files there, and they go with it."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        result = asyncio.run(measure(Path(tmp)))
+        children = Path(tmp) / "tmp"
+        children.mkdir()
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(children)
+        try:
+            result = asyncio.run(measure(Path(tmp)))
+        finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
     result["machine"] = machine_info()
     return result
