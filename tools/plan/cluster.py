@@ -190,6 +190,11 @@ class _Node:
         self.waiters: list[_Req] = []            # single-flight requests waiting on us
         self.prefill_role = spec.role in PREFILL_ROLES
 
+    def prefilling(self, r: _Req) -> bool:
+        """Whether ``r`` is in its prefill here (not its decode, which a prefill-side
+        node may keep: router.decode_lend_at)."""
+        return self.prefill_role and r.decode_in is None
+
     def keep(self, blocks: Sequence[int], upto: int) -> None:
         """``blocks[:upto]`` sealed in the arena, and written behind to the disk tier."""
         self.dram.insert(blocks, upto)
@@ -201,7 +206,7 @@ class _Node:
         r = self.reqs[rid]
         bs = self.sched.config.block_size
         n = len(r.blocks)
-        prefilling = self.prefill_role and r.decode_in is None
+        prefilling = self.prefilling(r)
         cap = (r.w.prompt_len - 1) // bs if prefilling else min(r.w.prompt_len // bs, n)
         gpu = self.gpu.hit(r.blocks, cap)
         have = min(r.dram_have, cap)
@@ -550,7 +555,7 @@ class Cluster:
             r = node.reqs.get(adv.request_id)
             if r is None:
                 continue
-            prefilling = node.prefill_role and r.decode_in is None
+            prefilling = node.prefilling(r)
             if not adv.emits_token:
                 if prefilling:
                     self._seal(node, r, adv.prompt_done // bs)

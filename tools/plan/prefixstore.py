@@ -44,7 +44,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from cpd.kvstore.eviction import EWMA_ALPHA, MAX_FREQ, EvictionName
 
@@ -94,10 +94,10 @@ class Copies:
         self.active = True
         holders = self._holders
         for store in self._stores:
-            for b in store._run_of:
+            for b in store.blocks():
                 holders.setdefault(b, []).append(store)
         for store in self._stores:
-            store._offer_shared()
+            store.offer_shared()
 
     def count(self, block: Hashable) -> int:
         """How many stores hold ``block``."""
@@ -172,6 +172,10 @@ class PrefixStore:
 
     def __len__(self) -> int:
         return self.size
+
+    def blocks(self) -> Iterable[Hashable]:
+        """Every block held."""
+        return self._run_of.keys()
 
     def match(self, blocks: Sequence[int], limit: int | None = None) -> int:
         """How many leading blocks of ``blocks[:limit]`` are held (no recency change)."""
@@ -319,7 +323,7 @@ class PrefixStore:
         """Whether this store evicts copies first and the copies are counted yet."""
         return self._copies_first and self._copies.active  # type: ignore[union-attr]
 
-    def _offer_shared(self) -> None:
+    def offer_shared(self) -> None:
         """Every leaf run whose tail has a copy elsewhere, on the shared heap (once the
         copies start being counted)."""
         if not self._sharing():
