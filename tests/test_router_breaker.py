@@ -76,6 +76,19 @@ def test_half_open_lets_one_decision_try_and_a_served_load_closes_it() -> None:
     assert b.open_peers() == frozenset()
 
 
+def test_only_a_decision_that_could_load_from_the_peer_spends_its_trial() -> None:
+    clock = Clock()
+    b = SourceBreaker(open_s=2.0, clock=clock)
+    b.observe(failed("pp0", ErrorCode.TIMEOUT))
+    clock.now += 2.5
+    other = Hits(dram={"d0": 30})                 # prompts pp0 does not hold
+    assert b.filter(other) is other and b.filter(other) is other
+    holds = Hits(dram={"pp0": 36, "d0": 30})
+    assert b.filter(holds) is holds               # the first that could load: the trial
+    assert set(b.filter(holds).dram) == {"d0"}    # the next wait for its outcome
+    assert set(b.filter(Hits(disk={"pp0": 8})).disk) == set()  # a disk copy is a holder
+
+
 def test_an_open_peer_is_not_planned_as_a_source() -> None:
     b = SourceBreaker(clock=Clock())
     hits = Hits(dram={"pp0": 36, "d0": 30}, disk={"pp0": 38}, caps={"pp0": b"c"},

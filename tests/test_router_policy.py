@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from cpd.protocol import wire
@@ -165,6 +166,39 @@ def test_cpd_policy(case: Case) -> None:
     if d.path == "cold":
         assert d.plan.role == "preprefill"
     assert d.decode_node == "d0"
+
+
+@pytest.mark.parametrize(("loads", "path", "loaded", "gbps", "measured"), [
+    # Measured fast: loaded, and the route names the price it won on.
+    ({"pp0": {"ahead_ms": 10}}, "warm", True, 2.0, True),
+    # Measured slow: recomputed (cold), and the route says why with the measured rate.
+    ({"p0": {"bandwidth_gbps": 1e-5}, "p1": {"bandwidth_gbps": 1e-5}}, "cold", False,
+     1e-5, True),
+    # Never measured: priced at the configured default (1 GB/s), and says so.
+    ({"pp0": {"ahead_ms": 10}, "p0": {"bandwidth_gbps": 0.0},
+      "p1": {"bandwidth_gbps": 0.0}}, "warm", True, 1.0, False),
+])
+def test_a_route_carries_the_price_of_the_peer_load_it_took_or_declined(
+        loads: dict, path: str, loaded: bool, gbps: float, measured: bool) -> None:
+    d = Router(PolicyConfig(), COST, LOAD).decide(N, BS, Hits(dram={"pp0": 38}),
+                                                  nodes(**loads))
+    r = d.route()
+    assert r.path == path
+    p = r.peer_load
+    assert p is not None
+    assert (p.peer, p.tokens, p.gbps, p.measured, p.loaded) == (
+        "pp0", 38 * BS, gbps, measured, loaded)
+    assert (p.load_ms < p.compute_ms) is loaded
+    assert p.load_ms == pytest.approx(LOAD.ms(38 * BS, gbps), abs=1e-3)
+    assert (r.remote_node == "pp0") is loaded
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=wire.Route).peer_load == p
+    assert r.describe()
+
+
+def test_a_route_with_no_peer_holding_more_carries_no_peer_price() -> None:
+    r = Router(PolicyConfig(), COST, LOAD).decide(N, BS, Hits(dram={"p1": 36}),
+                                                  nodes()).route()
+    assert r.peer_load is None
 
 
 def test_load_sources_describe_the_plan() -> None:

@@ -235,6 +235,60 @@ def test_a_stalled_transfer_lowers_the_bandwidth_estimate(
     assert m.stalls == 1 and m.total_bytes == moved  # its bytes did not move
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+G = 1_000_000_000
+
+
+@pytest.mark.parametrize(("samples", "after", "shifts"), [
+    # (("r", bytes, s) a finished transfer | ("s", bytes, s) a stalled one), estimate
+    ([("r", 4 * G, 1.0), ("r", 2 * G, 1.0)], 3.0, 0),         # within the band: EWMA
+    ([("r", 4 * G, 1.0), ("r", G // 2, 1.0)], 2.25, 0),       # one outlier: EWMA only
+    # Two in a row under a quarter of the estimate: the link changed; their mean.
+    ([("r", 4 * G, 1.0), ("r", G // 2, 1.0), ("r", G // 4, 1.0)], 0.375, 1),
+    # A stall's bound counts as one of them.
+    ([("r", 4 * G, 1.0), ("s", G // 2, 1.0), ("r", G // 4, 1.0)], 0.375, 1),
+    # An in-band sample between breaks the run.
+    ([("r", 4 * G, 1.0), ("r", G // 2, 1.0), ("r", 4 * G, 1.0), ("r", G // 2, 1.0)],
+     1.8125, 0),
+    # Two in a row over four times it: a restored link, believed at once.
+    ([("r", G // 2, 1.0), ("r", 4 * G, 1.0), ("r", 8 * G, 1.0)], 6.0, 1),
+    # One below then one above: not a run (the second starts one of its own).
+    ([("r", 2 * G, 1.0), ("r", G // 10, 1.0), ("r", 9 * G, 1.0)], 5.025, 0),
+])
+def test_the_bandwidth_estimate_restarts_when_the_link_changes(
+        samples: list[tuple[str, int, float]], after: float, shifts: int) -> None:
+    m = BandwidthMeter(alpha=0.5, min_bytes=1000)
+    for kind, nbytes, seconds in samples:
+        (m.record if kind == "r" else m.stalled)(nbytes, seconds)
+    assert m.gbps == pytest.approx(after, rel=1e-3)
+    assert m.shifts == shifts
+
+
+def test_an_old_bandwidth_estimate_expires_and_the_next_transfer_measures_afresh() -> None:
+    clock = _Clock()
+    m = BandwidthMeter(alpha=0.5, min_bytes=1000, max_age_s=60.0, clock=clock)
+    m.record(G // 100, 1.0)               # a slow link: 0.01 GB/s
+    clock.t += 59.0
+    assert m.gbps == pytest.approx(0.01)  # still fresh
+    clock.t += 2.0
+    assert m.gbps == 0.0                  # unknown: the router prices at its default
+    m.record(2 * G, 1.0)                  # the next transfer is the estimate
+    assert m.gbps == pytest.approx(2.0)
+    never = BandwidthMeter(alpha=0.5, min_bytes=1000, clock=clock)
+    never.record(G, 1.0)
+    clock.t += 1e6
+    assert never.gbps == pytest.approx(1.0)  # max_age_s 0: never expires
+    with pytest.raises(ValueError):
+        BandwidthMeter(max_age_s=-1.0)
+
+
 @pytest.mark.timeout(10)
 def test_addresses_and_settings() -> None:
     assert decode_address(encode_address("10.0.0.5", 4242)) == ("10.0.0.5", 4242)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -59,16 +59,19 @@ class SourceBreaker:
         elif err is None and route.remote_node:
             self._peers.pop(route.remote_node, None)  # it served: closed
 
-    def open_peers(self) -> frozenset[str]:
+    def open_peers(self, holders: Collection[str] | None = None) -> frozenset[str]:
         """Peers not to plan as sources now. Once a peer's open time is over, one
         decision may plan it again (half-open): the next ones leave it out for
-        ``open_s`` more, unless its route came back and closed or reopened it."""
+        ``open_s`` more, unless its route came back and closed or reopened it. Only a
+        decision whose prompt the peer holds (it is in ``holders``; None: any decision)
+        spends the trial: one that could not load from it would say nothing about it,
+        and under traffic the peer would stay shut for good."""
         now = self.clock()
         shut = []
         for name, p in self._peers.items():
             if now < p.open_until:
                 shut.append(name)
-            else:
+            elif holders is None or name in holders:
                 p.open_until = now + self.open_s  # this decision's trial
         return frozenset(shut)
 
@@ -76,7 +79,7 @@ class SourceBreaker:
         """``hits`` without the open peers' DRAM and disk copies."""
         if not self._peers:
             return hits
-        shut = self.open_peers()
+        shut = self.open_peers(hits.dram.keys() | hits.disk.keys())
         if not shut:
             return hits
         return dataclasses.replace(

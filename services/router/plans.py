@@ -96,6 +96,8 @@ class Plan:
     load_ms: float = 0.0
     compute_ms: float = 0.0
     sources: tuple[wire.LoadSource, ...] = ()
+    # The best peer's load, priced against recomputing (taken or not).
+    peer_load: wire.PeerLoad | None = None
 
     @property
     def ttft_ms(self) -> float:

@@ -68,6 +68,8 @@ class Decision:
     waited_for: str = ""
     lookup_missed: bool = False   # decided without kvindex's answer
     decode_lent: bool = False     # decode stays on the prefill node (services.router.elastic)
+    # The prefill tier's best peer load, priced (the plan's own when None).
+    peer_load: wire.PeerLoad | None = None
 
     def route(self) -> wire.Route:
         """The decision as the ``Route`` of the final message."""
@@ -83,7 +85,8 @@ class Decision:
                           est_ttft_ms=round(p.ttft_ms, 3),
                           busy_ttft_ms=round(self.busy_ttft_ms, 3),
                           remote_node=p.remote_node, waited_for=self.waited_for,
-                          lookup_missed=self.lookup_missed, decode_lent=self.decode_lent)
+                          lookup_missed=self.lookup_missed, decode_lent=self.decode_lent,
+                          peer_load=self.peer_load or p.peer_load)
 
 
 class Router:
@@ -148,14 +151,18 @@ class Router:
             disk = hits.from_disk(node.node, base // block_size,
                                   local_dram // block_size) * block_size
             dram, load_ms, base = local_dram - base - disk, load_ms + t, local_dram
-        remote_tokens, remote_node = 0, ""
+        remote_tokens, remote_node, peer = 0, "", None
         if remote:
             best = self._best_peer(hits, cap, block_size, node.node)
             if best[0] > base:
                 bw = self._bandwidth(best[1], node)
                 t = self.load.ms(best[0] - base, bw) + \
                     self._disk_ms(hits, best[1], base, best[0], block_size)
-                if t < self.prefill.ms(best[0] - base, base):
+                instead = self.prefill.ms(best[0] - base, base)
+                peer = wire.PeerLoad(peer=best[1], tokens=best[0] - base, gbps=bw,
+                                     measured=node.bandwidth_gbps > 0, load_ms=round(t, 3),
+                                     compute_ms=round(instead, 3), loaded=t < instead)
+                if peer.loaded:
                     sources.append(hits.source(best[1], base // block_size,
                                                (best[0] - base) // block_size))
                     remote_tokens, remote_node = best[0] - base, best[1]
@@ -166,7 +173,8 @@ class Router:
         return Plan(node=node.node, role=node.role, gpu_tokens=gpu, dram_tokens=dram,
                     disk_tokens=disk, remote_tokens=remote_tokens, remote_node=remote_node,
                     computed_tokens=computed, queue_ms=self.queue_ms(node, compute_ms),
-                    load_ms=load_ms, compute_ms=compute_ms, sources=tuple(sources))
+                    load_ms=load_ms, compute_ms=compute_ms, sources=tuple(sources),
+                    peer_load=peer)
 
     def _best_peer(self, hits: Hits, cap: int, bs: int, node: str) -> tuple[int, str]:
         """The peer of ``node`` with the longest DRAM hit (tokens up to ``cap``; ties to
@@ -233,16 +241,24 @@ class CpdPolicy(RoutingPolicy):
     name = "cpd"
 
     def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
-             decode: str) -> Decision:
-        cfg = r.config
+               decode: str) -> Decision:
         warm_nodes = [x for x in nodes if x.role == Role.PREFILL]
-        cold_nodes = [x for x in nodes if x.role == Role.PREPREFILL]
-        if not warm_nodes and not cold_nodes:
+        if not warm_nodes and not any(x.role == Role.PREPREFILL for x in nodes):
             raise NoCapacity("no prefill or pre-prefill node is up")
         warm = [r.plan(x, n, bs, hits) for x in warm_nodes]
         # Local hits beat remote ones at equal cost; then the shorter queue.
         warm.sort(key=lambda p: (p.ttft_ms, p.remote_tokens > 0, p.queue_ms, p.node))
         best_warm = warm[0] if warm else None
+        d = self._decide(r, n, bs, hits, nodes, decode, best_warm)
+        # Whatever tier it went to, the route shows the prefill tier's price of a peer
+        # load (a recompute over a slow link says why).
+        return replace(d, peer_load=best_warm.peer_load) if best_warm else d
+
+    def _decide(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
+                decode: str, best_warm: Plan | None) -> Decision:
+        cfg = r.config
+        warm_nodes = [x for x in nodes if x.role == Role.PREFILL]
+        cold_nodes = [x for x in nodes if x.role == Role.PREPREFILL]
         reuse = best_warm.reused_tokens if best_warm else 0
         if cold_nodes and not best_warm:
             reuse = max((r.plan(x, n, bs, hits).reused_tokens for x in cold_nodes),

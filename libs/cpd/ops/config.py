@@ -384,6 +384,9 @@ class DataPlaneSettings(_Section):
     # Measured-bandwidth estimate (EWMA); transfers smaller than the minimum measure latency.
     bandwidth_ewma_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
     bandwidth_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+    # With no transfer measured for this long the estimate is unknown again (the router
+    # prices loads at its default until the next transfer measures); 0: never.
+    bandwidth_max_age_s: Annotated[float, msgspec.Meta(ge=0.0)] = 60.0
     # Port peers are told to connect to (in the heartbeat) when it differs from the
     # listener's, e.g. behind a forwarder; 0: the listener's own port.
     advertise_port: Port = 0

@@ -302,6 +302,19 @@ class LoadError(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""          # for people only
 
 
+class PeerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """The router's price for loading a prompt's prefix from a peer's DRAM against
+    recomputing it: the figures behind a load taken or declined."""
+
+    peer: str
+    tokens: NonNegInt             # what the peer holds past the node's own reuse
+    gbps: NonNegFloat             # the bandwidth the load was priced at
+    measured: bool                # the pulling node's measurement, not the default
+    load_ms: NonNegFloat
+    compute_ms: NonNegFloat       # recomputing the same tokens instead
+    loaded: bool                  # the load won: the plan pulls from ``peer``
+
+
 class Route(msgspec.Struct, kw_only=True):
     """What the router decided and what the workers actually did."""
 
@@ -324,6 +337,9 @@ class Route(msgspec.Struct, kw_only=True):
     est_ttft_ms: NonNegFloat = 0.0
     busy_ttft_ms: NonNegFloat = 0.0
     remote_node: str = ""     # the peer the plan loads from, if any
+    # The best peer load the router priced for the best prefill-tier plan, taken or
+    # not (a recompute chosen over a slow link says so here).
+    peer_load: PeerLoad | None = None
     waited_for: str = ""      # single-flight: the node whose prefix it waited for
     lookup_missed: bool = False  # decided without kvindex's answer (a miss)
     failovers: NonNegInt = 0
@@ -351,6 +367,10 @@ class Route(msgspec.Struct, kw_only=True):
                          f"not {self.planned_reused_tokens}")
         if self.failovers:
             parts.append(f"after {self.failovers} failover(s)")
+        if (p := self.peer_load) is not None and not p.loaded:
+            parts.append(f"loading {p.tokens} tokens from {p.peer} at {p.gbps:.3g} GB/s "
+                         f"({p.load_ms:.0f} ms) is slower than recomputing them "
+                         f"({p.compute_ms:.0f} ms)")
         if self.load_error is not None:
             parts.append(f"load from {self.load_error.peer} failed "
                          f"({self.load_error.code}), recomputed")

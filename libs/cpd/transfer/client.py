@@ -69,7 +69,8 @@ class TransferClient:
                  meter: BandwidthMeter | None = None) -> None:
         self.settings = settings
         self.meter = meter or BandwidthMeter(settings.bandwidth_ewma_alpha,
-                                             settings.bandwidth_min_bytes)
+                                             settings.bandwidth_min_bytes,
+                                             max_age_s=settings.bandwidth_max_age_s)
         self._pool = ConnectionPool(settings)
         self._permits = Permits(settings)
         self._metrics = TransferMetrics()
