@@ -675,6 +675,80 @@ async def test_cache_salt_and_priority_reach_the_router(http: httpx.AsyncClient,
     assert req.cache_salt == "user-7" and req.priority == -5 and req.tenant == "default"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_return_token_ids_whole_and_streamed(http: httpx.AsyncClient,
+                                                   router: FakeRouter, model: ServedModel,
+                                                   path: str) -> None:
+    """vLLM's ``return_token_ids``: each choice's generated ids (a stream's chunk its new
+    ones, the id whose bytes end mid-character included though it has no text yet) and
+    the prompt's ids (a stream's first chunk with choices)."""
+    body: dict[str, Any] = {"max_tokens": 5, "return_token_ids": True, "temperature": 0}
+    if path == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    resp = await http.post(path, json=body)
+    assert resp.status_code == 200, resp.text
+    reply = resp.json()
+    sent = wire.unpack_tokens(router.received[-1].tokens or b"").tolist()
+    assert reply["prompt_token_ids"] == sent  # what the router was sent, the prompt's ids
+    if path == "/v1/completions":
+        assert sent == model.encode("hi")
+    assert reply["choices"][0]["token_ids"] == [FIRST_TOKEN + i for i in range(5)]
+    async with http.stream("POST", path, json={**body, "stream": True}) as r:
+        events = await _sse_events(r)
+    chunks = [e for e in events if e != "[DONE]" and e["choices"]]
+    assert chunks[0]["prompt_token_ids"] == sent
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
+    assert ids == [FIRST_TOKEN + i for i in range(5)]
+    plain = await http.post(path, json={**body, "return_token_ids": False})
+    assert "prompt_token_ids" not in plain.json()
+    assert "token_ids" not in plain.json()["choices"][0]
+
+
+async def test_a_client_request_id_names_the_request(http: httpx.AsyncClient,
+                                                     router: FakeRouter) -> None:
+    resp = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                           headers={"X-Request-Id": "agent-7_turn-3"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-request-id"] == "agent-7_turn-3"
+    assert router.received[-1].request_id == "agent-7_turn-3"
+    assert resp.json()["id"] == "cmpl-agent-7_turn-3"
+    for bad in ("", "a" * 65, "has space", "dots.not.allowed"):
+        resp = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                               headers={"X-Request-Id": bad})
+        assert resp.status_code == 400, bad
+        assert resp.json()["error"]["param"] == "x-request-id"
+
+
+async def test_cpd_resume_reaches_the_router(http: httpx.AsyncClient,
+                                             router: FakeRouter) -> None:
+    """A stream retried on another gateway: what the client has reaches the router as
+    the request's resume (the router regenerates it and sends what follows)."""
+    resp = await http.post("/v1/completions", headers={"X-Request-Id": "r1"}, json={
+        "prompt": "hi", "max_tokens": 4, "temperature": 0,
+        "cpd_resume": {"token_ids": [100, 101], "text_chars": 9}})
+    assert resp.status_code == 200, resp.text
+    req = router.received[-1]
+    assert req.request_id == "r1"
+    assert wire.unpack_tokens(req.resume_tokens).tolist() == [100, 101]
+    assert req.resume_text_chars == 9
+    assert router.received[-1].resume_tokens  # and a request without it has none:
+    await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert router.received[-1].resume_tokens == b""
+    for bad, param in (({"token_ids": [1], "text_chars": -1}, "cpd_resume"),
+                       ({"token_ids": [-1]}, "cpd_resume"),
+                       ({"token_ids": [1], "extra": 1}, "cpd_resume")):
+        resp = await http.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, "cpd_resume": bad})
+        assert resp.status_code == 400, bad
+        assert resp.json()["error"]["param"].startswith(param), resp.json()
+    resp = await http.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 4, "n": 2, "cpd_resume": {"token_ids": [1]}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cpd_resume"
+
+
 # ------------------------------------------------------------------------ errors
 
 

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("cpd.bus", 4),
     ("cpd.kvstore", 5),
     ("cpd.client", 5),
+    ("cpd.apiclient", 5),  # the HTTP client of the OpenAI-compatible API
     ("cpd.transfer", 6),
     ("cpd.engines", 7),
     ("services", 8),

@@ -16,6 +16,7 @@ import time
 from http import HTTPStatus
 from typing import NamedTuple
 
+import msgspec
 from fastapi import Request
 
 from cpd.client import Client
@@ -127,11 +128,14 @@ class Admission:
             log.info("gateway.request_user", request_id=request_id, user=body.user[:256])
         temperature = (protocol.DEFAULT_TEMPERATURE if body.temperature is None
                        else body.temperature)
-        return Admitted(self.client.request(
+        req = self.client.request(
             ids, max_tokens=max_tokens, temperature=temperature, model=self.model.name,
             timeout_s=self.timeout_s, request_id=request_id, tenant=tenant.name,
-            **{k: v for k, v in given.items() if v is not None}),  # type: ignore[arg-type]
-            text_or_ids)
+            **{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+        if (resume := body.cpd_resume) is not None:
+            req = msgspec.structs.replace(req, resume_tokens=wire.pack_tokens(resume.token_ids),
+                                          resume_text_chars=resume.text_chars)
+        return Admitted(req, text_or_ids)
 
     def _tenant_limit(self, tenant: Tenant, reason: str, message: str,
                       param: str) -> ApiError:

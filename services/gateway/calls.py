@@ -7,6 +7,7 @@ attributes and status, the log) the same way whether the reply was whole or stre
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +32,10 @@ OWNER = "cpd"
 """Who serves the model: the ``owned_by`` of model cards, the GenAI provider of spans."""
 
 REQUEST_ID_HEADER = "x-request-id"
-"""The reply header that carries the gateway's request id."""
+"""The header that carries the request id: the client's when it sent a valid one (a
+retry after a gateway's death keeps its id), else the gateway's own."""
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 log = telemetry.get_logger("cpd.gateway")
 
@@ -52,6 +56,10 @@ class Call:
     ranking: Ranking | None = None  # best_of: which choices are returned
     logprobs: list[Logprobs] = field(default_factory=list)  # by choice, when asked
     echo: str = ""  # the prompt's text, sent before the output (Completions' echo)
+    # return_token_ids: the prompt's ids, sent on the reply (a stream's first chunk)
+    # and dropped once sent; None when not asked.
+    prompt_ids: list[int] | None = None
+    token_ids: bool = False
 
     def logprobs_part(self, msg: wire.TokenChunk) -> dict[str, Any] | None:
         """The ``logprobs`` object of ``msg``'s tokens, when the request asked."""
@@ -60,10 +68,14 @@ class Call:
         return self.logprobs[msg.index].part(msg.token_ids, msg.logprobs)
 
     @classmethod
-    def start(cls, endpoint: str, shape: protocol.Shape) -> Call:
-        """A call arriving now at ``endpoint``: a fresh request id, its server span open."""
+    def start(cls, endpoint: str, shape: protocol.Shape, client_id: str | None = None
+              ) -> Call:
+        """A call arriving now at ``endpoint``, its server span open: under the client's
+        ``X-Request-Id`` when it is a valid one (letters, digits, ``_`` and ``-``, at
+        most 64), else a fresh id."""
         progress = Progress(started=time.perf_counter())
-        request_id = uuid.uuid4().hex
+        valid = client_id is not None and _REQUEST_ID.fullmatch(client_id)
+        request_id = client_id if valid else uuid.uuid4().hex  # type: ignore[assignment]
         return cls(endpoint=endpoint, shape=shape, request_id=request_id,
                    progress=progress, created=int(time.time()),
                    span=telemetry.tracer().start_span(

@@ -21,7 +21,14 @@ from cpd.protocol import wire
 from cpd.protocol.errors import CpdError
 from services.gateway import logprobs, protocol
 from services.gateway.admission import Admission
-from services.gateway.calls import Call, Outcomes, genai_request, internal_error, next_message
+from services.gateway.calls import (
+    REQUEST_ID_HEADER,
+    Call,
+    Outcomes,
+    genai_request,
+    internal_error,
+    next_message,
+)
 from services.gateway.errors import ApiError
 from services.gateway.replies import json_response
 from services.gateway.streaming import SseStreamer
@@ -52,7 +59,7 @@ class CompletionRoutes:
     async def _generate(self, request: Request, shape: protocol.Shape,
                         kind: type[protocol.CompletionRequest] | type[protocol.ChatRequest]
                         ) -> Response:
-        call = Call.start(request.url.path, shape)
+        call = Call.start(request.url.path, shape, request.headers.get(REQUEST_ID_HEADER))
         try:
             # The span is current while the request is published, so its trace context
             # rides to the router and on to the workers.
@@ -85,6 +92,10 @@ class CompletionRoutes:
                     kind: type[protocol.CompletionRequest] | type[protocol.ChatRequest]
                     ) -> _Messages:
         """Admit and parse the request, then send it: the router's reply messages."""
+        given_id = request.headers.get(REQUEST_ID_HEADER)
+        if given_id is not None and given_id != call.request_id:
+            raise ApiError.invalid("X-Request-Id must be 1 to 64 letters, digits, '_' or "
+                                   "'-'", param=REQUEST_ID_HEADER)
         tenant = self.admission.admit(request)
         raw = await request.body()
         if tenant.max_request_bytes and len(raw) > tenant.max_request_bytes:
@@ -94,6 +105,9 @@ class CompletionRoutes:
         call.stream = bool(body.stream)
         call.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         req, prompt = await self.admission.wire_request(body, call.request_id, tenant)
+        if body.return_token_ids:
+            call.token_ids = True
+            call.prompt_ids = [int(t) for t in wire.unpack_tokens(req.tokens or b"")]
         model = self.admission.model
         call.choices, call.ranking = req.sampling.n, protocol.ranked(body)
         call.logprobs = logprobs.writers(req.sampling.logprobs, model,
@@ -127,11 +141,13 @@ class CompletionRoutes:
         order, with_logprobs = [e.index for e in ends], bool(call.logprobs)
         if call.ranking is not None:  # best_of: the best n, best first
             order, with_logprobs = call.ranking.best(entries), call.ranking.logprobs
-        choices = [call.shape.choice(k, "".join(texts[i]), ends[i],
-                                     call.logprobs[i].part(ids[i], entries[i])
-                                     if with_logprobs else None)
-                   for k, i in enumerate(order)]
-        return json_response(
-            call.shape.response(request_id=call.request_id, created=call.created,
-                                model=self.served_name, choices=choices, final=msg),
-            headers=call.headers)
+        choices = [protocol.with_token_ids(
+            call.shape.choice(k, "".join(texts[i]), ends[i],
+                              call.logprobs[i].part(ids[i], entries[i])
+                              if with_logprobs else None), ids[i] if call.token_ids else None)
+            for k, i in enumerate(order)]
+        reply = call.shape.response(request_id=call.request_id, created=call.created,
+                                    model=self.served_name, choices=choices, final=msg)
+        if call.prompt_ids is not None:
+            reply["prompt_token_ids"] = call.prompt_ids
+        return json_response(reply, headers=call.headers)

@@ -42,6 +42,14 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
 
 
+class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``cpd_resume``: the token ids and the characters of text a client already has of
+    its one choice (docs/api.md, "Surviving a gateway's death")."""
+
+    token_ids: list[wire.TokenId]
+    text_chars: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 class _Common(msgspec.Struct, kw_only=True):
     """Fields both APIs share."""
 
@@ -73,6 +81,12 @@ class _Common(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: each choice carries its generated token ids (a stream's, each chunk's new
+    # ones), and the reply the prompt's (a stream's first chunk).
+    return_token_ids: bool | None = None
+    # CPD's: the retry of a stream whose gateway died, with the same X-Request-Id: what
+    # the client already has, which the router regenerates and does not send again.
+    cpd_resume: Resume | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -130,6 +144,9 @@ def refuse_unsupported(body: CompletionRequest | ChatRequest) -> None:
     if body.truncate_prompt_tokens is not None:
         raise ApiError.invalid("truncate_prompt_tokens is not supported",
                                param="truncate_prompt_tokens")
+    if body.cpd_resume is not None and (body.n or 1) > 1:
+        raise ApiError.invalid("a request of several choices cannot resume",
+                               param="cpd_resume")
     if body.n is not None and not 1 <= body.n <= wire.MAX_CHOICES:
         raise ApiError.invalid(f"n must be between 1 and {wire.MAX_CHOICES}", param="n")
     if isinstance(body, CompletionRequest):
@@ -335,6 +352,13 @@ class Shape(ABC):
 
 def _reasons(end: wire.ChoiceEnd | None) -> tuple[str | None, int | str | None]:
     return (finish_reason(end), stop_reason(end)) if end is not None else (None, None)
+
+
+def with_token_ids(choice: dict[str, Any], ids: list[int] | None) -> dict[str, Any]:
+    """``choice`` with its ``token_ids`` (``return_token_ids``) when ``ids`` is given."""
+    if ids is not None:
+        choice["token_ids"] = ids
+    return choice
 
 
 class CompletionShape(Shape):

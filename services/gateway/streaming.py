@@ -49,16 +49,21 @@ class SseStreamer:
                                  headers={**_SSE_HEADERS, **call.headers})
 
     def _chunk(self, call: Call, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        if call.prompt_ids is not None and choices:  # return_token_ids: the first chunk's
+            extra["prompt_token_ids"], call.prompt_ids = call.prompt_ids, None
         return sse_event(call.shape.chunk(request_id=call.request_id, created=call.created,
                                           model=self.served_name, choices=choices, **extra))
 
     def _delta(self, call: Call, msg: wire.TokenChunk) -> bytes | None:
-        """The chunk of ``msg``'s text and log probabilities; none while a character's
-        bytes are incomplete (no text yet) and nothing else is asked."""
+        """The chunk of ``msg``'s text, log probabilities and (``return_token_ids``)
+        token ids; none while a character's bytes are incomplete (no text yet) and
+        nothing else is asked."""
         lp = call.logprobs_part(msg)
-        if not msg.text and lp is None:
+        if not msg.text and lp is None and not (call.token_ids and msg.token_ids):
             return None
-        return self._chunk(call, [call.shape.delta_choice(msg.index, msg.text, logprobs=lp)])
+        return self._chunk(call, [protocol.with_token_ids(
+            call.shape.delta_choice(msg.index, msg.text, logprobs=lp),
+            list(msg.token_ids) if call.token_ids else None)])
 
     async def _events(self, call: Call, first: asyncio.Future[wire.TokenChunk | wire.Final],
                       messages: AsyncIterator[wire.TokenChunk | wire.Final]
