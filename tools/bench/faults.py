@@ -43,10 +43,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import xxhash
 from nats.js import api
 
+from cpd import apiclient
 from cpd.client import Client
 from cpd.engines.sim.engine import output_token
 from cpd.ops.audit import read_audit
@@ -68,8 +70,13 @@ NODES = {"pp0": "preprefill", "p0": "prefill", "p1": "prefill", "d0": "decode",
 # Two router replicas: "router" is the one kill-router kills; clients resume the streams
 # it carried on the other (cpd.client), as they would behind a real deployment's pair.
 ROUTER, SPARE_ROUTER = "router", "router1"
+# Two gateway processes, started when a scenario sends its load through them over HTTP
+# (cpd.apiclient, which resumes a broken stream on the other); "gw0" is the one killed.
+GATEWAYS = ("gw0", "gw1")
+HTTP_SCENARIOS = frozenset({"kill-gateway"})
 # Scenarios that kill -9 one service: each must complete this share of what was sent.
-KILLS = ("kill-kvindex", "kill-router", "kill-preprefill", "kill-prefill", "kill-decode")
+KILLS = ("kill-kvindex", "kill-router", "kill-preprefill", "kill-prefill", "kill-decode",
+         "kill-gateway")
 TARGET_KILL_COMPLETED_OK = 0.995
 BLOCK = 256
 # The node whose NATS connection goes through the fault proxy (network scenarios).
@@ -183,6 +190,7 @@ class Outcome:
     late: bool = False             # typed error, but after the deadline
     wrong: bool = False
     path: str = ""
+    moved: bool = False            # through the gateways: went on at another gateway
 
 
 async def _one(client: Client, prompts: Prompts, cfg: FaultConfig) -> Outcome:
@@ -218,6 +226,58 @@ async def _one(client: Client, prompts: Prompts, cfg: FaultConfig) -> Outcome:
         out.path = final.route.path
         out.wrong = ids != reference_tokens(prompt, cfg.output_tokens)
     return out
+
+
+async def _one_http(http: httpx.AsyncClient, gateways: list[str], prompts: Prompts,
+                    cfg: FaultConfig) -> Outcome:
+    """One request through the gateways (the first, then the next when its stream
+    breaks), as :func:`_one` through the bus."""
+    prompt = prompts.make()
+    now = time.monotonic()
+    out = Outcome(t_start=now, deadline=now + cfg.request_timeout_s)
+
+    def first(r: apiclient.StreamResult) -> None:
+        if not out.t_first and r.token_ids:
+            out.t_first = time.monotonic()
+
+    result = None
+    try:
+        async with asyncio.timeout(cfg.request_timeout_s + CLIENT_GRACE_S + LOST_MARGIN_S):
+            result = await apiclient.stream(
+                http, gateways, "/v1/completions",
+                {"prompt": prompt, "max_tokens": cfg.output_tokens, "temperature": 0,
+                 "ignore_eos": True}, on_chunk=first)
+    except apiclient.ApiError as e:
+        out.error = e.code or f"http_{e.status}"
+    except apiclient.StreamLost:
+        out.error = "stream_lost"  # every try broke: a failure the client was told of
+    except TimeoutError:
+        out.error, out.lost = "hung", True
+    except Exception as e:
+        out.error, out.lost = f"untyped:{type(e).__name__}", True
+    out.t_end = time.monotonic()
+    if out.error is not None and not out.lost and out.t_end > out.deadline + 1.0:
+        out.late = True
+    if result is not None:
+        out.path = (result.cpd or {}).get("route", {}).get("path", "")
+        out.moved = result.resumes > 0
+        out.wrong = result.token_ids != reference_tokens(prompt, cfg.output_tokens)
+    return out
+
+
+async def drive_http(gateways: list[str], prompts: Prompts, cfg: FaultConfig,
+                     stop_at: float) -> list[Outcome]:
+    """:func:`drive` over HTTP through ``gateways`` (base URLs)."""
+    results: list[Outcome] = []
+    limits = httpx.Limits(max_connections=cfg.concurrency * 2,
+                          max_keepalive_connections=cfg.concurrency)
+    async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as http:
+        async def loop() -> None:
+            while time.monotonic() < stop_at:
+                results.append(await _one_http(http, gateways, prompts, cfg))
+
+        await asyncio.gather(*(loop() for _ in range(cfg.concurrency)))
+    return results
 
 
 def ttft_ms(results: list[Outcome], since: float, until: float) -> dict[str, Any]:
@@ -409,7 +469,12 @@ async def recovered(cluster: SimCluster, prompts: Prompts, cfg: FaultConfig,
                 marks.setdefault("kvindex_serving", round(t - since, 2))
             missing = (f"nodes not leased: {sorted(dead)}" if dead
                        else f"router's kvindex state {status.kvindex.value!r}")
-            if not dead and status.kvindex.serving:
+            down = await _gateways_down(cluster, killed)
+            if not down:
+                marks.setdefault("gateways_serving", round(t - since, 2))
+            else:
+                missing = f"gateways not serving: {down}"
+            if not dead and status.kvindex.serving and not down:
                 why = await probe(cluster.client, prompts, cfg)
                 if why is None:
                     marks["probe_done"] = round(time.monotonic() - since, 2)
@@ -422,6 +487,23 @@ async def recovered(cluster: SimCluster, prompts: Prompts, cfg: FaultConfig,
         await asyncio.sleep(0.25)
     notes.append(f"not recovered: {missing}")
     return None
+
+
+async def _gateways_down(cluster: SimCluster, killed: dict[str, int]) -> list[str]:
+    """The killed gateways whose ``/health`` does not answer 200 yet."""
+    down: list[str] = []
+    nodes = sorted(set(killed) & set(cluster.gateway_urls))
+    if not nodes:
+        return down
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        for node in nodes:
+            try:
+                ok = (await http.get(cluster.gateway_urls[node] + "/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if not ok:
+                down.append(node)
+    return down
 
 
 # A probe's cached read may race the visible event of the blocks just computed (worker →
@@ -598,6 +680,7 @@ SCENARIOS: dict[str, Inject] = {
     "kill-preprefill": _kill("pp0"),
     "kill-prefill": _kill("p0"),
     "kill-decode": _kill("d0"),
+    "kill-gateway": _kill(GATEWAYS[0]),
     "nats-restart": _nats_restart,
     "kill-nats": _nats_kill,
     "sigstop-mid-transfer": _pause_mid_transfer,
@@ -657,7 +740,9 @@ async def run_scenario(name: str, index: int, cluster: SimCluster, cfg: FaultCon
         [*prompts.doc(d), 1], max_tokens=2, ignore_eos=True) for d in range(cfg.docs)))
     t_wall0 = time.time()
     t0 = time.monotonic()
-    load = asyncio.create_task(drive(cluster.client, prompts, cfg, t0 + cfg.duration_s))
+    load = asyncio.create_task(
+        drive_http(list(cluster.gateway_urls.values()), prompts, cfg, t0 + cfg.duration_s)
+        if name in HTTP_SCENARIOS else drive(cluster.client, prompts, cfg, t0 + cfg.duration_s))
     await asyncio.sleep(cfg.inject_at_s)
     t_inject = time.monotonic()
     await SCENARIOS[name](ctx)
@@ -703,6 +788,9 @@ async def run_scenario(name: str, index: int, cluster: SimCluster, cfg: FaultCon
         "errors_by_code": dict(errors),
         "lost_by_reason": dict(Counter(r.error for r in results if r.lost)),
         "paths": dict(Counter(r.path for r in results if r.path)),
+        # Through the gateways: requests that went on at another gateway (resumed, or
+        # sent on while the killed one was down).
+        "moved_gateway": sum(r.moved for r in results),
         "max_in_flight": cfg.concurrency,
         "restarts": [n for t, n in cluster.restarts if t >= t0],
         "kvindex": kv, "blocks": blocks, "notes": ctx.notes,
@@ -757,8 +845,11 @@ async def fault_rig(cfg: FaultConfig, tmp: Path) -> AsyncIterator[Rig]:
     proxy = FaultProxy("127.0.0.1", nats_port).start_in_thread()
     ucx_port = free_port()
     ucx_proxy = FaultProxy("127.0.0.1", ucx_port).start_in_thread()
+    gateways = ({g: free_port() for g in GATEWAYS}
+                if HTTP_SCENARIOS.intersection(cfg.scenarios) else {})
     cluster = SimCluster(NODES, tmp, label="faults", env=env, nats_port=nats_port,
-                         router_node=ROUTER, routers=(SPARE_ROUTER,), node_env={
+                         router_node=ROUTER, routers=(SPARE_ROUTER,), gateways=gateways,
+                         node_env={
         PROXIED_NODE: {"CPD_NATS__SERVERS": f"nats://127.0.0.1:{proxy.port}"},
         UCX_PROXIED_NODE: {"CPD_DATAPLANE__LISTEN_PORT": str(ucx_port),
                            "CPD_DATAPLANE__ADVERTISE_PORT": str(ucx_proxy.port)}})

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cpd.protocol import subjects, wire
-from tools.cluster import Cluster, ClusterSpec, NatsSpec, env_overrides, nodes_of
+from tools.cluster import Cluster, ClusterSpec, NatsSpec, NodeSpec, env_overrides, nodes_of
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
@@ -26,19 +26,25 @@ class SimCluster(Cluster):
     ``env``: settings for every process (``CPD_<SECTION>__<FIELD>``); ``node_env``: extra
     environment of single nodes (a NATS URL through a fault proxy, an advertised port);
     ``nats_port``: a fixed NATS port (a proxy in front of it is set up before NATS runs);
-    ``routers``: more router replicas besides ``router_node`` (clients reach any of them).
-    Logs, snapshots and NATS's store go to ``tmp``, which the caller owns.
+    ``routers``: more router replicas besides ``router_node`` (clients reach any of them);
+    ``gateways``: gateway processes (node id → HTTP port on 127.0.0.1, base URLs in
+    :attr:`gateway_urls`). Logs, snapshots and NATS's store go to ``tmp``, which the
+    caller owns.
     """
 
     def __init__(self, nodes: Mapping[str, str], tmp: Path, *, label: str = "cluster",
                  env: Mapping[str, str] | None = None,
                  node_env: Mapping[str, Mapping[str, str]] | None = None,
                  router_node: str = "router", kvindex_node: str = "kvi",
-                 nats_port: int = 0, routers: Sequence[str] = ()) -> None:
+                 nats_port: int = 0, routers: Sequence[str] = (),
+                 gateways: Mapping[str, int] | None = None) -> None:
         every = {kvindex_node: "kvindex", **nodes, router_node: "router",
                  **dict.fromkeys(routers, "router")}
+        gateways = dict(gateways or {})
+        front = tuple(NodeSpec(node, "gateway", overrides=(
+            f"gateway.port={port}", "gateway.host=127.0.0.1")) for node, port in gateways.items())
         super().__init__(ClusterSpec(
-            nodes=nodes_of(every, node_env), nats=NatsSpec(port=nats_port),
+            nodes=nodes_of(every, node_env) + front, nats=NatsSpec(port=nats_port),
             overrides=env_overrides(env or {}), workdir=tmp, label=label,
             ready_timeout_s=READY_TIMEOUT_S, stop_timeout_s=STOP_TIMEOUT_S))
         self.nodes = dict(nodes)
@@ -46,6 +52,7 @@ class SimCluster(Cluster):
         self.router_node = router_node
         self.routers = (router_node, *routers)
         self.kvindex_node = kvindex_node
+        self.gateway_urls = {node: f"http://127.0.0.1:{port}" for node, port in gateways.items()}
 
     async def start(self) -> SimCluster:
         """Start NATS, then kvindex, the workers and the router, each stage serving
