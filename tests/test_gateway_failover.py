@@ -2,7 +2,8 @@
 and UCX, sim workers. Streams go to gateway 0 through :mod:`cpd.apiclient`; once each
 has tokens, gateway 0 is killed with ``kill -9``. Every stream resumes on gateway 1 under
 its own request id and ends with exactly the tokens the deterministic sim gives for its
-prompt (none lost, none repeated), and the same text as a stream that never broke."""
+prompt (none lost, none repeated), and the same text as a stream that never broke; the
+router ends the dead gateway's earlier streams, which nobody reads any more."""
 
 from __future__ import annotations
 
@@ -87,3 +88,7 @@ async def test_streams_survive_a_gateway_killed_under_them(
     reply = await c.bus.request(subjects.ROUTER_STATUS, wire.StatusRequest(),
                                 expect=wire.StatusReply)
     assert reply.router.resumed >= STREAMS
+    # The dead gateway's streams had no reader left: each resume ended its earlier
+    # stream (those that had not ended on their own first).
+    assert reply.router.cancelled.get(wire.CancelReason.SUPERSEDED, 0) >= STREAMS - 2, (
+        reply.router.cancelled)

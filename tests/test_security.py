@@ -90,6 +90,11 @@ def test_permission_table_keeps_each_identity_to_its_job() -> None:
                                                                                      other)
     assert set(_pub(security.CLIENT)) == {subjects.GENERATE, subjects.GENERATE_CANCEL,
                                           subjects.ROUTER_STATUS}
+    # A resume's cancel of earlier streams names a tenant: gateways and admins only.
+    for kind in security.KINDS:
+        may = kind in ("gateway", security.ADMIN)
+        assert allows(security.grants(kind).publish, subjects.GENERATE_SUPERSEDE) == may, kind
+    assert allows(_sub("router"), subjects.GENERATE_SUPERSEDE)
     # Only routers tell workers to stop generating; workers hear only their own node's.
     assert allows(_pub("router"), subjects.cancel("decode-0"))
     assert not any(allows(_pub(k), subjects.cancel("decode-0"))

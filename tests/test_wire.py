@@ -88,6 +88,7 @@ SAMPLES: list[wire.Message] = [
     wire.PullAck(request_id="r1", lease_id="l1"),
     wire.Cancel(request_id="r1"),
     wire.CancelGenerate(request_id="r1", reply_to="_INBOX_client.abc"),
+    wire.SupersedeGenerate(request_id="r1", tenant="acme", resumed_tokens=12),
     wire.StatusRequest(),
     wire.StatusReply(router=wire.RouterStats(node="r0", policy="cpd", completed=3,
                                              paths={"cold": 1, "warm": 2}),

@@ -506,6 +506,19 @@ _CANCEL_GENERATE_HOSTILE: Hostile = {
 }
 
 
+def _supersede_generate(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
+    return {"kind": "supersede_generate", "v": 1,
+            "request_id": f"fz-{rng.getrandbits(32):x}", "tenant": "default",
+            "resumed_tokens": rng.randint(0, 64)}
+
+
+_SUPERSEDE_GENERATE_HOSTILE: Hostile = {
+    "request_id": lambda c, r: r.choice(["", BAD_UTF8, None, 1, "x" * 20_000]),
+    "tenant": lambda c, r: r.choice(["", BAD_UTF8, None, 3, "x" * 20_000]),
+    "resumed_tokens": lambda c, r: r.choice([-1, None, "7", 1 << 70]),
+}
+
+
 def _reannounce(ctx: FuzzContext, rng: random.Random) -> dict[str, Any]:
     return {"kind": "reannounce", "v": 1, "from_seq": rng.randint(0, 100), "reason": "fuzz"}
 
@@ -603,6 +616,8 @@ FAMILIES: dict[str, Family] = {
     "cancel": Family(wire.Cancel, _cancel, _CANCEL_HOSTILE, "request_id"),
     "cancel_generate": Family(wire.CancelGenerate, _cancel_generate, _CANCEL_GENERATE_HOSTILE,
                               "reply_to"),
+    "supersede_generate": Family(wire.SupersedeGenerate, _supersede_generate,
+                                 _SUPERSEDE_GENERATE_HOSTILE, "request_id"),
     "visible": Family(wire.BlocksVisible, _visible, _VISIBILITY_HOSTILE, "block_hashes"),
     "invalidated": Family(wire.BlocksInvalidated, _invalidated, _VISIBILITY_HOSTILE,
                           "block_hashes"),

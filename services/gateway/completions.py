@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from cpd.client import Client
 from cpd.ops import telemetry
-from cpd.protocol import wire
+from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
 from services.gateway import logprobs, protocol
 from services.gateway.admission import Admission
@@ -114,6 +114,10 @@ class CompletionRoutes:
                                          chat=kind is protocol.ChatRequest, n=call.choices)
         if isinstance(body, protocol.CompletionRequest) and body.echo:
             call.echo = protocol.echo_text(prompt, model)
+        if body.cpd_resume is not None:  # its earlier streams have no reader any more
+            await self.client.bus.publish(subjects.GENERATE_SUPERSEDE, wire.SupersedeGenerate(
+                request_id=req.request_id, tenant=req.tenant,
+                resumed_tokens=len(body.cpd_resume.token_ids)))
         return self.client.stream_request(req)
 
     async def _whole(self, call: Call, first: wire.TokenChunk | wire.Final,

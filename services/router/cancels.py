@@ -5,6 +5,12 @@ router; the one serving that request *for that inbox* cancels its task, whose tr
 cancels its nodes' work (``Cancel``) and ends without an error to the client (there is
 nobody to send it to). The inbox is the proof of ownership: only the client that sent
 the request knows it.
+
+A client whose gateway died resumes its request at another gateway, which publishes
+``SupersedeGenerate``: the earlier streams of that request and tenant have no reader
+left, and end the same way. Only gateways may publish it (it names a tenant), and it
+spares the stream that resumed it and any later one: those began with as many resumed
+tokens as it holds, the earlier ones with fewer.
 """
 
 from __future__ import annotations
@@ -20,38 +26,53 @@ from cpd.protocol.errors import CpdError
 
 
 class Cancels:
-    """The running requests of one router, by (request id, reply inbox)."""
+    """The running requests of one router, by request id and reply inbox."""
 
     def __init__(self) -> None:
-        self._tasks: dict[tuple[str, str], asyncio.Task[object]] = {}
-        self._cancelled: set[asyncio.Task[object]] = set()
+        # request id → reply inbox → (task, tenant, tokens it resumed from)
+        self._tasks: dict[str, dict[str, tuple[asyncio.Task[object], str, int]]] = {}
+        self._cancelled: dict[asyncio.Task[object], wire.CancelReason] = {}
 
     @contextmanager
-    def running(self, request_id: str, reply_to: str) -> Iterator[None]:
-        """The current task serves ``request_id`` to ``reply_to`` while in the block."""
+    def running(self, req: wire.GenerateRequest, reply_to: str) -> Iterator[None]:
+        """The current task serves ``req`` to ``reply_to`` while in the block."""
         task = asyncio.current_task()
         assert task is not None
-        key = (request_id, reply_to)
-        self._tasks[key] = task
+        streams = self._tasks.setdefault(req.request_id, {})
+        streams[reply_to] = (task, req.tenant, len(req.resume_tokens) // 4)
         try:
             yield
         finally:
-            if self._tasks.get(key) is task:
-                del self._tasks[key]
-            self._cancelled.discard(task)
+            if streams.get(reply_to, (None,))[0] is task:
+                del streams[reply_to]
+                if not streams and self._tasks.get(req.request_id) is streams:
+                    del self._tasks[req.request_id]
+            self._cancelled.pop(task, None)
 
-    def cancel(self, msg: wire.CancelGenerate) -> bool:
-        """Cancel the request ``msg`` names, if it runs here for that inbox."""
-        task = self._tasks.get((msg.request_id, msg.reply_to))
-        if task is None or task.done():
-            return False
-        self._cancelled.add(task)
-        task.cancel()
-        return True
+    def cancel(self, msg: wire.CancelGenerate | wire.SupersedeGenerate) -> int:
+        """Cancel what ``msg`` names here: the stream of its request to its inbox (a
+        client that left), or every stream of its request and tenant that began with
+        fewer resumed tokens than it holds (a client that resumed elsewhere). How many."""
+        streams = self._tasks.get(msg.request_id, {})
+        if isinstance(msg, wire.CancelGenerate):
+            found = streams.get(msg.reply_to)
+            doomed = [found[0]] if found else []
+            reason = wire.CancelReason.CLIENT_GONE
+        else:
+            doomed = [task for task, tenant, resumed in streams.values()
+                      if tenant == msg.tenant and resumed < msg.resumed_tokens]
+            reason = wire.CancelReason.SUPERSEDED
+        doomed = [t for t in doomed if not t.done()]
+        for task in doomed:
+            self._cancelled[task] = reason
+            task.cancel()
+        return len(doomed)
 
-    def by_client(self) -> bool:
-        """Whether the current task's cancellation came from its client (not a stop)."""
-        return asyncio.current_task() in self._cancelled
+    def by_client(self) -> wire.CancelReason | None:
+        """Why the current task was cancelled by a client's message (None: it was not;
+        its router is stopping)."""
+        task = asyncio.current_task()
+        return None if task is None else self._cancelled.get(task)
 
 
 async def cancel_nodes(bus: Bus, request_id: str, nodes: list[str],

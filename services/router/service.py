@@ -111,7 +111,8 @@ class RouterService(Service):
         await nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
         await nc.subscribe(subjects.KV_VISIBLE, cb=self._on_visible)
         await nc.subscribe(subjects.KV_INVALIDATE, cb=self._on_invalidated)
-        await nc.subscribe(subjects.GENERATE_CANCEL, cb=self._on_cancel)
+        for subject in (subjects.GENERATE_CANCEL, subjects.GENERATE_SUPERSEDE):
+            await nc.subscribe(subject, cb=self._on_cancel)
         await discovery.await_workers(self.nodes, self.settings.node.heartbeat_interval_s)
         await self.add_endpoint("generate", subjects.GENERATE, self._on_generate,
                                 expect=wire.GenerateRequest, queue=subjects.QUEUE_ROUTER)
@@ -146,9 +147,10 @@ class RouterService(Service):
             self.waiters.invalidated(ev)
 
     async def _on_cancel(self, msg: Msg) -> None:
-        req = self.decode_or_reject(msg, wire.CancelGenerate)
-        if req is not None and self.cancels.cancel(req):
-            self.log.info("router.request_cancelled", request_id=req.request_id)
+        req = self.decode_or_reject(msg, wire.SupersedeGenerate if msg.subject ==
+                                    subjects.GENERATE_SUPERSEDE else wire.CancelGenerate)
+        if req is not None and (n := self.cancels.cancel(req)):
+            self.log.info("router.request_cancelled", request_id=req.request_id, streams=n)
 
     async def _on_status(self, _: wire.StatusRequest, __: Request) -> wire.StatusReply:
         stats = msgspec.structs.replace(self.stats, in_flight=self.admission.in_flight,
@@ -166,14 +168,14 @@ class RouterService(Service):
             raise InvalidRequest("a generate request needs a reply inbox")
         req.tenant = tenant_for(req, r.reply_to, identities=bool(self.settings.nats.inbox_prefix))
         with (self.keepalives.watching(r.stream(req.request_id)) as out,
-              self.cancels.running(req.request_id, r.reply_to)):
+              self.cancels.running(req, r.reply_to)):
             try:
                 await self._generate(req, out)
             except asyncio.CancelledError:
-                if not self.cancels.by_client():
+                if (why := self.cancels.by_client()) is None:
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled
-                self.accounts.cancelled(wire.CancelReason.CLIENT_GONE)
+                self.accounts.cancelled(why)
             except BaseException as e:
                 self.accounts.ended_badly(e.code if isinstance(e, CpdError) else None)
                 if isinstance(e, CpdError) and e.code in BAD_INPUT:  # e.g. a torn array

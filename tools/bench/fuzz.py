@@ -103,6 +103,8 @@ def targets() -> list[Target]:
                ("router",), (("router", subjects.ROUTER_STATUS),)),
         Target(subjects.GENERATE_CANCEL, "cancel_generate", subjects.GENERATE_CANCEL,
                "publish", ("router",), (("router", subjects.GENERATE_CANCEL),)),
+        Target(subjects.GENERATE_SUPERSEDE, "supersede_generate", subjects.GENERATE_SUPERSEDE,
+               "publish", ("router",), (("router", subjects.GENERATE_SUPERSEDE),)),
         Target(subjects.KVINDEX_LOOKUP, "lookup", subjects.KVINDEX_LOOKUP, "request",
                ("kvi",), (("kvi", subjects.KVINDEX_LOOKUP),)),
         Target(subjects.KVINDEX_CHECKSUMS, "checksums", subjects.KVINDEX_CHECKSUMS, "request",

@@ -18,6 +18,8 @@ PREFIX: Final = "cpd.v1"
 
 GENERATE: Final = f"{PREFIX}.generate"
 GENERATE_CANCEL: Final = f"{PREFIX}.generate.cancel"
+# A gateway resumed a request whose earlier stream nobody reads any more (routers).
+GENERATE_SUPERSEDE: Final = f"{PREFIX}.generate.supersede"
 """Every router (no queue group): a client stopped reading a stream (``CancelGenerate``)."""
 KVINDEX_LOOKUP: Final = f"{PREFIX}.kvindex.lookup"
 KVINDEX_CHECKSUMS: Final = f"{PREFIX}.kvindex.checksums"  # a hand-off puller's check

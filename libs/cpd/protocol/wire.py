@@ -244,11 +244,24 @@ class CancelGenerate(Message, tag="cancel_generate", kw_only=True):
     reply_to: str
 
 
+class SupersedeGenerate(Message, tag="supersede_generate", kw_only=True):
+    """Gateway → every router (``cpd.v1.generate.supersede``): a client resumed
+    ``request_id`` of ``tenant`` holding ``resumed_tokens`` tokens (its earlier gateway
+    died with the stream). Every stream of that id and tenant that began with fewer
+    resumed tokens has no reader any more: its router ends it and cancels its nodes'
+    work. Only gateways (and an admin) may publish it: it names a tenant."""
+
+    request_id: str
+    tenant: str = DEFAULT_TENANT
+    resumed_tokens: NonNegInt = 0
+
+
 class CancelReason(enum.StrEnum):
     """Why a router ended a request before its nodes were done generating it."""
 
     STOP_STRING = "stop_string"  # a stop string matched: the request is complete
     CLIENT_GONE = "client_gone"  # the client stopped reading (``CancelGenerate``)
+    SUPERSEDED = "superseded"    # the client resumed it elsewhere (``SupersedeGenerate``)
     ROUTER_STOPPING = "router_stopping"  # its router stopped first (drain timed out)
 
 
@@ -979,7 +992,7 @@ class BlockReply(Message, tag="blk_reply", kw_only=True):
 
 
 AnyMessage = (
-    GenerateRequest | TokenChunk | Final | Error | CancelGenerate
+    GenerateRequest | TokenChunk | Final | Error | CancelGenerate | SupersedeGenerate
     | LookupRequest | LookupReply | ChecksumsRequest | ChecksumsReply
     | BlocksAllocated | BlocksWriting | BlocksSealed | BlocksEvicted | BlocksFailed
     | NodeCleared | LeaseExpired | GpuBlocksStored | GpuBlocksRemoved | Reannounce
