@@ -1,5 +1,5 @@
 """A streaming client of CPD's OpenAI-compatible API that survives the death of the
-gateway it streams from (docs/api.md, "Surviving a gateway's death").
+gateway it streams from (docs/reliability.md, "Gateway death").
 
 It names its request (``X-Request-Id``) and asks for the generated token ids
 (``return_token_ids``). When a stream breaks before its end (the connection drops, or

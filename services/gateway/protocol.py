@@ -44,7 +44,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``cpd_resume``: the token ids and the characters of text a client already has of
-    its one choice (docs/api.md, "Surviving a gateway's death")."""
+    its one choice (docs/reliability.md, "Gateway death")."""
 
     token_ids: list[wire.TokenId]
     text_chars: Annotated[int, msgspec.Meta(ge=0)] = 0
