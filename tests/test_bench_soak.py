@@ -4,11 +4,12 @@ and reports every process."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tools.bench.soak import SoakConfig, growth, per_hour, run_async
+from tools.bench.soak import SoakConfig, growth, per_hour, proc_sample, run_async
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,6 +37,14 @@ def test_growth_per_hour_is_a_least_squares_slope(points: list, want: float | No
     assert per_hour(points) == want
 
 
+def test_a_process_sample_splits_private_from_shared_memory() -> None:
+    got = proc_sample(os.getpid())
+    assert got is not None
+    assert got["rss_mib"] > 0 and 0 < got["anon_mib"] <= got["rss_mib"]
+    assert got["shmem_mib"] >= 0 and got["open_files"] > 0
+    assert proc_sample(2**22 + 7) is None  # no such process
+
+
 def test_growth_uses_each_nodes_last_incarnation_after_the_warm_up() -> None:
     samples = [{"t_s": t, "node": "p0", "pid": 1, "rss_mib": 100 + t} for t in range(0, 50, 10)]
     # Restarted at 50 s: a new pid, lower memory, then flat.
@@ -61,6 +70,9 @@ async def test_a_short_soak_loses_nothing_and_samples_every_process(tmp_path: Pa
     assert {"kvi", "router", "p0", "d0", "nats"} <= nodes
     assert len({s["pid"] for s in result["samples"] if s["node"] == "p0"}) == 2
     assert all(s["rss_mib"] > 0 and s["open_files"] > 0 for s in result["samples"])
+    # Private memory apart from shared: a worker's arena is shared memory.
+    assert all(0 < s["anon_mib"] <= s["rss_mib"] for s in result["samples"])
+    assert any(s["shmem_mib"] > 0 for s in result["samples"] if s["node"] == "p0")
     assert any(s.get("kvindex_blocks", 0) > 0 for s in result["samples"])
     assert any(s.get("arena_bytes", 0) > 0 for s in result["samples"])
     assert set(result["growth_per_hour"]) == nodes

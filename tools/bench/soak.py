@@ -63,15 +63,24 @@ class SoakConfig:
         return self.faults[((i + 1) // self.fault_every - 1) % len(self.faults)]
 
 
-def _proc_sample(pid: int) -> tuple[float, int] | None:
-    """(resident MiB, open files) of process ``pid``; ``None`` if it is gone."""
+def proc_sample(pid: int) -> dict[str, float] | None:
+    """Process ``pid``'s resident MiB (``rss_mib``), of which private anonymous memory
+    (``anon_mib``: its heap, where a leak grows) and shared memory (``shmem_mib``: the
+    arena, counted once per mapping of it, so a process that maps its arena twice
+    counts the pages it touched through each), and its open files; ``None`` if it is
+    gone."""
     try:
         with open(f"/proc/{pid}/statm") as f:
             rss_pages = int(f.read().split()[1])
+        with open(f"/proc/{pid}/status") as f:
+            kib = {k: int(v.split()[0]) for k, _, v in (ln.partition(":") for ln in f)
+                   if k in ("RssAnon", "RssShmem")}
         fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
         return None
-    return round(rss_pages * _PAGE / 2**20, 1), fds
+    return {"rss_mib": round(rss_pages * _PAGE / 2**20, 1),
+            "anon_mib": round(kib.get("RssAnon", 0) / 1024, 1),
+            "shmem_mib": round(kib.get("RssShmem", 0) / 1024, 1), "open_files": fds}
 
 
 async def sample(rig: Rig, t_s: float, kvindex: dict) -> list[dict]:
@@ -90,11 +99,10 @@ async def sample(rig: Rig, t_s: float, kvindex: dict) -> list[dict]:
         pids["nats"] = cluster.nats.proc.pid
     out = []
     for node, pid in sorted(pids.items()):
-        got = _proc_sample(pid)
+        got = proc_sample(pid)
         if got is None:
             continue
-        row: dict[str, Any] = {"t_s": round(t_s, 1), "node": node, "pid": pid,
-                               "rss_mib": got[0], "open_files": got[1]}
+        row: dict[str, Any] = {"t_s": round(t_s, 1), "node": node, "pid": pid, **got}
         if node in arena:
             row["arena_bytes"] = arena[node]
         if node == "kvi":
@@ -117,7 +125,8 @@ def per_hour(points: list[tuple[float, float]]) -> float | None:
     return round(float(slope) * 3600, 2)
 
 
-_GROWING = ("rss_mib", "open_files", "arena_bytes", "kvindex_blocks", "kvindex_locations")
+_GROWING = ("rss_mib", "anon_mib", "shmem_mib", "open_files", "arena_bytes",
+            "kvindex_blocks", "kvindex_locations")
 
 
 def growth(samples: list[dict], since_s: float) -> dict[str, dict[str, float | None]]:
