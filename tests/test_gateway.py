@@ -687,24 +687,30 @@ async def test_return_token_ids_whole_and_streamed(http: httpx.AsyncClient,
         body["prompt"] = "hi"
     else:
         body["messages"] = [{"role": "user", "content": "hi"}]
+    chat = path == "/v1/chat/completions"
+
+    def prompt_ids(body: dict) -> list[int] | None:
+        # vLLM's places: the top level for Chat, each choice for Completions.
+        return (body if chat else body["choices"][0]).get("prompt_token_ids")
+
     resp = await http.post(path, json=body)
     assert resp.status_code == 200, resp.text
     reply = resp.json()
     sent = wire.unpack_tokens(router.received[-1].tokens or b"").tolist()
-    assert reply["prompt_token_ids"] == sent  # what the router was sent, the prompt's ids
-    if path == "/v1/completions":
+    assert prompt_ids(reply) == sent  # what the router was sent, the prompt's ids
+    assert "prompt_token_ids" not in (reply["choices"][0] if chat else reply)
+    if not chat:
         assert sent == model.encode("hi")
     assert reply["choices"][0]["token_ids"] == [FIRST_TOKEN + i for i in range(5)]
     async with http.stream("POST", path, json={**body, "stream": True}) as r:
         events = await _sse_events(r)
     chunks = [e for e in events if e != "[DONE]" and e["choices"]]
-    assert chunks[0]["prompt_token_ids"] == sent
-    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert prompt_ids(chunks[0]) == sent
+    assert all(prompt_ids(c) is None for c in chunks[1:])
     ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
     assert ids == [FIRST_TOKEN + i for i in range(5)]
-    plain = await http.post(path, json={**body, "return_token_ids": False})
-    assert "prompt_token_ids" not in plain.json()
-    assert "token_ids" not in plain.json()["choices"][0]
+    plain = (await http.post(path, json={**body, "return_token_ids": False})).json()
+    assert prompt_ids(plain) is None and "token_ids" not in plain["choices"][0]
 
 
 async def test_a_client_request_id_names_the_request(http: httpx.AsyncClient,
@@ -747,6 +753,14 @@ async def test_cpd_resume_reaches_the_router(http: httpx.AsyncClient,
     resp = await http.post("/v1/completions", json={
         "prompt": "hi", "max_tokens": 4, "n": 2, "cpd_resume": {"token_ids": [1]}})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "cpd_resume"
+    # What the router would refuse is refused here, before other streams are ended: a
+    # request that cannot be regenerated, or more tokens than it may have.
+    sent = len(router.received)
+    for body in ({"temperature": 0.8}, {"temperature": 0, "max_tokens": 1}):
+        resp = await http.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, **body, "cpd_resume": {"token_ids": [1, 2]}})
+        assert resp.status_code == 400, body
+    assert len(router.received) == sent
 
 
 # ------------------------------------------------------------------------ errors

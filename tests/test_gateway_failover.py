@@ -24,7 +24,7 @@ from tools.cluster import Cluster, ClusterSpec, NodeSpec
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STREAMS = 12
-MAX_TOKENS = 48
+MAX_TOKENS = 96
 PROMPT_TOKENS = 400
 
 

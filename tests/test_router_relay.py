@@ -13,8 +13,9 @@ from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import load_settings
 from cpd.protocol import wire
 from cpd.protocol.errors import InvalidRequest, Unavailable, error_from_wire
+from cpd.protocol.resume import resumed_tokens
 from services.router import NodeTable
-from services.router.relay import AttemptFailed, Relay, resumed_complete, resumed_tokens
+from services.router.relay import AttemptFailed, Relay, resumed_complete
 from tests.helpers.recorder import Recorder
 
 

@@ -11,7 +11,9 @@ choice (``temperature`` 0, or a ``seed``), as the router's own resume does; a re
 that is not reproducible is only sent again while nothing of it has arrived.
 
 An error the gateway reports (an HTTP error status, or an ``error`` event in the stream)
-is the request's answer and raises :class:`ApiError`; it is not retried.
+is the request's answer and raises :class:`ApiError`; it is not retried, except 502 and
+503 before the stream starts (that gateway is stopping, or reaches no router), which
+go to the next gateway like a broken stream.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import httpx
 import msgspec
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# Statuses another gateway may answer otherwise: this one is stopping or reaches no router.
+_TRY_ELSEWHERE = frozenset({502, 503})
 
 
 class ApiError(Exception):
@@ -111,6 +115,8 @@ async def _one_try(http: httpx.AsyncClient, url: str, body: dict[str, Any],
                    on_chunk: Callable[[StreamResult], None] | None) -> None:
     async with http.stream("POST", url, json=body,
                            headers={REQUEST_ID_HEADER: result.request_id}) as resp:
+        if resp.status_code in _TRY_ELSEWHERE:  # a gateway stopping, or without routers
+            raise _Broken(f"HTTP {resp.status_code}")
         if resp.status_code != 200:
             raw = await resp.aread()
             raise ApiError(resp.status_code, _error_of(raw))
@@ -122,7 +128,11 @@ async def _one_try(http: httpx.AsyncClient, url: str, body: dict[str, Any],
                 if result.finish_reason is None:
                     raise _Broken("[DONE] before the choice's end")
                 return
-            _take(msgspec.json.decode(data), result)
+            try:
+                chunk = msgspec.json.decode(data)
+            except msgspec.DecodeError:  # cut off mid-event
+                raise _Broken("a torn event") from None
+            _take(chunk, result)
             if on_chunk is not None:
                 on_chunk(result)
     raise _Broken("the stream ended without [DONE]")

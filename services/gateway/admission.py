@@ -24,6 +24,7 @@ from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
 from cpd.protocol import wire
 from cpd.protocol.errors import ErrorCode
+from cpd.protocol.resume import resumed_tokens
 from services.gateway import protocol
 from services.gateway.calls import Outcomes
 from services.gateway.errors import ApiError, check_model
@@ -135,6 +136,9 @@ class Admission:
         if (resume := body.cpd_resume) is not None:
             req = msgspec.structs.replace(req, resume_tokens=wire.pack_tokens(resume.token_ids),
                                           resume_text_chars=resume.text_chars)
+            # Checked here, as the router would, before anything acts on it: a resume
+            # ends the request's earlier streams.
+            resumed_tokens(req, self.model.check_vocab)
         return Admitted(req, text_or_ids)
 
     def _tenant_limit(self, tenant: Tenant, reason: str, message: str,

@@ -56,9 +56,10 @@ class Call:
     ranking: Ranking | None = None  # best_of: which choices are returned
     logprobs: list[Logprobs] = field(default_factory=list)  # by choice, when asked
     echo: str = ""  # the prompt's text, sent before the output (Completions' echo)
-    # return_token_ids: the prompt's ids, sent on the reply (a stream's first chunk)
-    # and dropped once sent; None when not asked.
+    # return_token_ids: the prompt's ids (None when not asked), and where a stream gave
+    # them already (Shape.add_prompt_ids).
     prompt_ids: list[int] | None = None
+    prompt_ids_given: set[int] = field(default_factory=set)
     token_ids: bool = False
 
     def logprobs_part(self, msg: wire.TokenChunk) -> dict[str, Any] | None:

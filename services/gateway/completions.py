@@ -9,6 +9,7 @@ before its headers go out (:mod:`services.gateway.streaming`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -115,9 +116,10 @@ class CompletionRoutes:
         if isinstance(body, protocol.CompletionRequest) and body.echo:
             call.echo = protocol.echo_text(prompt, model)
         if body.cpd_resume is not None:  # its earlier streams have no reader any more
-            await self.client.bus.publish(subjects.GENERATE_SUPERSEDE, wire.SupersedeGenerate(
-                request_id=req.request_id, tenant=req.tenant,
-                resumed_tokens=len(body.cpd_resume.token_ids)))
+            with contextlib.suppress(CpdError):  # at most once: the resume goes on anyway
+                await self.client.bus.publish(subjects.GENERATE_SUPERSEDE, wire.SupersedeGenerate(
+                    request_id=req.request_id, tenant=req.tenant,
+                    resumed_tokens=len(body.cpd_resume.token_ids)))
         return self.client.stream_request(req)
 
     async def _whole(self, call: Call, first: wire.TokenChunk | wire.Final,
@@ -153,5 +155,5 @@ class CompletionRoutes:
         reply = call.shape.response(request_id=call.request_id, created=call.created,
                                     model=self.served_name, choices=choices, final=msg)
         if call.prompt_ids is not None:
-            reply["prompt_token_ids"] = call.prompt_ids
+            call.shape.add_prompt_ids(reply, call.prompt_ids, set())
         return json_response(reply, headers=call.headers)

@@ -343,6 +343,14 @@ class Shape(ABC):
         """Choices of a chunk sent before any text (none by default)."""
         return []
 
+    def add_prompt_ids(self, body: dict[str, Any], ids: list[int], given: set[int]) -> None:
+        """``return_token_ids``: the prompt's ids where vLLM puts them, once per reply:
+        at the top level (Chat: a stream's first chunk with choices). ``given`` holds
+        where they went already (-1: the top level)."""
+        if -1 not in given and body["choices"]:
+            body["prompt_token_ids"] = ids
+            given.add(-1)
+
     @abstractmethod
     def delta_choice(self, index: int, text: str, end: wire.ChoiceEnd | None = None,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -371,6 +379,14 @@ class CompletionShape(Shape):
     def delta_choice(self, index: int, text: str, end: wire.ChoiceEnd | None = None,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.choice(index, text, end, logprobs)
+
+    def add_prompt_ids(self, body: dict[str, Any], ids: list[int], given: set[int]) -> None:
+        """Completions: on each choice, as vLLM does (a stream's: on each choice index's
+        first chunk)."""
+        for choice in body["choices"]:
+            if choice["index"] not in given:
+                choice["prompt_token_ids"] = ids
+                given.add(choice["index"])
 
 
 class ChatShape(Shape):

@@ -49,10 +49,11 @@ class SseStreamer:
                                  headers={**_SSE_HEADERS, **call.headers})
 
     def _chunk(self, call: Call, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        if call.prompt_ids is not None and choices:  # return_token_ids: the first chunk's
-            extra["prompt_token_ids"], call.prompt_ids = call.prompt_ids, None
-        return sse_event(call.shape.chunk(request_id=call.request_id, created=call.created,
-                                          model=self.served_name, choices=choices, **extra))
+        body = call.shape.chunk(request_id=call.request_id, created=call.created,
+                                model=self.served_name, choices=choices, **extra)
+        if call.prompt_ids is not None:
+            call.shape.add_prompt_ids(body, call.prompt_ids, call.prompt_ids_given)
+        return sse_event(body)
 
     def _delta(self, call: Call, msg: wire.TokenChunk) -> bytes | None:
         """The chunk of ``msg``'s text, log probabilities and (``return_token_ids``)

@@ -39,7 +39,7 @@ class Cancels:
         task = asyncio.current_task()
         assert task is not None
         streams = self._tasks.setdefault(req.request_id, {})
-        streams[reply_to] = (task, req.tenant, len(req.resume_tokens) // 4)
+        streams[reply_to] = (task, req.tenant, len(wire.unpack_tokens(req.resume_tokens)))
         try:
             yield
         finally:

@@ -68,7 +68,8 @@ class Decision:
     waited_for: str = ""
     lookup_missed: bool = False   # decided without kvindex's answer
     decode_lent: bool = False     # decode stays on the prefill node (services.router.elastic)
-    # The prefill tier's best peer load, priced (the plan's own when None).
+    # A peer load the prefill tier declined as slower than recomputing, when the chosen
+    # plan priced none of its own (the route carries the plan's own first).
     peer_load: wire.PeerLoad | None = None
 
     def route(self) -> wire.Route:
@@ -86,7 +87,7 @@ class Decision:
                           busy_ttft_ms=round(self.busy_ttft_ms, 3),
                           remote_node=p.remote_node, waited_for=self.waited_for,
                           lookup_missed=self.lookup_missed, decode_lent=self.decode_lent,
-                          peer_load=self.peer_load or p.peer_load)
+                          peer_load=p.peer_load or self.peer_load)
 
 
 class Router:
@@ -250,9 +251,12 @@ class CpdPolicy(RoutingPolicy):
         warm.sort(key=lambda p: (p.ttft_ms, p.remote_tokens > 0, p.queue_ms, p.node))
         best_warm = warm[0] if warm else None
         d = self._decide(r, n, bs, hits, nodes, decode, best_warm)
-        # Whatever tier it went to, the route shows the prefill tier's price of a peer
-        # load (a recompute over a slow link says why).
-        return replace(d, peer_load=best_warm.peer_load) if best_warm else d
+        # A prefix recomputed because loading it from a peer was slower says so, on
+        # whichever tier the request went to (the chosen plan's own price comes first).
+        declined = best_warm.peer_load if best_warm else None
+        if d.plan.peer_load is None and declined is not None and not declined.loaded:
+            return replace(d, peer_load=declined)
+        return d
 
     def _decide(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
                 decode: str, best_warm: Plan | None) -> Decision:

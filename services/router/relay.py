@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from cpd.bus import ReplyStream, StreamReader
 from cpd.engines.servedmodel import Detokenizer
@@ -26,7 +25,6 @@ from cpd.protocol import wire
 from cpd.protocol.errors import (
     CpdError,
     ErrorCode,
-    InvalidRequest,
     RequestTimeout,
     Unavailable,
 )
@@ -40,26 +38,6 @@ Cancel = Callable[[list[str], int | None], Awaitable[None]]
 # How long a request a stop string ended waits for its nodes' reports once cancelled
 # (an engine step or two); the client's final goes out regardless.
 _REPORTS_AFTER_CANCEL_S = 2.0
-
-
-def resumed_tokens(req: wire.GenerateRequest,
-                   check_vocab: Callable[[np.ndarray], None]) -> list[int]:
-    """The tokens a resuming client already has (``req.resume_tokens``), checked: only a
-    deterministic request can be regenerated exactly, and some tokens must be left."""
-    if not req.resume_tokens:
-        return []
-    ids = wire.unpack_tokens(req.resume_tokens)
-    s = req.sampling
-    if s.n > 1:
-        raise InvalidRequest("a request of several choices cannot resume")
-    if s.temperature != 0 and s.seed is None:
-        raise InvalidRequest("only a deterministic request (temperature 0, or a seed) "
-                             "can resume")
-    if len(ids) > s.max_tokens:
-        raise InvalidRequest(f"resuming after {len(ids)} tokens of max_tokens "
-                             f"{s.max_tokens}")
-    check_vocab(ids)
-    return [int(i) for i in ids]
 
 
 def resumed_complete(req: wire.GenerateRequest, resumed: list[int], prompt_tokens: int,

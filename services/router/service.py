@@ -42,6 +42,7 @@ from cpd.ops.config import Settings
 from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, DeadlineExceeded, InvalidRequest
 from cpd.protocol.hashing import BlockHasher, Namespace
+from cpd.protocol.resume import resumed_tokens
 from services.router import discovery
 from services.router.accounting import REFUSALS, RouterAccounts
 from services.router.admission import Admission
@@ -58,7 +59,6 @@ from services.router.relay import (
     Relay,
     fresh_engine_id,
     resumed_complete,
-    resumed_tokens,
 )
 from services.router.tenancy import tenant_for
 from services.router.waiters import PrefixWaiters

@@ -35,7 +35,6 @@ DEFAULT_FAULTS = ("kill-prefill", "kill-decode", "kill-kvindex", "kill-router",
                   "kill-preprefill", "nats-restart")
 """The faults a soak cycles through, one every ``fault_every`` rounds."""
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -70,15 +69,13 @@ def proc_sample(pid: int) -> dict[str, float] | None:
     counts the pages it touched through each), and its open files; ``None`` if it is
     gone."""
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            rss_pages = int(f.read().split()[1])
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/status") as f:  # one read: the three agree
             kib = {k: int(v.split()[0]) for k, _, v in (ln.partition(":") for ln in f)
-                   if k in ("RssAnon", "RssShmem")}
+                   if k in ("VmRSS", "RssAnon", "RssShmem")}
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
         return None
-    return {"rss_mib": round(rss_pages * _PAGE / 2**20, 1),
+    return {"rss_mib": round(kib.get("VmRSS", 0) / 1024, 1),
             "anon_mib": round(kib.get("RssAnon", 0) / 1024, 1),
             "shmem_mib": round(kib.get("RssShmem", 0) / 1024, 1), "open_files": fds}
 

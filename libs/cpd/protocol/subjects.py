@@ -18,9 +18,10 @@ PREFIX: Final = "cpd.v1"
 
 GENERATE: Final = f"{PREFIX}.generate"
 GENERATE_CANCEL: Final = f"{PREFIX}.generate.cancel"
-# A gateway resumed a request whose earlier stream nobody reads any more (routers).
-GENERATE_SUPERSEDE: Final = f"{PREFIX}.generate.supersede"
 """Every router (no queue group): a client stopped reading a stream (``CancelGenerate``)."""
+GENERATE_SUPERSEDE: Final = f"{PREFIX}.generate.supersede"
+"""Every router (no queue group), from gateways only: a client resumed a request whose
+earlier streams nobody reads any more (``SupersedeGenerate``)."""
 KVINDEX_LOOKUP: Final = f"{PREFIX}.kvindex.lookup"
 KVINDEX_CHECKSUMS: Final = f"{PREFIX}.kvindex.checksums"  # a hand-off puller's check
 ROUTER_STATUS: Final = f"{PREFIX}.router.status"

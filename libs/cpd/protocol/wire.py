@@ -350,8 +350,9 @@ class Route(msgspec.Struct, kw_only=True):
     est_ttft_ms: NonNegFloat = 0.0
     busy_ttft_ms: NonNegFloat = 0.0
     remote_node: str = ""     # the peer the plan loads from, if any
-    # The best peer load the router priced for the best prefill-tier plan, taken or
-    # not (a recompute chosen over a slow link says so here).
+    # The peer load the chosen plan priced (``loaded``: it pulls from that peer), or
+    # else one the prefill tier declined as slower than recomputing: why a cached
+    # prefix was recomputed.
     peer_load: PeerLoad | None = None
     waited_for: str = ""      # single-flight: the node whose prefix it waited for
     lookup_missed: bool = False  # decided without kvindex's answer (a miss)
