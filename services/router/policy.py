@@ -244,13 +244,14 @@ class CpdPolicy(RoutingPolicy):
     def choose(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
                decode: str) -> Decision:
         warm_nodes = [x for x in nodes if x.role == Role.PREFILL]
-        if not warm_nodes and not any(x.role == Role.PREPREFILL for x in nodes):
+        cold_nodes = [x for x in nodes if x.role == Role.PREPREFILL]
+        if not warm_nodes and not cold_nodes:
             raise NoCapacity("no prefill or pre-prefill node is up")
         warm = [r.plan(x, n, bs, hits) for x in warm_nodes]
         # Local hits beat remote ones at equal cost; then the shorter queue.
         warm.sort(key=lambda p: (p.ttft_ms, p.remote_tokens > 0, p.queue_ms, p.node))
         best_warm = warm[0] if warm else None
-        d = self._decide(r, n, bs, hits, nodes, decode, best_warm)
+        d = self._decide(r, n, bs, hits, warm_nodes, cold_nodes, decode, best_warm)
         # A prefix recomputed because loading it from a peer was slower says so, on
         # whichever tier the request went to (the chosen plan's own price comes first).
         declined = best_warm.peer_load if best_warm else None
@@ -258,11 +259,9 @@ class CpdPolicy(RoutingPolicy):
             return replace(d, peer_load=declined)
         return d
 
-    def _decide(self, r: Router, n: int, bs: int, hits: Hits, nodes: list[NodeLoad],
-                decode: str, best_warm: Plan | None) -> Decision:
+    def _decide(self, r: Router, n: int, bs: int, hits: Hits, warm_nodes: list[NodeLoad],
+                cold_nodes: list[NodeLoad], decode: str, best_warm: Plan | None) -> Decision:
         cfg = r.config
-        warm_nodes = [x for x in nodes if x.role == Role.PREFILL]
-        cold_nodes = [x for x in nodes if x.role == Role.PREPREFILL]
         reuse = best_warm.reused_tokens if best_warm else 0
         if cold_nodes and not best_warm:
             reuse = max((r.plan(x, n, bs, hits).reused_tokens for x in cold_nodes),

@@ -193,26 +193,19 @@ class Outcome:
     moved: bool = False            # through the gateways: went on at another gateway
 
 
-async def _one(client: Client, prompts: Prompts, cfg: FaultConfig) -> Outcome:
-    prompt = prompts.make()
+Attempt = Callable[[Outcome], Awaitable[tuple[list[int], str] | None]]
+"""One request's exchange: its tokens and route path, or ``None`` with ``out.error`` set."""
+
+
+async def _measured(prompt: list[int], cfg: FaultConfig, attempt: Attempt) -> Outcome:
+    """Run ``attempt`` for ``prompt`` under the request's deadline and the client's
+    grace, and judge it: typed error, late, lost (hung or untyped), wrong tokens."""
     now = time.monotonic()
     out = Outcome(t_start=now, deadline=now + cfg.request_timeout_s)
-    req = client.request(prompt, max_tokens=cfg.output_tokens, ignore_eos=True,
-                         timeout_s=cfg.request_timeout_s)
-    ids: list[int] = []
-    final: wire.Final | None = None
+    got = None
     try:
         async with asyncio.timeout(cfg.request_timeout_s + CLIENT_GRACE_S + LOST_MARGIN_S):
-            async with contextlib.aclosing(client.stream_request(req)) as stream:
-                async for msg in stream:
-                    if isinstance(msg, wire.TokenChunk):
-                        if not out.t_first and msg.token_ids:
-                            out.t_first = time.monotonic()
-                        ids.extend(msg.token_ids)
-                    else:
-                        final = msg
-        if final is None:
-            out.error, out.lost = "no_final", True
+            got = await attempt(out)
     except CpdError as e:
         out.error = e.code.value
     except TimeoutError:
@@ -222,10 +215,31 @@ async def _one(client: Client, prompts: Prompts, cfg: FaultConfig) -> Outcome:
     out.t_end = time.monotonic()
     if out.error is not None and not out.lost and out.t_end > out.deadline + 1.0:
         out.late = True
-    if final is not None:
-        out.path = final.route.path
+    if got is not None:
+        ids, out.path = got
         out.wrong = ids != reference_tokens(prompt, cfg.output_tokens)
     return out
+
+
+async def _one(client: Client, prompts: Prompts, cfg: FaultConfig) -> Outcome:
+    prompt = prompts.make()
+    req = client.request(prompt, max_tokens=cfg.output_tokens, ignore_eos=True,
+                         timeout_s=cfg.request_timeout_s)
+
+    async def attempt(out: Outcome) -> tuple[list[int], str] | None:
+        ids: list[int] = []
+        async with contextlib.aclosing(client.stream_request(req)) as stream:
+            async for msg in stream:
+                if isinstance(msg, wire.TokenChunk):
+                    if not out.t_first and msg.token_ids:
+                        out.t_first = time.monotonic()
+                    ids.extend(msg.token_ids)
+                else:
+                    return ids, msg.route.path
+        out.error, out.lost = "no_final", True
+        return None
+
+    return await _measured(prompt, cfg, attempt)
 
 
 async def _one_http(http: httpx.AsyncClient, gateways: list[str], prompts: Prompts,
@@ -233,36 +247,27 @@ async def _one_http(http: httpx.AsyncClient, gateways: list[str], prompts: Promp
     """One request through the gateways (the first, then the next when its stream
     breaks), as :func:`_one` through the bus."""
     prompt = prompts.make()
-    now = time.monotonic()
-    out = Outcome(t_start=now, deadline=now + cfg.request_timeout_s)
 
-    def first(r: apiclient.StreamResult) -> None:
-        if not out.t_first and r.token_ids:
-            out.t_first = time.monotonic()
+    async def attempt(out: Outcome) -> tuple[list[int], str] | None:
+        def first(r: apiclient.StreamResult) -> None:
+            if not out.t_first and r.token_ids:
+                out.t_first = time.monotonic()
 
-    result = None
-    try:
-        async with asyncio.timeout(cfg.request_timeout_s + CLIENT_GRACE_S + LOST_MARGIN_S):
+        try:
             result = await apiclient.stream(
                 http, gateways, "/v1/completions",
                 {"prompt": prompt, "max_tokens": cfg.output_tokens, "temperature": 0,
                  "ignore_eos": True}, on_chunk=first)
-    except apiclient.ApiError as e:
-        out.error = e.code or f"http_{e.status}"
-    except apiclient.StreamLost:
-        out.error = "stream_lost"  # every try broke: a failure the client was told of
-    except TimeoutError:
-        out.error, out.lost = "hung", True
-    except Exception as e:
-        out.error, out.lost = f"untyped:{type(e).__name__}", True
-    out.t_end = time.monotonic()
-    if out.error is not None and not out.lost and out.t_end > out.deadline + 1.0:
-        out.late = True
-    if result is not None:
-        out.path = (result.cpd or {}).get("route", {}).get("path", "")
+        except apiclient.ApiError as e:
+            out.error = e.code or f"http_{e.status}"
+            return None
+        except apiclient.StreamLost:
+            out.error = "stream_lost"  # every try broke: a failure the client was told of
+            return None
         out.moved = result.resumes > 0
-        out.wrong = result.token_ids != reference_tokens(prompt, cfg.output_tokens)
-    return out
+        return result.token_ids, (result.cpd or {}).get("route", {}).get("path", "")
+
+    return await _measured(prompt, cfg, attempt)
 
 
 async def drive_http(gateways: list[str], prompts: Prompts, cfg: FaultConfig,
