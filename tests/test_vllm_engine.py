@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cpd.modelbuild.runtime import prepare_cpu_env
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
@@ -141,3 +143,16 @@ def test_async_kv_load_reaches_the_connector(model_cache: Path) -> None:
         args = VllmEngine(folder, block_size=256, arena=arena,
                           async_kv_load=flag).engine_args()
         assert args["kv_transfer_config"].kv_connector_extra_config["async_load"] is flag
+
+
+@pytest.mark.parametrize(("cpu", "expected"), [(True, {"VLLM_CPU_KVCACHE_SPACE": "3",
+                                                       "VLLM_USE_AOT_COMPILE": "0"}),
+                                               (False, {})])
+def test_cpu_engines_use_the_compile_cache_that_loads_back(
+        monkeypatch: pytest.MonkeyPatch, cpu: bool, expected: dict[str, str]) -> None:
+    keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", "HF_HUB_OFFLINE")
+    for key in keys:
+        monkeypatch.delenv(key, raising=False)
+    prepare_cpu_env(3, cpu=cpu)
+    assert {k: os.environ[k] for k in keys if k in os.environ} == {
+        **expected, "HF_HUB_OFFLINE": "1"}

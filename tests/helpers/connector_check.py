@@ -9,7 +9,6 @@ loads off the step (``async_load``).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -17,13 +16,14 @@ import numpy as np
 
 
 def main(model_cache: str, arena_path: str, mode: str = "sync") -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
+
+    prepare_cpu_env()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     from cpd.engines.vllm.connector import checksum
     from cpd.modelbuild import PRESETS, build
-    from cpd.modelbuild.runtime import engine_kwargs
 
     folder = build("tiny", model_cache)
     bs, slots = 256, 24

@@ -56,14 +56,15 @@ def phase(model_cache: str, arena_path: str, tp: int, save: list[int],
           load: list[int], checksums: list[int],
           variant: tuple[str, str, str] = DEFAULT) -> None:
     """One engine of ``tp`` ranks: a plain run, then a saving and a loading run."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
+
+    prepare_cpu_env()
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in
                                                      range(tp))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     from cpd.modelbuild import build
-    from cpd.modelbuild.runtime import engine_kwargs
 
     preset, dtype, kv_cache_dtype = variant
     from cpd.engines.vllm.cpu import check_kv_cache_dtype, cpu_flags

@@ -8,17 +8,17 @@ requests with their own sampling is vLLM's OpenAI server: ``tests/helpers/server
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 
 def main(model_cache: str, prompts_file: str, max_tokens: str, preset: str = "tiny") -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from cpd.modelbuild.runtime import engine_kwargs, prepare_cpu_env
+
+    prepare_cpu_env()
     from vllm import LLM, SamplingParams
 
     from cpd.modelbuild import build
-    from cpd.modelbuild.runtime import engine_kwargs
 
     prompts = json.loads(Path(prompts_file).read_text())
     llm = LLM(**engine_kwargs(build(preset, model_cache), prefix_caching=False))

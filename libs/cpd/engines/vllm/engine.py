@@ -130,9 +130,10 @@ class VllmEngine:
         check_vllm_version(vllm.__version__, allow_untested=self.allow_untested_vllm)
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
+        cpu = current_platform.is_cpu()
+        if cpu:
             check_kv_cache_dtype(self.engine.kv_cache_dtype, cpu_flags())
-        prepare_cpu_env(self.kv_cache_gib)
+        prepare_cpu_env(self.kv_cache_gib, cpu=cpu)
         os.environ.update(self.process_env())
         self._rpc_path_before = os.environ.get(_RPC_PATH)
         self._sockets = _socket_folder()
