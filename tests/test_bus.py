@@ -13,13 +13,14 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 from nats.aio.msg import Msg
 from nats.micro.service import ServiceInfo, ServicePing, ServiceStats
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cpd.bus import Bus, Request, Service, StreamReader, encoded_size
+from cpd.bus import Bus, KeepAlives, ReplyStream, Request, Service, StreamReader, encoded_size
 from cpd.ops import telemetry
 from cpd.ops.config import Settings, load_settings
 from cpd.ops.natsserver import NatsServer
@@ -576,3 +577,46 @@ async def test_malformed_reply_is_typed(bus: Bus) -> None:
     with pytest.raises(MalformedMessage):
         await bus.request("test.badreply", _lookup(), expect=wire.LookupReply)
     await task
+
+
+async def test_a_stream_whose_reader_vanished_is_found_and_a_read_one_is_not(
+        settings: Settings, bus: Bus) -> None:
+    """Reader checks: a keep-alive sent as a request finds an inbox left without a
+    subscriber (its client's connection closed, as a killed gateway's does) at two
+    checks in a row; the stream still read is never reported."""
+    gone: list[str] = []
+    keepalives = KeepAlives(0.2, log=structlog.get_logger(), reader_check_s=0.2,
+                            reader_misses=2, reader_gone=lambda out: gone.append(
+                                out.request_id))
+    client = await Bus.open(settings, "reader")
+    read_inbox, lost_inbox = bus.nc.new_inbox(), client.nc.new_inbox()
+    read: list[Msg] = []
+
+    async def reader(msg: Msg) -> None:
+        read.append(msg)
+
+    await bus.nc.subscribe(read_inbox, cb=reader)
+    await client.nc.subscribe(lost_inbox)
+    streams = [ReplyStream(bus, read_inbox, "read"), ReplyStream(bus, lost_inbox, "lost")]
+    stopping = False
+    ticker = asyncio.create_task(keepalives.run(lambda: stopping))
+    try:
+        with keepalives.watching(streams[0]), keepalives.watching(streams[1]):
+            for out in streams:
+                await out.tokens([1, 2])
+            await asyncio.sleep(1.0)
+            assert gone == []
+            await client.close()
+            deadline = time.monotonic() + 5
+            while not gone:
+                assert time.monotonic() < deadline, "the vanished reader was not found"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.6)
+            assert gone == ["lost"]  # once, and only it
+    finally:
+        stopping = True
+        await ticker
+    # The read stream's reader got its token and the checks as keep-alives of its seq.
+    got = [wire.decode(m.data, wire.TokenChunk) for m in read]
+    assert got[0].token_ids == [1, 2] and len(got) > 3
+    assert {(c.seq, c.keepalive_ms) for c in got[1:]} == {(0, 200)}

@@ -3,11 +3,14 @@ and UCX, sim workers. Streams go to gateway 0 through :mod:`cpd.apiclient`; once
 has tokens, gateway 0 is killed with ``kill -9``. Every stream resumes on gateway 1 under
 its own request id and ends with exactly the tokens the deterministic sim gives for its
 prompt (none lost, none repeated), and the same text as a stream that never broke; the
-router ends the dead gateway's earlier streams, which nobody reads any more."""
+router ends the dead gateway's earlier streams, which nobody reads any more. Streams
+whose client does not resume end at the router too, once it finds their inboxes without
+a subscriber."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -26,6 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STREAMS = 12
 MAX_TOKENS = 96
 PROMPT_TOKENS = 400
+ABANDONED, ABANDONED_TOKENS = 4, 3000
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,8 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory
                for i, port in enumerate(ports)))
     # Decode steps slowed four times so that every stream is still under way at the kill.
     spec = ClusterSpec(nodes=nodes, engine="sim", workdir=tmp_path_factory.mktemp("gwfail"),
-                       overrides=("sim.time_scale=0.25", "dataplane.arena_bytes=67108864"),
+                       overrides=("sim.time_scale=0.25", "dataplane.arena_bytes=67108864",
+                                  "router.reader_check_interval_s=1"),
                        label="gateway-failover")
     async with Cluster(spec) as c:
         await c.connect()
@@ -91,4 +96,48 @@ async def test_streams_survive_a_gateway_killed_under_them(
     # The dead gateway's streams had no reader left: each resume ended its earlier
     # stream (those that had not ended on their own first).
     assert reply.router.cancelled.get(wire.CancelReason.SUPERSEDED, 0) >= STREAMS - 2, (
+        reply.router.cancelled)
+
+
+async def _read_until_broken(http: httpx.AsyncClient, url: str, prompt: list[int],
+                             events: list[int]) -> None:
+    """A client that never resumes: it reads the stream until it breaks."""
+    # The sim's tokens have no text: each event carries its ids.
+    body = {**_body(prompt), "max_tokens": ABANDONED_TOKENS, "stream": True,
+            "return_token_ids": True}
+    with contextlib.suppress(httpx.HTTPError):
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    events.append(1)
+
+
+async def test_streams_of_a_dead_gateway_that_nobody_resumes_end_at_the_router(
+        cluster: tuple[Cluster, list[str]]) -> None:
+    """The gateway under four long streams killed, their client gone with it: the
+    router finds their inboxes without a subscriber (two checks a second apart) and
+    ends them and their nodes' work, instead of generating to the end for nobody."""
+    c, gateways = cluster
+    await c.restart("gateway-0")
+    rng = np.random.default_rng(7)
+    events: list[list[int]] = [[] for _ in range(ABANDONED)]
+    async with httpx.AsyncClient(timeout=60) as http:
+        tasks = [asyncio.create_task(_read_until_broken(
+            http, gateways[0], rng.integers(10, 30_000, PROMPT_TOKENS).tolist(), events[i]))
+            for i in range(ABANDONED)]
+        deadline = time.monotonic() + 60
+        while not all(len(e) >= 2 for e in events):
+            assert time.monotonic() < deadline, [len(e) for e in events]
+            await asyncio.sleep(0.02)
+        c.kill("gateway-0")
+        t_kill = time.monotonic()
+        await asyncio.gather(*tasks)
+    while True:
+        reply = await c.bus.request(subjects.ROUTER_STATUS, wire.StatusRequest(),
+                                    expect=wire.StatusReply)
+        if reply.router.in_flight == 0:
+            break
+        assert time.monotonic() - t_kill < 20, reply.router
+        await asyncio.sleep(0.2)
+    assert reply.router.cancelled.get(wire.CancelReason.READER_GONE, 0) == ABANDONED, (
         reply.router.cancelled)

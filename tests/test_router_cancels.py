@@ -35,25 +35,31 @@ async def _serving(cancels: Cancels, req: wire.GenerateRequest, inbox: str,
     return task
 
 
+@pytest.mark.parametrize("reason", [wire.CancelReason.CLIENT_GONE,
+                                    wire.CancelReason.READER_GONE])
 @pytest.mark.parametrize(("request_id", "reply_to", "cancelled"), [
     ("r1", "_INBOX.a", True),
     ("r1", "_INBOX.b", False),   # someone else's inbox: not the client
     ("r2", "_INBOX.a", False),   # not served here
 ])
-async def test_a_cancel_needs_the_request_and_its_inbox(request_id: str, reply_to: str,
-                                                        cancelled: bool) -> None:
+async def test_a_cancel_needs_the_request_and_its_inbox(
+        request_id: str, reply_to: str, cancelled: bool, reason: wire.CancelReason) -> None:
+    """The client's own cancel, or its inbox found without a subscriber."""
     cancels = Cancels()
     seen: list[wire.CancelReason | None] = []
     task = await _serving(cancels, _req(), "_INBOX.a", seen)
-    assert cancels.cancel(wire.CancelGenerate(request_id=request_id,
-                                              reply_to=reply_to)) == int(cancelled)
+    ended = (cancels.cancel(wire.CancelGenerate(request_id=request_id, reply_to=reply_to))
+             if reason is wire.CancelReason.CLIENT_GONE
+             else cancels.reader_gone(request_id, reply_to))
+    assert ended == int(cancelled)
     if not cancelled:
         task.cancel()  # as a stopping router would: not the client's doing
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert seen == [wire.CancelReason.CLIENT_GONE if cancelled else None]
+    assert seen == [reason if cancelled else None]
     # Ended: nothing is left to cancel.
     assert not cancels.cancel(wire.CancelGenerate(request_id="r1", reply_to="_INBOX.a"))
+    assert not cancels.reader_gone("r1", "_INBOX.a")
 
 
 # The streams served here: (request id, tenant, tokens it resumed from, inbox).

@@ -11,6 +11,10 @@ A client whose gateway died resumes its request at another gateway, which publis
 left, and end the same way. Only gateways may publish it (it names a tenant), and it
 spares the stream that resumed it and any later one: those began with as many resumed
 tokens as it holds, the earlier ones with fewer.
+
+A client or gateway that died and never resumes leaves a stream that nobody reads; the
+router's keep-alive ticker finds its inbox without a subscriber (``KeepAlives`` reader
+checks) and ends it as ``reader_gone``.
 """
 
 from __future__ import annotations
@@ -53,15 +57,23 @@ class Cancels:
         """Cancel what ``msg`` names here: the stream of its request to its inbox (a
         client that left), or every stream of its request and tenant that began with
         fewer resumed tokens than it holds (a client that resumed elsewhere). How many."""
-        streams = self._tasks.get(msg.request_id, {})
         if isinstance(msg, wire.CancelGenerate):
-            found = streams.get(msg.reply_to)
-            doomed = [found[0]] if found else []
-            reason = wire.CancelReason.CLIENT_GONE
-        else:
-            doomed = [task for task, tenant, resumed in streams.values()
-                      if tenant == msg.tenant and resumed < msg.resumed_tokens]
-            reason = wire.CancelReason.SUPERSEDED
+            return self._stream(msg.request_id, msg.reply_to, wire.CancelReason.CLIENT_GONE)
+        streams = self._tasks.get(msg.request_id, {})
+        return self._end([task for task, tenant, resumed in streams.values()
+                          if tenant == msg.tenant and resumed < msg.resumed_tokens],
+                         wire.CancelReason.SUPERSEDED)
+
+    def reader_gone(self, request_id: str, reply_to: str) -> int:
+        """Cancel the stream of ``request_id`` to ``reply_to``, which nothing subscribes
+        to any more (a gateway or client that died without a word). How many (0 or 1)."""
+        return self._stream(request_id, reply_to, wire.CancelReason.READER_GONE)
+
+    def _stream(self, request_id: str, reply_to: str, reason: wire.CancelReason) -> int:
+        found = self._tasks.get(request_id, {}).get(reply_to)
+        return self._end([found[0]] if found else [], reason)
+
+    def _end(self, doomed: list[asyncio.Task[object]], reason: wire.CancelReason) -> int:
         doomed = [t for t in doomed if not t.done()]
         for task in doomed:
             self._cancelled[task] = reason

@@ -86,8 +86,11 @@ class RouterService(Service):
         self.kvindex = KvIndexHealth(self.cfg.kvindex_down_after_misses,
                                      self.cfg.kvindex_max_lag_events)
         self._model = model
-        self.keepalives = KeepAlives(self.cfg.keepalive_interval_s,
-                                     sent=self.accounts.keepalive, log=self.log)
+        self.keepalives = KeepAlives(
+            self.cfg.keepalive_interval_s, sent=self.accounts.keepalive, log=self.log,
+            reader_check_s=self.cfg.reader_check_interval_s,
+            reader_misses=self.cfg.reader_check_misses,
+            reader_gone=lambda out: self.cancels.reader_gone(out.request_id, out.reply_to))
         # Multi-turn prompts resend their previous turn: its block hashes are reused,
         # not recomputed (exact; per process, so replicas each keep their own).
         self.hash_memo = BlockHasher(self.cfg.hash_memo_bytes)

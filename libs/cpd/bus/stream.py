@@ -202,9 +202,29 @@ class ReplyStream:
                                              token_ids=[], keepalive_ms=interval_ms))
             return
         self.last_sent = time.monotonic()
-        await self.bus.publish(self.reply_to, wire.TokenChunk(
-            request_id=self.request_id, seq=self.seq - 1, token_ids=[],
-            keepalive_ms=interval_ms))
+        await self.bus.publish(self.reply_to, self._keepalive(interval_ms))
+
+    def _keepalive(self, interval_ms: int) -> wire.TokenChunk:
+        return wire.TokenChunk(request_id=self.request_id, seq=self.seq - 1, token_ids=[],
+                               keepalive_ms=interval_ms)
+
+    async def probe(self, interval_ms: int, timeout_s: float) -> bool:
+        """Whether anything still reads this stream: a keep-alive (as :meth:`keepalive`
+        sends once the stream has a message) published as a request, which NATS answers
+        with its no-responders status when nothing subscribes to the reply inbox any
+        more (False). A reader never answers it: a keep-alive delivered, or no answer
+        either way, is True, as is a stream that ended or has sent nothing yet."""
+        if self.closed or self.seq == 0:
+            return True
+        self.last_sent = time.monotonic()
+        try:
+            await self.bus.request_bytes(self.reply_to, wire.encode(
+                self._keepalive(interval_ms)), timeout=timeout_s)
+        except NoResponders:
+            return False
+        except CpdError:  # no answer: delivered (or the connection is down: unknown)
+            return True
+        return True
 
     async def tokens(self, token_ids: list[int], text: str = "", *,
                      ends_with_stop_token: bool = False,

@@ -204,6 +204,13 @@ class RouterSettings(_Section):
     # A client fails a stream with a typed, retryable RouterGone after this many
     # keep-alive intervals without any message from its router.
     keepalive_misses: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    # Every this many seconds a client stream's keep-alive goes out as a request, so that
+    # NATS says when nothing subscribes to its inbox any more (its gateway or client
+    # died without a word); after reader_check_misses such answers in a row the router
+    # ends the request and its nodes' work. Two checks apart outlast a client's NATS
+    # reconnect, during which its inbox is briefly without a subscriber. 0: never.
+    reader_check_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    reader_check_misses: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
     # Bytes of recent prompts (token ids and block hashes) the router keeps to reuse
     # their block hashes when a later prompt starts with them (multi-turn chat, coding
     # agents); 64 MiB holds ~130 prompts of 128K tokens. 0 hashes every prompt afresh.

@@ -262,6 +262,7 @@ class CancelReason(enum.StrEnum):
     STOP_STRING = "stop_string"  # a stop string matched: the request is complete
     CLIENT_GONE = "client_gone"  # the client stopped reading (``CancelGenerate``)
     SUPERSEDED = "superseded"    # the client resumed it elsewhere (``SupersedeGenerate``)
+    READER_GONE = "reader_gone"  # nothing subscribes to its reply inbox (its gateway died)
     ROUTER_STOPPING = "router_stopping"  # its router stopped first (drain timed out)
 
 
