@@ -9,7 +9,8 @@ links' byte counters. The transfer benchmark runs across a link (CPD against raw
 Then the pre-prefill host's link is limited with ``tc tbf`` and cut with ``ip link set
 down`` under an established pull: the request is recomputed with correct output, the
 route switches to recomputing with the measured bandwidth in it, and once the limit is
-gone and the old estimate expired, loads resume. Then one NATS member is killed with
+gone and the old estimate expired, loads resume; over a lossy link (the switch drops
+5 % of the host's frames) the output stays exact. Then one NATS member is killed with
 ``kill -9``: requests keep being served and the CPD_KV stream holds every block event,
 each node's sequence without a gap. The figures and the times to recover go to
 ``$CPD_MULTIHOST_JSON`` when set.
@@ -67,7 +68,7 @@ PROMPTS = {"cold": _PREFIX + _tokens(40), "remote": _PREFIX + _tokens(70),
 # The link faults: each load over the faulty link needs a prefix only the pre-prefill
 # node holds (a recomputed one is the prefill node's own from then on), so each has a
 # seed prompt, computed cold first, and the prompt loading it.
-for _name in ["cut", "fast", *(f"slow{i}" for i in range(SLOW_TRIES)), "back"]:
+for _name in ["cut", "fast", *(f"slow{i}" for i in range(SLOW_TRIES)), "back", "lossy"]:
     _p = _tokens(5 * BS)
     PROMPTS[f"{_name}_seed"], PROMPTS[_name] = _p + _tokens(40), _p + _tokens(60)
 MAX_TOKENS = 8
@@ -79,6 +80,7 @@ PP_HOST = WORKERS["pp0"][0]
 # The pre-prefill host's egress under the link-fault scenario: 5 MB/s, a 5-block (5 MiB)
 # pull about a second, far slower than recomputing it (~0.3 s priced).
 LIMIT = ["tbf", "rate", "40mbit", "burst", "64kb", "latency", "400ms"]
+LOSS_PCT = 5  # frames the switch drops at random to and from the pre-prefill host
 CLIENT_HOST = 5
 GATEWAY_PORT = 8000
 
@@ -474,4 +476,22 @@ def _link_faults(s: _System, settings: Settings, generate: Any, visible: Any,
         "warm", "p0", "pp0", 5 * BS), r.describe()
     assert r.peer_load is not None and r.peer_load.loaded and not r.peer_load.measured
     out["loads_again_s_after_limit_removed"] = round(time.monotonic() - t_free, 2)
+
+    # A lossy link: TCP retransmits under the pull (and pp0's NATS traffic); the output
+    # is exact whether the blocks arrive or the pull gives up and the prefix recomputes.
+    seed("lossy")
+    fabric.drop(PP_HOST, LOSS_PCT)
+    try:
+        lossy = s.run(lambda: generate("lossy"))
+        dropped = fabric.dropped()
+    finally:
+        fabric.drop(PP_HOST, 0)
+    assert lossy.token_ids == reference["lossy"]
+    r = lossy.route
+    assert dropped > 0 and r.remote_node == "pp0", (dropped, r.describe())
+    assert (r.tokens.remote == 5 * BS) == (r.load_error is None), r.describe()
+    out["loss"] = {"drop_pct": LOSS_PCT, "frames_dropped": dropped, "path": r.path,
+                   "remote_tokens": r.tokens.remote, "load_ms": lossy.timings.load_ms,
+                   "ttft_ms": lossy.timings.ttft_ms,
+                   "load_error": None if r.load_error is None else r.load_error.code}
     return out

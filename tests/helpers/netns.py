@@ -24,6 +24,7 @@ T = TypeVar("T")
 
 _CLONE_NEWNET = 0x40000000
 SUBNET = "10.231.7"
+_LOSS = "cpdloss"  # the nftables table of Fabric.drop
 
 
 def available() -> str:
@@ -58,6 +59,10 @@ class Fabric:
         """The command prefix that runs a program on host ``i``."""
         return ["ip", "netns", "exec", self.ns(i)]
 
+    def prefix_switch(self) -> list[str]:
+        """The command prefix that runs a program in the switch's namespace."""
+        return ["ip", "netns", "exec", self.switch]
+
     def _port(self, i: int) -> str:
         return f"{self.tag}v{i}"  # the switch's end of host i's link
 
@@ -82,6 +87,29 @@ class Fabric:
         info = json.loads(_ip("-n", self.ns(i), "-s", "-j", "link", "show", "eth0"))[0]
         stats = info["stats64"]
         return stats["rx"]["bytes"], stats["tx"]["bytes"]
+
+    def drop(self, i: int, percent: int) -> None:
+        """Make host ``i``'s link lossy: the switch drops ``percent`` % of the frames host
+        ``i`` sends and of those sent to it, at random (nftables on the bridge: a loss in
+        the network, not in either host's stack; ``tc netem`` is not in every kernel).
+        0 makes the link whole again."""
+        nft = [*self.prefix_switch(), "nft"]
+        subprocess.run([*nft, "delete", "table", "bridge", _LOSS], capture_output=True)
+        if percent:
+            port, pick = self._port(i), f"numgen random mod 100 < {percent} counter drop"
+            rules = (f"table bridge {_LOSS} {{\n chain links {{\n type filter hook forward"
+                     f' priority 0;\n iifname "{port}" {pick}\n oifname "{port}" {pick}\n'
+                     " }\n}\n")
+            subprocess.run([*nft, "-f", "-"], input=rules, text=True, check=True,
+                           capture_output=True)
+
+    def dropped(self) -> int:
+        """Frames the lossy link (:meth:`drop`) has dropped."""
+        listed = subprocess.run([*self.prefix_switch(), "nft", "-j", "list", "table",
+                                 "bridge", _LOSS], check=True, capture_output=True,
+                                text=True).stdout
+        return sum(e["counter"]["packets"] for item in json.loads(listed)["nftables"]
+                   for e in item.get("rule", {}).get("expr", []) if "counter" in e)
 
     def teardown(self) -> None:
         for name in reversed(self.created):
