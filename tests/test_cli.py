@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -175,3 +176,36 @@ def test_start_up_progress_quotes_only_this_runs_log(tmp_path: Path) -> None:
         f.write("INFO 12-03 [core.py:1] loading weights\n")
     assert _last_log_line(log, since=p.log_offset) == "loading weights"
     assert _last_log_line(log) == "loading weights"
+
+
+def test_a_terminated_bench_stops_the_cluster_it_started(tmp_path: Path) -> None:
+    """SIGTERM to ``cpd bench soak`` started as a background job (SIGINT ignored, as a
+    shell without job control starts it): the bench unwinds, and NATS, kvindex, the
+    workers and the routers it started are gone with their temporary folder."""
+    import psutil
+
+    log = tmp_path / "soak.log"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.cli", "bench", "soak", "--minutes", "1",
+             "--concurrency", "4", "--json", str(tmp_path / "soak.json")],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "service=router" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 8  # NATS, kvindex, five workers, two routers
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.pid for p in alive]
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("cpd-soak-")]
+    finally:
+        for p in [proc, *children]:  # what a failed run left, by process group
+            with contextlib.suppress(OSError, psutil.Error):
+                os.killpg(os.getpgid(p.pid), signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -45,11 +46,19 @@ def cmd_model_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark ``cpd bench NAME`` names (tools/bench/registry.py), print and
     write its JSON; exit 1 when a request failed or took another path than intended."""
     from tools.bench.registry import BENCHMARKS
 
+    # SIGTERM (a runner's timeout, ``kill``) unwinds as Ctrl-C does, also where SIGINT is
+    # ignored (a job started in the background): every task's ``finally`` runs, so the
+    # clusters, engines and folders the benchmark started are removed.
+    signal.signal(signal.SIGTERM, _interrupted)
     result = BENCHMARKS[args.what].run(args, lambda: _settings(args))
     _write_json(result, args.json)
     if result.get("requests_failed"):
