@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import msgspec
@@ -57,9 +58,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # SIGTERM (a runner's timeout, ``kill``) unwinds as Ctrl-C does, also where SIGINT is
     # ignored (a job started in the background): every task's ``finally`` runs, so the
-    # clusters, engines and folders the benchmark started are removed.
-    signal.signal(signal.SIGTERM, _interrupted)
-    result = BENCHMARKS[args.what].run(args, lambda: _settings(args))
+    # clusters, engines and folders the benchmark started are removed. Only for the run
+    # (a caller in the same process keeps its own handler after it).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
+    try:
+        result = BENCHMARKS[args.what].run(args, lambda: _settings(args))
+    finally:
+        if previous is not None:  # None: not ours to set, or set outside Python
+            signal.signal(signal.SIGTERM, previous)
     _write_json(result, args.json)
     if result.get("requests_failed"):
         print(f"cpd bench {args.what}: FAILED: {result['requests_failed']} requests failed",
