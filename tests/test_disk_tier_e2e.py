@@ -32,11 +32,14 @@ PROMPT = _rng.integers(0, 1900, size=BLOCKS * BS + 45).tolist()
 OWN = _rng.integers(0, 1900, size=BLOCKS * BS + 30).tolist()
 
 
-@pytest.fixture
-async def disk_node(vllm_cluster: VllmCluster, tmp_path: Path) -> AsyncIterator[Path]:
+@pytest.fixture(scope="module")
+async def disk_node(vllm_cluster: VllmCluster,
+                    tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Path]:
     """The cluster with its pre-prefill node ``pp0`` replaced by ``ppd``, which keeps a
-    disk tier under the returned folder; ``pp0`` is back afterwards."""
+    disk tier under the returned folder, for the module (each test uses a prompt of its
+    own); ``pp0`` is back afterwards."""
     c = vllm_cluster
+    tmp_path = tmp_path_factory.mktemp("disk")
     await c.stop_worker("pp0")
     try:
         await c.start_worker("ppd", "preprefill", f"dataplane.disk_dir={tmp_path}")
@@ -63,11 +66,13 @@ async def router(vllm_cluster: VllmCluster, disk_node: Path) -> AsyncIterator[Ro
 
 
 async def _live(router: RouterService, nodes: set[str]) -> None:
-    for _ in range(100):
+    # Up to 30 s: a node whose engine has just started may report late on a busy host.
+    for _ in range(300):
         if nodes <= {n.node for n in router.nodes.live(time.monotonic())}:
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"{nodes} never all live at the router")
+    live = {n.node for n in router.nodes.live(time.monotonic())}
+    raise AssertionError(f"{nodes} never all live at the router (live: {live})")
 
 
 async def _served(c: VllmCluster, node: str, prompt: list[int] = PROMPT
