@@ -600,6 +600,28 @@ def test_blocks_with_a_copy_elsewhere_leave_first(policy: str, shared: tuple, la
     assert gone == evicted
 
 
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+@pytest.mark.parametrize(("copies_first", "evicted"), [
+    (True, [h(3), h(4)]),     # copies elsewhere first
+    (False, [h(1), h(2)]),    # the policy alone (dataplane.decode_copies_first off)
+])
+def test_an_arena_that_does_not_evict_copies_first_follows_its_policy(
+        policy: str, copies_first: bool, evicted: list) -> None:
+    """Roots 1-4 used in order, 3 and 4 with a copy elsewhere."""
+    s = BlockStore(64, 4, node="n1", clock=Clock(), eviction=policy,
+                   copies_first=copies_first)
+    for i in range(1, 5):
+        r = wire.BlockRef(h(i), b"", 16)
+        s.allocate(NS, [r])
+        s.seal([r.hash])
+    s.drain_events()
+    s.mark_copies([h(3), h(4)], [])
+    assert s.evict(2) == 2
+    gone = [e for ev in s.drain_events() if isinstance(ev, wire.BlocksEvicted)
+            for e in ev.hashes]
+    assert gone == evicted
+
+
 def test_copies_of_blocks_not_held_are_ignored() -> None:
     s = sealed_store(2, chain(1, 2))
     assert s.mark_copies([h(9)], [h(8)]) == 0

@@ -16,6 +16,7 @@ import pytest
 from cpd.engines.profile import SimProfile
 from cpd.ops.config import load_settings
 from cpd.protocol.errors import CpdError
+from cpd.protocol.roles import Role
 from cpd.sim.workloads import WorkloadRequest
 from services.router.configured import make_policy
 from tools.bench import eviction as eviction_bench
@@ -253,6 +254,19 @@ def test_the_plan_runs_the_arena_size_and_policy_of_its_settings(eviction: str) 
         cc.nodes[0].cost.kv_bytes_per_token * cc.block_size)
     with pytest.raises(CpdError):
         config_for(s, build_parser().parse_args(["plan", "--arena-gb", "-1"]))
+
+
+@pytest.mark.parametrize(("decode_copies_first", "decode_first"), [(False, False), (True, True)])
+def test_a_decode_arena_evicts_copies_first_only_when_its_setting_says(
+        decode_copies_first: bool, decode_first: bool) -> None:
+    """As the workers' arenas (``dataplane.decode_copies_first``): a prefill-side arena
+    always evicts copies first, a decode arena only with the setting."""
+    s = load_settings(environ={}, overrides=[
+        f"dataplane.decode_copies_first={str(decode_copies_first).lower()}"])
+    cc = cluster_config(config_for(s, build_parser().parse_args(["plan"])),
+                        topology("cpd", 1, 1, 1))
+    first = {spec.role: _Node(spec, cc, Copies()).dram.copies_first for spec in cc.nodes}
+    assert first == {Role.PREPREFILL: True, Role.PREFILL: True, Role.DECODE: decode_first}
 
 
 def test_a_disk_tier_keeps_what_a_small_arena_loses() -> None:

@@ -1,5 +1,5 @@
 """The worker's parts that hold no I/O of their own: peer addresses (and the wait for a
-peer a plan names first), its load, and its arena's shared-memory files."""
+peer a plan names first), its load, its arena's shared-memory files and eviction order."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from cpd.kvstore import BlockStore, DiskTier, KvStore
+from cpd.ops.config import load_settings
 from cpd.protocol import wire
 from services.worker.arena import Arena, remove_stale_files
+from services.worker.core import _copies_first
 from services.worker.load import WorkerLoad
 from services.worker.peers import Peers
 
@@ -95,3 +97,14 @@ def test_arena_files_are_removed_and_a_dead_predecessors_are_swept(tmp_path: Pat
     assert not arena.path.exists()
     remove_stale_files(tmp_path, "w0")
     assert live.exists()
+
+
+@pytest.mark.parametrize(("role", "setting", "first"), [
+    ("preprefill", "false", True),   # the prefill side always evicts copies first
+    ("prefill", "false", True),
+    ("decode", "true", True),        # decode as dataplane.decode_copies_first says
+    ("decode", "false", False),
+])
+def test_which_arenas_evict_copies_first(role: str, setting: str, first: bool) -> None:
+    s = load_settings(environ={}, overrides=[f"dataplane.decode_copies_first={setting}"])
+    assert _copies_first(s, role) is first

@@ -93,6 +93,8 @@ class ClusterConfig:
     # (dataplane.eviction).
     dram_bytes: int = 2 << 40
     eviction: EvictionName = "tinylfu"
+    # A decode node's arena evicts copies first too (dataplane.decode_copies_first).
+    decode_copies_first: bool = True
     # Each worker's disk tier below its arena (dataplane.disk_bytes; 0: none), which
     # every sealed block is written behind to, evicting by the same policy, and its
     # read rate (GB/s; the router's router.disk_bandwidth_gbps, which prices it).
@@ -170,9 +172,11 @@ class _Node:
                else spec.cost.kv_capacity_tokens // bs)
         self.gpu = PrefixStore(gpu)
         block_bytes = spec.cost.kv_bytes_per_token * bs
-        # The arena evicts blocks with a copy elsewhere first (kvindex tells it which).
+        # The arena evicts blocks with a copy elsewhere first (kvindex tells it which), a
+        # decode node's as dataplane.decode_copies_first says (services/worker/core.py).
+        first = spec.role != Role.DECODE or cfg.decode_copies_first
         self.dram = PrefixStore(cfg.dram_bytes // block_bytes, eviction=cfg.eviction,
-                                copies=copies, copies_first=True)
+                                copies=copies, copies_first=first)
         self.disk = (PrefixStore(cfg.disk_bytes // block_bytes, eviction=cfg.eviction,
                                  copies=copies) if cfg.disk_bytes else None)
         self.disk_free = 0.0      # its disk reads, one at a time

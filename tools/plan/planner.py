@@ -224,7 +224,9 @@ def _config_json(cfg: PlanConfig) -> dict:
             "ladder": list(cfg.ladder) if cfg.ladder else None,
             "resolution": cfg.resolution, "network_gbps": cfg.network_gbps,
             "dram_bytes": cfg.dram_bytes, "disk_bytes": cfg.disk_bytes,
-            "eviction": cfg.settings.dataplane.eviction, "max_inflight": cfg.max_inflight,
+            "eviction": cfg.settings.dataplane.eviction,
+            "decode_copies_first": cfg.settings.dataplane.decode_copies_first,
+            "max_inflight": cfg.max_inflight,
             "long_prefill_token_threshold":
                 cfg.settings.worker.long_prefill_token_threshold,
             "topologies": [t.label for t in cfg.topologies]}

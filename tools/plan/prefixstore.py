@@ -319,6 +319,11 @@ class PrefixStore:
         if self._sharing() and self._tail_shared(run):
             heapq.heappush(self._shared, record)
 
+    @property
+    def copies_first(self) -> bool:
+        """Whether this store evicts blocks with a copy elsewhere before its policy's."""
+        return self._copies_first
+
     def _sharing(self) -> bool:
         """Whether this store evicts copies first and the copies are counted yet."""
         return self._copies_first and self._copies.active  # type: ignore[union-attr]

@@ -213,6 +213,7 @@ def cluster_config(cfg: PlanConfig, top: Topology) -> ClusterConfig:
         nodes=nodes, scheduler=sched, async_kv_load=s.worker.async_kv_load,
         block_size=s.cache.block_size, gpu_cache_blocks=s.sim.gpu_cache_blocks or None,
         dram_bytes=cfg.dram_bytes, eviction=s.dataplane.eviction,
+        decode_copies_first=s.dataplane.decode_copies_first,
         disk_bytes=cfg.disk_bytes, disk_gbps=s.router.disk_bandwidth_gbps,
         # The elastic boundary is CPD's: the P/D baselines stand for today's systems.
         prefill_decodes=s.worker.serve_decode and top.policy == "cpd",

@@ -10,8 +10,10 @@ view into the arena (what the engine writes into and what UCX sends from / recei
 and never touches pinned or unsealed blocks: blocks kvindex says have a copy elsewhere
 first (least recently used first), then in the order of a policy
 (:mod:`cpd.kvstore.eviction`: LRU, or LRU with frequency admission), so that the
-cluster's arenas pool their capacity rather than hold the same blocks. Each transition
-appends the lifecycle event kvindex needs to an outbox (:meth:`BlockStore.drain_events`).
+cluster's arenas pool their capacity rather than hold the same blocks (a decode
+worker's arena can keep to its policy alone: ``dataplane.decode_copies_first``). Each
+transition appends the lifecycle event kvindex needs to an outbox
+(:meth:`BlockStore.drain_events`).
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ class BlockStore:
                  clock: Callable[[], float] = time.monotonic,
                  capability: Callable[[str], bytes] | None = None,
                  eviction: str | PolicyFactory = "lru", backed: bool = True,
-                 on_removed: Callable[[list[BlockEntry]], None] | None = None) -> None:
+                 on_removed: Callable[[list[BlockEntry]], None] | None = None,
+                 copies_first: bool = True) -> None:
         """``capability``: namespace → this node's read capability (a
         :meth:`cpd.protocol.capability.Keyring.issue`), attached to every ``BlocksSealed`` event so
         kvindex can hand it to readers; ``None`` attaches none (open data plane).
@@ -139,7 +142,9 @@ class BlockStore:
         bookkeeping without bytes in memory (a tier whose blocks live elsewhere, such as
         :class:`~cpd.kvstore.disk.DiskTier`'s files): slots only count capacity, and
         :meth:`seal` needs each block's digest. ``on_removed`` is called with the sealed
-        blocks that leave (evicted or discarded), as they leave."""
+        blocks that leave (evicted or discarded), as they leave. ``copies_first``: blocks
+        kvindex says have a copy elsewhere leave before the policy's victims (False: the
+        policy alone decides, ``dataplane.decode_copies_first``)."""
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError("slot_bytes and num_slots must be positive")
         self.capability = capability
@@ -173,6 +178,7 @@ class BlockStore:
         self._policy: EvictionPolicy = eviction(num_slots, self._entries)
         # Lazy heap of (tick, hash) of evictable blocks with a copy elsewhere.
         self._shared: list[tuple[int, bytes]] = []
+        self.copies_first = copies_first
         self._leases: dict[str, Lease] = {}
         self._outbox: list[wire.KvEvent] = []
         self._evicted: list[BlockEntry] = []  # evicted by the current operation
@@ -406,7 +412,7 @@ class BlockStore:
                     continue
                 named += 1
                 entry.shared = flag
-                if flag and evictable(entry):
+                if flag and self.copies_first and evictable(entry):
                     heapq.heappush(self._shared, (entry.tick, entry.hash))
         return named
 
@@ -549,7 +555,7 @@ class BlockStore:
 
     def _offer(self, entry: BlockEntry) -> None:
         self._policy.offer(entry)
-        if entry.shared:
+        if entry.shared and self.copies_first:
             heapq.heappush(self._shared, (entry.tick, entry.hash))
             if len(self._shared) > 4 * len(self._entries) + 64:
                 self._shared = [(e.tick, e.hash) for e in self._entries.values()
@@ -567,7 +573,8 @@ class BlockStore:
         return None
 
     def _evict_one(self) -> bool:
-        entry = self._shared_victim() or self._policy.victim()
+        entry = (self._shared_victim() if self.copies_first else None) \
+            or self._policy.victim()
         if entry is None:
             return False
         self._remove(entry, evicted=True)

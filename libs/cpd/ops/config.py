@@ -329,6 +329,13 @@ class DataPlaneSettings(_Section):
     # more sessions than fit (LRU keeps none) and a hot set through a one-off scan;
     # "lru" is least recently used (docs/architecture.md, "KV tiers and the data plane").
     eviction: EvictionName = "tinylfu"
+    # Whether a decode worker's arena, like a prefill-side worker's, evicts blocks with a
+    # copy elsewhere before its policy's victims. On, the cluster's arenas pool their
+    # capacity fully (more of a working set larger than the arenas is reused); off, a
+    # decode arena keeps its sessions' earlier turns by its policy, so their next
+    # hand-offs pull less, which pays where the engines' caches hold the working set and
+    # the arenas fill with cold prompts (docs/plan.md, "Decode arenas").
+    decode_copies_first: bool = True
     # Bytes of one cache block (one arena slot). 0 derives it from the model:
     # layers × (K, V) × cache.block_size × KV heads × head dim × dtype size.
     block_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
