@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cpd.kvstore import BlockStore, DiskTier, KvStore
+from cpd.kvstore import BlockStore, DiskTier, KvStore, evicts_copies_first
 from cpd.ops.config import load_settings
 from cpd.protocol import wire
 from services.worker.arena import Arena, remove_stale_files
-from services.worker.core import _copies_first
 from services.worker.load import WorkerLoad
 from services.worker.peers import Peers
 
@@ -107,4 +106,4 @@ def test_arena_files_are_removed_and_a_dead_predecessors_are_swept(tmp_path: Pat
 ])
 def test_which_arenas_evict_copies_first(role: str, setting: str, first: bool) -> None:
     s = load_settings(environ={}, overrides=[f"dataplane.decode_copies_first={setting}"])
-    assert _copies_first(s, role) is first
+    assert evicts_copies_first(role, s.dataplane.decode_copies_first) is first

@@ -23,7 +23,7 @@ from opentelemetry.metrics import Observation
 from cpd.bus import BAD_INPUT, Bus, KeepAlives
 from cpd.engines import Engine, EngineStep
 from cpd.engines.servedmodel import ServedModel
-from cpd.kvstore import BlockEntry, BlockStore, DiskTier, KvStore
+from cpd.kvstore import BlockEntry, BlockStore, DiskTier, KvStore, evicts_copies_first
 from cpd.kvstore import events as kvevents
 from cpd.ops import metrics, telemetry
 from cpd.ops.audit import AuditLog
@@ -39,7 +39,6 @@ from cpd.protocol.errors import (
 )
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.lifecycle import BlockState
-from cpd.protocol.roles import Role
 from cpd.transfer import TransferClient, TransferServer, init_ucx
 from services.worker.arena import Arena
 from services.worker.load import WorkerLoad
@@ -116,7 +115,8 @@ class WorkerCore:
         kv = KvStore(BlockStore(slots.shape[1], slots.shape[0], node=node, arena=slots,
                                 capability=keyring.issue,
                                 eviction=settings.dataplane.eviction,
-                                copies_first=_copies_first(settings, role)),
+                                copies_first=evicts_copies_first(
+                                    role, settings.dataplane.decode_copies_first)),
                      kvevents.KvEventPublisher(js, node, epoch=epoch),
                      disk=_disk_tier(settings, node, slots.shape[1], keyring))
         opened: list[Any] = [kv]
@@ -282,13 +282,6 @@ class WorkerCore:
             self.metrics.kv_bytes.add(written * slot, {"role": role, "direction": "write"})
         if loaded:
             self.metrics.kv_bytes.add(loaded * slot, {"role": role, "direction": "load"})
-
-
-def _copies_first(settings: Settings, role: str) -> bool:
-    """Whether the arena of a worker of ``role`` evicts blocks with a copy elsewhere
-    first: always on the prefill side, on decode as ``dataplane.decode_copies_first``
-    says."""
-    return role != Role.DECODE or settings.dataplane.decode_copies_first
 
 
 def _disk_tier(settings: Settings, node: str, slot_bytes: int,

@@ -46,6 +46,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from cpd.kvstore import evicts_copies_first
 from cpd.kvstore.eviction import EvictionName
 from cpd.protocol import wire
 from cpd.protocol.roles import PREFILL_ROLES, Role
@@ -173,10 +174,10 @@ class _Node:
         self.gpu = PrefixStore(gpu)
         block_bytes = spec.cost.kv_bytes_per_token * bs
         # The arena evicts blocks with a copy elsewhere first (kvindex tells it which), a
-        # decode node's as dataplane.decode_copies_first says (services/worker/core.py).
-        first = spec.role != Role.DECODE or cfg.decode_copies_first
+        # decode node's as dataplane.decode_copies_first says (as the workers' arenas).
         self.dram = PrefixStore(cfg.dram_bytes // block_bytes, eviction=cfg.eviction,
-                                copies=copies, copies_first=first)
+                                copies=copies, copies_first=evicts_copies_first(
+                                    spec.role, cfg.decode_copies_first))
         self.disk = (PrefixStore(cfg.disk_bytes // block_bytes, eviction=cfg.eviction,
                                  copies=copies) if cfg.disk_bytes else None)
         self.disk_free = 0.0      # its disk reads, one at a time

@@ -1,10 +1,18 @@
 """The KV store layer: a worker's host-DRAM block arena, the disk tier below it, and the
 lifecycle events both publish into ``CPD_KV``."""
 
-from .arena import BlockEntry, BlockStore, Lease, as_byte_array, checksum, kv_block_bytes
+from .arena import (
+    BlockEntry,
+    BlockStore,
+    Lease,
+    as_byte_array,
+    checksum,
+    evicts_copies_first,
+    kv_block_bytes,
+)
 from .disk import DiskTier
 from .events import KvEventPublisher
 from .store import KvStore
 
 __all__ = ["BlockEntry", "BlockStore", "DiskTier", "KvEventPublisher", "KvStore", "Lease",
-           "as_byte_array", "checksum", "kv_block_bytes"]
+           "as_byte_array", "checksum", "evicts_copies_first", "kv_block_bytes"]

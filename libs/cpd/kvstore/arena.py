@@ -37,6 +37,7 @@ from cpd.protocol.errors import (
     MalformedMessage,
 )
 from cpd.protocol.lifecycle import BlockState
+from cpd.protocol.roles import Role
 
 from .events import MAX_BLOCKS_PER_EVENT
 from .eviction import POLICIES, EvictionPolicy, PolicyFactory, evictable
@@ -118,6 +119,13 @@ class Lease:
     lease_id: str
     hashes: tuple[bytes, ...]
     expires: float
+
+
+def evicts_copies_first(role: str, decode_copies_first: bool) -> bool:
+    """Whether the arena of a worker of ``role`` evicts blocks with a copy elsewhere
+    first: always on the prefill side, on decode as ``dataplane.decode_copies_first``
+    says (the workers and the planner both ask here)."""
+    return role != Role.DECODE or decode_copies_first
 
 
 class BlockStore:
@@ -573,8 +581,8 @@ class BlockStore:
         return None
 
     def _evict_one(self) -> bool:
-        entry = (self._shared_victim() if self.copies_first else None) \
-            or self._policy.victim()
+        # Without copies_first nothing is ever offered as shared: the policy decides.
+        entry = self._shared_victim() or self._policy.victim()
         if entry is None:
             return False
         self._remove(entry, evicted=True)
