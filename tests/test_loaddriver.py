@@ -151,6 +151,25 @@ def test_the_settle_phase_runs_but_is_not_measured() -> None:
     assert out["ttft_p90_s"] == pytest.approx(0.5)
 
 
+def test_report_sums_what_the_requests_pulled_from_peers_and_their_load_time() -> None:
+    phases = Phases(ramp_s=10.0, steady_s=10.0)
+    results = [
+        _result("pulled", 11.0, 0.5, 1.0, path="warm", timings={"load_ms": 20.0},
+                tokens=wire.PromptTokens(remote=4000, computed=10)),
+        _result("pulled too", 12.0, 0.5, 1.0, path="warm", timings={"load_ms": 30.0},
+                tokens=wire.PromptTokens(remote=1000, dram=50)),
+        # Loaded only from its own DRAM: not the network's time.
+        _result("own", 13.0, 0.5, 1.0, path="warm", timings={"load_ms": 9.0},
+                tokens=wire.PromptTokens(dram=900)),
+        _result("failed", 14.0, None, None, error="unavailable", timings={"load_ms": 99.0},
+                tokens=wire.PromptTokens(remote=7000)),
+        _result("ramp", 5.0, 0.5, 1.0, timings={"load_ms": 99.0},
+                tokens=wire.PromptTokens(remote=7000)),
+    ]
+    out = report(results, target_qps=0.5, gpus=1, ttft_slo_s=3.0, phases=phases)
+    assert out["remote_load"] == {"tokens": 5000, "wall_s": 0.05}
+
+
 def test_report_of_an_empty_window_is_json_safe() -> None:
     out = report([], target_qps=1.0, gpus=1, ttft_slo_s=3.0, phases=Phases(1.0, 1.0))
     assert out["requests"] == 0 and out["ttft_p50_s"] is None

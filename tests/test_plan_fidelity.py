@@ -13,7 +13,8 @@ import pytest
 
 from cpd.ops.config import Settings
 from cpd.protocol.errors import CpdError
-from tools.bench.fidelity import plan_config
+from cpd.sim.costmodel import PRESETS
+from tools.bench.fidelity import data_plane_gbps, merged, plan_config
 from tools.cli import build_parser
 from tools.plan.cli import config_for
 from tools.plan.fidelity import compare, rel_diff, ttft_loads
@@ -105,6 +106,54 @@ def test_the_plan_takes_the_recorded_sweep_configuration() -> None:
             == c["long_prefill_token_threshold"])
 
 
+KV = PRESETS["b200-tp4-llama-3.1-8b-fp8"].kv_bytes_per_token
+
+
+def _pulled(*loads: tuple[int, float], time_scale: float = 1.0,
+            preset: str = "b200-tp4-llama-3.1-8b-fp8") -> dict:
+    return {"config": {"preset": preset, "time_scale": time_scale},
+            "topologies": {"CPD-1D": {"points": [
+                {"remote_load": {"tokens": t, "wall_s": w}} for t, w in loads]}}}
+
+
+@pytest.mark.parametrize(("sweep", "want"), [
+    # 1M tokens pulled in 2 s over two points: the preset's bytes of them per second.
+    (_pulled((600_000, 1.0), (400_000, 1.0)), round(1_000_000 * KV / 2 / 1e9, 2)),
+    # Twice the simulated seconds per wall second: half the rate in simulated time.
+    (_pulled((1_000_000, 2.0), time_scale=2.0), round(1_000_000 * KV / 4 / 1e9, 2)),
+    (_pulled((0, 0.0)), None),                            # nothing pulled
+    (_pulled(), None),                                    # no points
+    ({"config": {"preset": "b200-tp4-llama-3.1-8b-fp8"},  # recorded before the key
+      "topologies": {"CPD-1D": {"points": [{}]}}}, None),
+    (_pulled((1000, 1.0), preset="nope"), None),          # an unknown preset
+])
+def test_the_plan_runs_at_the_rate_the_sweeps_pulls_achieved(sweep: dict,
+                                                            want: float | None) -> None:
+    assert data_plane_gbps(sweep) == want
+
+
+def test_the_plan_of_a_sweep_that_pulled_runs_on_its_network() -> None:
+    sweep = json.loads(RECORDED.read_text())
+    base = plan_config(Settings(), sweep, jobs=1).network_gbps
+    label = next(iter(sweep["topologies"]))
+    sweep["topologies"][label]["points"][0]["remote_load"] = {"tokens": 10**6, "wall_s": 1.0}
+    assert plan_config(Settings(), sweep, jobs=1).network_gbps == round(KV / 1e3, 2) != base
+
+
+def test_sweeps_of_one_configuration_merge() -> None:
+    a = {"config": {"preset": "p", "topologies": ["2P1D pd-kv"]}, "wall_s": 10.0,
+         "topologies": {"2P1D pd-kv": {"points": []}}}
+    b = {"config": {"preset": "p", "topologies": ["CPD-1D"]}, "wall_s": 5.0,
+         "topologies": {"CPD-1D": {"points": []}}}
+    m = merged([a, b])
+    assert list(m["topologies"]) == ["2P1D pd-kv", "CPD-1D"] == m["config"]["topologies"]
+    assert m["wall_s"] == 15.0 and a["config"]["topologies"] == ["2P1D pd-kv"]
+    with pytest.raises(CpdError):
+        merged([a, {**b, "config": {"preset": "q", "topologies": ["CPD-1D"]}}])
+    with pytest.raises(CpdError):
+        merged([])
+
+
 def test_a_file_that_is_not_a_sweep_is_a_typed_error(tmp_path: Path) -> None:
     with pytest.raises(CpdError, match="not a cpd bench sweep result"):
         plan_config(Settings(), {"config": {"workload": "coding-agent"}}, jobs=1)
@@ -113,12 +162,15 @@ def test_a_file_that_is_not_a_sweep_is_a_typed_error(tmp_path: Path) -> None:
     bad = tmp_path / "x.json"
     bad.write_text("{")
     with pytest.raises(CpdError, match="cannot read the sweep result"):
-        fidelity.run(Settings(), sweep_json=str(bad))
+        fidelity.run(Settings(), sweep_json=[str(bad)])
 
 
 def test_fidelity_flags_parse() -> None:
     args = build_parser().parse_args(["bench", "plan", "--fidelity", "--sweep-json", "s.json"])
-    assert (args.fidelity, args.sweep_json, args.quick) == (True, "s.json", False)
+    assert (args.fidelity, args.sweep_json, args.quick) == (True, ["s.json"], False)
+    args = build_parser().parse_args(["bench", "plan", "--fidelity", "--sweep-json", "a.json",
+                                      "b.json"])
+    assert args.sweep_json == ["a.json", "b.json"]
     args = build_parser().parse_args(["plan", "--max-inflight", "64", "--dispatch-ms", "3",
                                       "--relay-ms", "1.5"])
     assert (args.max_inflight, args.dispatch_ms, args.relay_ms) == (64, 3.0, 1.5)

@@ -5,8 +5,15 @@ One ``cpd bench sweep`` (NATS, kvindex, router and workers as processes, sim eng
 real UCX) and one ``cpd plan`` on one seed, with the same topologies, workload, preset,
 loads, phases, SLO, client in-flight cap and worker settings; then
 :func:`tools.plan.fidelity.compare`. The sweep takes about 40 minutes on a 2-core host,
-so ``--sweep-json`` compares against a sweep already run (``cpd bench sweep --json``),
-planning with that sweep's own configuration.
+so ``--sweep-json`` compares against sweeps already run (``cpd bench sweep --json``;
+several of one configuration are merged), planning with that configuration.
+
+The plan's network is the data plane the sweep had: sim engines move a scaled-down
+copy of each block's bytes (``sim.kv_scale_down``) over this host's UCX, so a pull
+takes what the host's data plane takes, not what the preset's KV bytes would take on
+the planner's default network. The plan runs at the rate the sweep's pulls achieved
+(:func:`data_plane_gbps`: tokens pulled × the preset's KV bytes per token ÷ their load
+time), as it runs with the services' measured latency constants.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import msgspec
 
 from cpd.ops.config import Settings
 from cpd.protocol.errors import CpdError
+from cpd.sim.costmodel import PRESETS
 from tools.bench import sweep
 from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.loaddriver import Phases
@@ -52,8 +60,47 @@ def sweep_config(settings: Settings, *, quick: bool) -> sweep.SweepConfig:
         long_prefill_token_threshold=LONG_PREFILL_TOKEN_THRESHOLD)
 
 
+def data_plane_gbps(sweep_result: dict) -> float | None:
+    """The network the sweep's pulls saw, in the preset's bytes (GB/s, as
+    ``--network-gbps``): every point's ``remote_load`` summed; ``None`` when it pulled
+    nothing or was recorded without them."""
+    tokens, wall_s = 0, 0.0
+    for top in sweep_result.get("topologies", {}).values():
+        for point in top.get("points", ()):
+            load = point.get("remote_load") or {}
+            tokens += int(load.get("tokens", 0))
+            wall_s += float(load.get("wall_s", 0.0))
+    c = sweep_result.get("config", {})
+    if tokens <= 0 or wall_s <= 0 or c.get("preset") not in PRESETS:
+        return None
+    simulated_s = wall_s * float(c.get("time_scale") or 1.0)
+    return round(tokens * PRESETS[c["preset"]].kv_bytes_per_token / simulated_s / 1e9, 2)
+
+
+def merged(results: list[dict]) -> dict:
+    """Sweeps of one configuration run apart (e.g. the pd topologies and CPD-1D) as one
+    result: their topologies together. A typed error if their configurations differ
+    other than in the topologies."""
+    if not results:
+        raise CpdError("no sweep result to compare with")
+    first = results[0]
+    out = {**first, "config": dict(first.get("config", {})),
+           "topologies": dict(first.get("topologies", {}))}
+    same = {k: v for k, v in out["config"].items() if k != "topologies"}
+    for r in results[1:]:
+        c = r.get("config", {})
+        if {k: v for k, v in c.items() if k != "topologies"} != same:
+            raise CpdError("the sweep results have different configurations")
+        out["topologies"].update(r.get("topologies", {}))
+        out["wall_s"] = (out.get("wall_s") or 0) + (r.get("wall_s") or 0)
+        out["config"]["topologies"] = [*out["config"].get("topologies", []),
+                                       *c.get("topologies", [])]
+    return out
+
+
 def plan_config(settings: Settings, sweep_result: dict, jobs: int) -> PlanConfig:
-    """The plan of one seed with the sweep's own configuration (its JSON ``config``)."""
+    """The plan of one seed with the sweep's own configuration (its JSON ``config``) and
+    its data plane's rate (:func:`data_plane_gbps`, else the planner's default)."""
     c = sweep_result["config"]
     try:
         tops = tuple(sweep.BY_LABEL[x] for x in c["topologies"]
@@ -71,21 +118,26 @@ def plan_config(settings: Settings, sweep_result: dict, jobs: int) -> PlanConfig
             ladder=tuple(float(q) for q in c["qps_per_gpu"]),
             stop_after=c.get("stop_after_unsustainable"),
             max_inflight=int(c["max_inflight"]), jobs=jobs,
+            network_gbps=data_plane_gbps(sweep_result) or PlanConfig.network_gbps,
             settings=msgspec.structs.replace(settings, worker=worker))
     except (KeyError, TypeError, ValueError) as e:
         raise CpdError(f"not a cpd bench sweep result: {e!r}") from None
 
 
-def run(settings: Settings, *, quick: bool = False, sweep_json: str | None = None,
+def _read(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CpdError(f"cannot read the sweep result {path}: {e}") from None
+
+
+def run(settings: Settings, *, quick: bool = False, sweep_json: list[str] | None = None,
         jobs: int = 0) -> dict:
-    """Run (or read) the sweep, plan the same, compare; the JSON-able result."""
+    """Run (or read and merge) the sweep, plan the same, compare; the JSON-able result."""
     load_before = load_average()
     t0 = time.perf_counter()
     if sweep_json:
-        try:
-            real = json.loads(Path(sweep_json).read_text())
-        except (OSError, ValueError) as e:
-            raise CpdError(f"cannot read the sweep result {sweep_json}: {e}") from None
+        real = merged([_read(p) for p in sweep_json])
     else:
         real = sweep.run(settings, sweep_config(settings, quick=quick))
     sweep_s = time.perf_counter() - t0
@@ -102,10 +154,11 @@ def run(settings: Settings, *, quick: bool = False, sweep_json: str | None = Non
         "sweep_wall_s": round(sweep_s, 1) if not sweep_json else real.get("wall_s"),
         "plan_wall_s": round(plan_s, 2),
         "plan": {"dispatch_s": cfg.dispatch_s, "relay_s": cfg.relay_s,
-                 "handoff_s": cfg.handoff_s, "network_gbps": cfg.network_gbps},
+                 "handoff_s": cfg.handoff_s, "network_gbps": cfg.network_gbps,
+                 "network_from_sweep": data_plane_gbps(real) is not None},
         "host": machine_info() | {"load_average_before": load_before,
                                   "load_average_after": load_average()},
     }
 
 
-__all__ = ["plan_config", "run", "sweep_config"]
+__all__ = ["data_plane_gbps", "merged", "plan_config", "run", "sweep_config"]

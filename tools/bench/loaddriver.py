@@ -276,8 +276,20 @@ def report(results: Sequence[Result], *, target_qps: float, gpus: int, ttft_slo_
         "decode_tokens_per_s_per_gpu": round(
             sum(r.output_tokens for r in done) / span / gpus, 1),
         "by_path": _by_path(arrived),
+        "remote_load": _remote_load(arrived),
     })
     return out
+
+
+def _remote_load(arrived: Sequence[Result]) -> dict:
+    """What the data plane delivered: prompt tokens pulled from peers and the load time
+    of the requests that pulled them (wall s, from their timings), so that a planner can
+    run at the transfer rate this host's data plane achieved (``cpd bench plan
+    --fidelity``)."""
+    pulled = [r for r in arrived if r.error is None and r.tokens.remote and r.timings
+              and r.timings.get("load_ms")]
+    return {"tokens": sum(r.tokens.remote for r in pulled),
+            "wall_s": round(sum((r.timings or {})["load_ms"] for r in pulled) / 1e3, 4)}
 
 
 def _by_path(arrived: Sequence[Result]) -> dict[str, dict]:

@@ -193,9 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fidelity", action="store_true",
                         help="instead: the planner against cpd bench sweep on the same "
                              "workload, loads and phases (the sweep runs for about 40 minutes)")
-    parser.add_argument("--sweep-json", metavar="PATH",
-                        help="--fidelity against this cpd bench sweep result instead of "
-                             "running one")
+    parser.add_argument("--sweep-json", metavar="PATH", nargs="+",
+                        help="--fidelity against these cpd bench sweep results (one "
+                             "configuration, merged) instead of running one")
 
 
 def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
