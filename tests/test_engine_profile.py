@@ -79,6 +79,21 @@ def test_sim_cost_seeds_are_the_presets_in_wall_time(scale: float) -> None:
         tuple(c / scale for c in simulated))
 
 
+@pytest.mark.parametrize(("overrides", "slack_s"), [
+    (["worker.engine=sim"], 0.005),
+    (["worker.engine=sim", "sim.host_slack_s=0.05"], 0.05),
+])
+def test_a_sim_engine_takes_its_host_slack_from_the_settings(overrides: list[str],
+                                                             slack_s: float) -> None:
+    s = load_settings(environ={}, overrides=overrides)
+    assert engine_profile(s).build_engine("decode", None, None).host_slack_s == slack_s
+
+
+def test_a_negative_host_slack_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        load_settings(environ={}, overrides=["sim.host_slack_s=-1"])
+
+
 def _engine_kind_reads(path: Path) -> list[int]:
     """Lines of ``path`` that read ``<x>.worker.engine`` (the engine kind)."""
     tree = ast.parse(path.read_text())

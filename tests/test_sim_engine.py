@@ -306,6 +306,33 @@ async def test_host_lag_between_steps_is_not_simulated_compute(
         assert gap >= (steps - 1) * lag_s
 
 
+@pytest.mark.parametrize(("slack_s", "counted"), [(HOST_SLACK_S, True),
+                                                  (10 * HOST_SLACK_S, False)])
+async def test_a_host_stall_counts_only_past_the_configured_slack(
+        monkeypatch: pytest.MonkeyPatch, slack_s: float, counted: bool) -> None:
+    """One 20 ms stall of the host between two steps (``sim.host_slack_s``): past a 5 ms
+    slack it is simulated time; within a 50 ms one the next steps catch up with their
+    deadlines and the simulated clock is the steps' own."""
+    stall = 0.02
+    e = SimEngine(B200_TP4_8B, block_size=BS, time_scale=1.0, prefix_caching=False,
+                  host_slack_s=slack_s)
+    deliver = e._deliver
+
+    def stalled_deliver(plan: object) -> None:
+        deliver(plan)  # type: ignore[arg-type]
+        if e.steps == 5:
+            time.sleep(stall)
+
+    monkeypatch.setattr(e, "_deliver", stalled_deliver)
+    await e.start()
+    try:
+        await gen(e, "a", sampling=wire.SamplingParams(max_tokens=20, ignore_eos=True))
+    finally:
+        await e.stop()
+    gap = e._sim_clock - e.busy_s
+    assert (gap >= stall) is counted, gap
+
+
 async def test_rejects_bad_requests(engine: SimEngine) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         await gen(engine, "big", sampling=wire.SamplingParams(max_tokens=engine.max_model_len))

@@ -191,7 +191,7 @@ class SimProfile(EngineProfile):
                 block_size=bs, long_prefill_token_threshold=w.long_prefill_token_threshold,
                 async_kv_load=w.loads_async(role)),
             max_model_len=s.max_model_len, vocab_size=s.vocab_size,
-            gpu_cache_blocks=s.gpu_cache_blocks or None)
+            gpu_cache_blocks=s.gpu_cache_blocks or None, host_slack_s=s.host_slack_s)
 
     def cache_event_bridge(self, engine: Engine, publisher: KvEventPublisher,
                            namespace: Namespace, *, kv_events_endpoint: str = ""

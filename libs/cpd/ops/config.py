@@ -580,6 +580,9 @@ class SimSettings(_Section):
     # Arena slots hold the modelled KV bytes of a block divided by this (32 MiB -> 4 KiB
     # for the 8B preset): real bytes over the real data plane, at a size this host moves.
     kv_scale_down: PositiveInt = 8192
+    # Wall seconds the host may fall behind between two steps before its lag counts as
+    # simulated time (the host, not the modelled GPU, is then the bottleneck).
+    host_slack_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005
     max_model_len: PositiveInt = 262_144
     vocab_size: PositiveInt = 32_000
     # The engine's own prefix cache in blocks; 0 derives it from the preset's GPU memory.
