@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
@@ -275,19 +275,19 @@ async def test_time_scale_paces_wall_time() -> None:
     assert wall >= 0.9 * sim / 10.0
 
 
-@pytest.mark.parametrize(("lag_s", "chained"), [(0.002, True), (2 * HOST_SLACK_S, False)])
-async def test_host_lag_between_steps_is_not_simulated_compute(
-        monkeypatch: pytest.MonkeyPatch, lag_s: float, chained: bool) -> None:
-    """Back-to-back steps chain in simulated time, as a GPU's do: the host blocking
-    ``lag_s`` after each step (delivering tokens, other work on the loop) does not move
-    the next step's start while it is under the slack; past it, the host is the
-    bottleneck and its lag counts."""
-    e = SimEngine(B200_TP4_8B, block_size=BS, time_scale=1.0, prefix_caching=False)
+async def _host_lag_gap(monkeypatch: pytest.MonkeyPatch, lag: Callable[[int], float], *,
+                        slack_s: float = HOST_SLACK_S) -> tuple[int, float]:
+    """Generate 20 tokens with the host blocking ``lag(step)`` seconds after each step;
+    the steps run and the simulated clock's excess over the steps' own time (the first
+    step's start, simulated time while idle following the wall clock, plus any lag that
+    counted)."""
+    e = SimEngine(B200_TP4_8B, block_size=BS, time_scale=1.0, prefix_caching=False,
+                  host_slack_s=slack_s)
     deliver = e._deliver
 
     def slow_deliver(plan: object) -> None:
         deliver(plan)  # type: ignore[arg-type]
-        time.sleep(lag_s)
+        time.sleep(lag(e.steps))
 
     monkeypatch.setattr(e, "_deliver", slow_deliver)
     await e.start()
@@ -295,10 +295,17 @@ async def test_host_lag_between_steps_is_not_simulated_compute(
         await gen(e, "a", sampling=wire.SamplingParams(max_tokens=20, ignore_eos=True))
     finally:
         await e.stop()
-    steps = e.steps
-    # The simulated clock ends where the busy time says, plus the first step's start
-    # (simulated time while idle follows the wall clock) and, unchained, every lag.
-    gap = e._sim_clock - e.busy_s
+    return e.steps, e._sim_clock - e.busy_s
+
+
+@pytest.mark.parametrize(("lag_s", "chained"), [(0.002, True), (2 * HOST_SLACK_S, False)])
+async def test_host_lag_between_steps_is_not_simulated_compute(
+        monkeypatch: pytest.MonkeyPatch, lag_s: float, chained: bool) -> None:
+    """Back-to-back steps chain in simulated time, as a GPU's do: the host blocking
+    ``lag_s`` after each step (delivering tokens, other work on the loop) does not move
+    the next step's start while it is under the slack; past it, the host is the
+    bottleneck and its lag counts."""
+    steps, gap = await _host_lag_gap(monkeypatch, lambda _: lag_s)
     assert steps == 20
     if chained:
         assert gap < 0.5 * (steps - 1) * lag_s
@@ -314,22 +321,8 @@ async def test_a_host_stall_counts_only_past_the_configured_slack(
     slack it is simulated time; within a 50 ms one the next steps catch up with their
     deadlines and the simulated clock is the steps' own."""
     stall = 0.02
-    e = SimEngine(B200_TP4_8B, block_size=BS, time_scale=1.0, prefix_caching=False,
-                  host_slack_s=slack_s)
-    deliver = e._deliver
-
-    def stalled_deliver(plan: object) -> None:
-        deliver(plan)  # type: ignore[arg-type]
-        if e.steps == 5:
-            time.sleep(stall)
-
-    monkeypatch.setattr(e, "_deliver", stalled_deliver)
-    await e.start()
-    try:
-        await gen(e, "a", sampling=wire.SamplingParams(max_tokens=20, ignore_eos=True))
-    finally:
-        await e.stop()
-    gap = e._sim_clock - e.busy_s
+    _, gap = await _host_lag_gap(monkeypatch, lambda step: stall if step == 5 else 0.0,
+                                 slack_s=slack_s)
     assert (gap >= stall) is counted, gap
 
 
