@@ -6,8 +6,7 @@ scale and capacity experiments (docs/architecture.md, "Engines", like Dynamo's m
   ``time_scale`` of wall time (``asyncio.sleep`` to an absolute deadline, so lateness
   does not accumulate). A step that follows another starts where it ended in simulated
   time, as a GPU's does: the host's own time between steps is not simulated compute
-  unless the host falls more than ``host_slack_s`` behind (``sim.host_slack_s``,
-  :data:`HOST_SLACK_S` by default). While idle, simulated time
+  unless the host falls more than ``sim.host_slack_s`` behind. While idle, simulated time
   follows wall time × ``time_scale``.
 * Output tokens are pseudo-random ids derived from (prompt tokens, position): two runs,
   and a run with or without cache hits, produce identical tokens: the "deterministic
@@ -115,10 +114,8 @@ class SimEngine:
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN, vocab_size: int = DEFAULT_VOCAB,
                  prefix_caching: bool = True, gpu_cache_blocks: int | None = None,
                  host_slack_s: float = HOST_SLACK_S) -> None:
-        if time_scale <= 0:
-            raise ValueError("time_scale must be > 0 (simulated seconds per wall second)")
-        if host_slack_s < 0:
-            raise ValueError("host_slack_s must be >= 0")
+        if time_scale <= 0 or host_slack_s < 0:
+            raise ValueError("time_scale must be > 0 and host_slack_s >= 0")
         self.host_slack_s = host_slack_s
         self.cost = preset(cost) if isinstance(cost, str) else cost
         self.block_size = block_size
@@ -310,8 +307,7 @@ class SimEngine:
                     continue
                 wall = self._wall_sim()   # after a step, the next starts where it ended
                 start = (self._sim_clock if chained and wall - self._sim_clock
-                         <= self.host_slack_s * self.time_scale
-                         else max(self._sim_clock, wall))
+                         <= self.host_slack_s * self.time_scale else max(self._sim_clock, wall))
                 plan = self._sched.step(start)
                 chained = plan is not None
                 if plan is None:  # only KV loads in flight (or a KV cap holds the queue)
