@@ -86,16 +86,19 @@ def merged(results: list[dict]) -> dict:
     first = results[0]
     out = {**first, "config": dict(first.get("config", {})),
            "topologies": dict(first.get("topologies", {}))}
-    same = {k: v for k, v in out["config"].items() if k != "topologies"}
     for r in results[1:]:
         c = r.get("config", {})
-        if {k: v for k, v in c.items() if k != "topologies"} != same:
+        if _but_topologies(c) != _but_topologies(out["config"]):
             raise CpdError("the sweep results have different configurations")
         out["topologies"].update(r.get("topologies", {}))
         out["wall_s"] = (out.get("wall_s") or 0) + (r.get("wall_s") or 0)
         out["config"]["topologies"] = [*out["config"].get("topologies", []),
                                        *c.get("topologies", [])]
     return out
+
+
+def _but_topologies(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "topologies"}
 
 
 def plan_config(settings: Settings, sweep_result: dict, jobs: int) -> PlanConfig:
