@@ -407,6 +407,42 @@ def test_dram_copies_hear_when_they_gain_or_lose_their_other_copies() -> None:
     assert copies(wire.LeaseExpired(node="n0", seq=0, epoch=1)) == [("n1", "C0", False)]
 
 
+def test_last_copies_evicted_are_counted_and_kept_in_snapshots() -> None:
+    """kvindex counts blocks a prefill-side node evicted from their last served copy
+    (``BlockCopies.last_evicted``): not a copy evicted while another is served, not a
+    block that never became visible, not one its writer failed or a lease expiry
+    dropped, not a decode node's. The count and the nodes' roles survive a snapshot."""
+    idx, a, b, d = Index(), Writer("n0"), Writer("n1"), Writer("d0")
+    for node in ("n0", "n1"):
+        idx.heartbeat(hb(node), 0)
+    idx.heartbeat(msgspec.structs.replace(hb("d0"), role="decode"), 0)
+
+    def lost(ev: wire.KvEvent) -> int:
+        return idx.apply(ev).last_evicted
+
+    for ev in (a.alloc("A0", "A1"), a.seal("A0", "A1"), b.alloc("A0"), b.seal("A0")):
+        lost(ev)
+    assert lost(a.evict("A0")) == 1      # A0 stays on n1; A1 (its child there) was alone
+    assert lost(b.evict("A0")) == 1      # now n1's A0 was the last
+    assert lost(a.alloc("C0")) == 0 and lost(a.evict("C0")) == 0   # never visible
+    for ev in (a.alloc("C0"), a.seal("C0")):
+        lost(ev)
+    assert lost(a.ev(wire.BlocksFailed, hashes=[H("C0")])) == 0
+    for ev in (a.alloc("C0"), a.seal("C0"), a.alloc("C0", tier=DISK),
+               a.seal("C0", tier=DISK)):
+        lost(ev)
+    assert lost(a.evict("C0")) == 0      # the DRAM copy left; the disk copy is served
+    assert lost(wire.LeaseExpired(node="n0", seq=0, epoch=1)) == 0
+    for ev in (d.alloc("A0"), d.seal("A0")):
+        lost(ev)
+    assert lost(d.evict("A0")) == 0      # a decode arena's choice, not the pool's loss
+    assert idx.last_evicted == 2
+    back, _ = Index.restore(idx.snapshot(stream_seq=9))
+    assert back.last_evicted == 2
+    assert {n: i.role for n, i in back.nodes.items()} == {
+        "n0": "prefill", "n1": "prefill", "d0": "decode"}
+
+
 def test_locations_are_keyed_by_node_and_tier() -> None:
     """Copies of one block on one node are told apart by tier; the key is never parsed,
     so even a node id with a slash in it keeps its locations apart."""

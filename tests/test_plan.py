@@ -187,6 +187,36 @@ def test_an_arena_evicts_blocks_with_a_copy_elsewhere_first(
     assert all(a.match(c) < len(c) for c in gone)
 
 
+def test_the_pool_counts_last_copies_lost_by_the_prefill_side_and_a_gate_switches_on() -> None:
+    """kvindex's ``last_evicted`` in the planner: a last copy that a counted store (the
+    prefill side's) evicts is the pool's loss, one an uncounted store (a decode arena's
+    policy) evicts is not, a copy evicted while another is held is neither. A decode
+    arena switched to copies first evicts its shared blocks before its policy's."""
+    copies = Copies()
+    pool = PrefixStore(3, copies=copies, copies_first=True)
+    pool.counts_losses = True
+    dec = PrefixStore(3, copies=copies)
+    pool.insert((1, 2, 3), 3)
+    dec.insert((1, 2, 3), 3)
+    pool.insert((4,), 1)
+    pool.insert((5, 6), 2)               # 1-2-3 leave first: dec holds them
+    assert copies.last_evicted == 0
+    pool.insert((10, 11), 2)             # 4 and 6 were the last copies
+    assert copies.last_evicted == 2
+    dec.insert((7,), 1)                  # dec's policy drops its last copy of 3
+    assert copies.last_evicted == 2
+
+    copies = Copies()
+    other, dec = PrefixStore(10, copies=copies), PrefixStore(3, copies=copies)
+    for b in (1, 2, 3):
+        dec.insert((b,), 1)
+    other.insert((2,), 1)
+    dec.insert((4,), 1)                  # by its policy: 1, least recently used
+    dec.set_copies_first(True)
+    dec.insert((5,), 1)                  # copies first: 2, which other holds
+    assert [dec.match((b,)) for b in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 1]
+
+
 class _NoCopiesSeen(Copies):
     """A registry that never reports a copy elsewhere: each arena by its policy alone."""
 
@@ -256,17 +286,23 @@ def test_the_plan_runs_the_arena_size_and_policy_of_its_settings(eviction: str) 
         config_for(s, build_parser().parse_args(["plan", "--arena-gb", "-1"]))
 
 
-@pytest.mark.parametrize(("decode_copies_first", "decode_first"), [(False, False), (True, True)])
-def test_a_decode_arena_evicts_copies_first_only_when_its_setting_says(
-        decode_copies_first: bool, decode_first: bool) -> None:
+@pytest.mark.parametrize(("decode_copies_first", "decode_first", "gated"), [
+    ("never", False, False), ("always", True, False), ("adaptive", False, True)])
+def test_a_decode_arena_evicts_copies_first_as_its_setting_says(
+        decode_copies_first: str, decode_first: bool, gated: bool) -> None:
     """As the workers' arenas (``dataplane.decode_copies_first``): a prefill-side arena
-    always evicts copies first, a decode arena only with the setting."""
+    always evicts copies first, a decode arena as the setting says ("adaptive" starts
+    off, behind the gate the hand-offs ask)."""
     s = load_settings(environ={}, overrides=[
-        f"dataplane.decode_copies_first={str(decode_copies_first).lower()}"])
+        f"dataplane.decode_copies_first={decode_copies_first}"])
     cc = cluster_config(config_for(s, build_parser().parse_args(["plan"])),
                         topology("cpd", 1, 1, 1))
-    first = {spec.role: _Node(spec, cc, Copies()).dram.copies_first for spec in cc.nodes}
+    nodes = {spec.role: _Node(spec, cc, Copies()) for spec in cc.nodes}
+    first = {role: node.dram.copies_first for role, node in nodes.items()}
     assert first == {Role.PREPREFILL: True, Role.PREFILL: True, Role.DECODE: decode_first}
+    gates = {role: node.copies_gate is not None for role, node in nodes.items()}
+    assert gates == {Role.PREPREFILL: False, Role.PREFILL: False, Role.DECODE: True}
+    assert (nodes[Role.DECODE].copies_gate.mode == "adaptive") is gated
 
 
 def test_a_disk_tier_keeps_what_a_small_arena_loses() -> None:

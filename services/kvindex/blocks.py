@@ -29,6 +29,9 @@ class BlockTable:
     def __init__(self) -> None:
         self.blocks: dict[str, dict[bytes, Block]] = {}
         self.num_locations = 0
+        # Last served copies evicted so far by the nodes whose evictions count
+        # (BlockCopies.last_evicted; in snapshots).
+        self.last_evicted = 0
         # (namespace, hash, tier) of every location per node: drops touch only that node.
         self._by_node: dict[str, set[tuple[str, bytes, Tier]]] = {}
 
@@ -114,8 +117,10 @@ class BlockTable:
             if block.children:
                 todo.extend(block.children)
 
-    def _remove(self, ns: str, h: bytes, key: LocKey, ch: Changes) -> None:
-        """Drop ``h`` at ``key`` and every descendant there (prefix-closed eviction)."""
+    def _remove(self, ns: str, h: bytes, key: LocKey, ch: Changes,
+                counted: bool = False) -> None:
+        """Drop ``h`` at ``key`` and every descendant there (prefix-closed eviction);
+        ``counted``: a last served copy that leaves counts in :attr:`last_evicted`."""
         table = self.blocks.get(ns)
         if table is None or h not in table:
             return
@@ -133,7 +138,9 @@ class BlockTable:
             ch.transitions += 1
             if loc.state is BlockState.VISIBLE:
                 ch.invalidated.append((ns, key.node, key.tier, cur))
-                _copy_removed(ns, cur, block, key, ch)
+                if _copy_removed(ns, cur, block, key, ch) and counted:
+                    self.last_evicted += 1
+                    ch.last_evicted += 1
             if block.children:
                 todo.extend(block.children)
             self._gc(ns, table, cur, block)
@@ -183,13 +190,15 @@ def _copy_added(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> No
         ch.copies.append((ns, others[0].node, h, True))
 
 
-def _copy_removed(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> None:
-    """A visible copy of ``h`` at ``key`` left: a DRAM copy left alone is the last one."""
+def _copy_removed(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> bool:
+    """A visible copy of ``h`` at ``key`` left: a DRAM copy left alone is the last one.
+    Returns whether that was the last served copy."""
     if key.tier not in SERVED_TIERS:
-        return
+        return False
     left = _served_copies(block)
     if len(left) == 1 and left[0].tier is Tier.DRAM:
         ch.copies.append((ns, left[0].node, h, False))
+    return not left
 
 
 def _link(table: dict[bytes, Block], parent: bytes, child: bytes) -> None:

@@ -28,6 +28,7 @@ import msgspec
 from cpd.protocol import wire
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.lifecycle import BlockState
+from cpd.protocol.roles import PREFILL_ROLES
 from cpd.protocol.wire import SERVED_TIERS
 from services.kvindex.blocks import BlockTable
 from services.kvindex.gpu import removed_blocks, stored_blocks
@@ -82,6 +83,7 @@ class Index(BlockTable):
         came_back = not (same_epoch and info.alive(now)) and \
             info.expired_epoch == hb.started_unix_ms
         info.live_epoch = hb.started_unix_ms
+        info.role = hb.role
         info.lease_ttl = hb.lease_ttl_ms / 1000.0
         info.lease_until = now + info.lease_ttl
         if hb.namespace_spec:
@@ -195,8 +197,13 @@ class Index(BlockTable):
                     loc.nbytes, loc.checksum = seal.nbytes, seal.checksum
                     self._try_visible(ns, seal.hash, key, ch)
         elif isinstance(ev, (wire.BlocksEvicted, wire.BlocksFailed)):
+            # The pool's losses: last copies a prefill-side node evicted. Its arenas
+            # evict copies first, so a last copy leaves only when no copy was left to
+            # give; a decode arena that keeps to its policy evicts last copies by choice
+            # (cpd.kvstore.copiesgate).
+            counted = isinstance(ev, wire.BlocksEvicted) and info.role in PREFILL_ROLES
             for h in ev.hashes:
-                self._remove(ns, h, key, ch)
+                self._remove(ns, h, key, ch, counted)
 
     def _gpu_event(self, ev: wire.GpuBlocksStored | wire.GpuBlocksRemoved, info: NodeInfo,
                    ch: Changes) -> None:
@@ -229,7 +236,7 @@ class Index(BlockTable):
     def snapshot(self, stream_seq: int) -> bytes:
         """The durable state as bytes (leases are not part of it: they are live facts)."""
         return encode_snapshot(SnapshotState(stream_seq, self.blocks, self._by_node,
-                                             self.nodes, self.namespaces))
+                                             self.nodes, self.namespaces, self.last_evicted))
 
     @classmethod
     def restore(cls, data: bytes) -> tuple[Index, int]:
@@ -241,6 +248,7 @@ class Index(BlockTable):
         idx.num_locations = sum(len(keys) for keys in idx._by_node.values())
         idx.namespaces = state.namespaces
         idx.nodes = state.nodes
+        idx.last_evicted = state.last_evicted
         return idx, state.stream_seq
 
     def fingerprint(self) -> bytes:

@@ -72,6 +72,8 @@ class KvIndexService(Service):
                                  lambda _: [Observation(self.lookups)])
         self._m_illegal = metrics.counter(m, metrics.KVINDEX_ILLEGAL)
         self._m_evictions = metrics.counter(m, metrics.KVINDEX_INVALIDATED)
+        metrics.observed_counter(m, metrics.KVINDEX_LAST_EVICTED,
+                                 lambda _: [Observation(self.index.last_evicted)])
         self._m_expirations = metrics.counter(m, metrics.KVINDEX_LEASE_EXPIRATIONS)
         # The stream's pending count as of the last event applied (see lag_events).
         self.pending_events = 0
@@ -325,14 +327,15 @@ class KvIndexService(Service):
 
     async def _publish_copies(self, ch: Changes) -> None:
         """Tell each node which of its DRAM blocks gained or lost their other copies (the
-        last word on a block wins)."""
+        last word on a block wins), with the count of last copies evicted so far."""
         state: dict[tuple[str, str], dict[bytes, bool]] = defaultdict(dict)
         for ns, node, h, shared in ch.copies:
             state[(node, ns)][h] = shared
         for (node, ns), blocks in state.items():
             await self._send(subjects.kv_copies(node), wire.BlockCopies(
                 namespace=ns, shared=b"".join(h for h, s in blocks.items() if s),
-                last=b"".join(h for h, s in blocks.items() if not s)))
+                last=b"".join(h for h, s in blocks.items() if not s),
+                last_evicted=self.index.last_evicted))
 
     async def _send(self, subject: str, msg: wire.Message) -> None:
         try:

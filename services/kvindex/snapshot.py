@@ -2,9 +2,9 @@
 
 A snapshot is one msgpack map, versioned by :data:`SNAPSHOT_VERSION`, holding the blocks,
 the per-node location sets, each node's epoch, sequence, engine-block map and capabilities,
-and the namespace specs. Leases are live facts, not state: they are never persisted. Block
-tables are msgspec structs, so encoding and decoding them happen in C (restoring then
-makes one pass to share the location keys).
+the namespace specs and the count of last copies evicted. Leases are live facts, not
+state: they are never persisted. Block tables are msgspec structs, so encoding and
+decoding them happen in C (restoring then makes one pass to share the location keys).
 
 A snapshot of any other version is refused (:func:`decode_snapshot` raises ValueError):
 the service then rebuilds the index from the stream, as for a torn file, and asks every
@@ -37,6 +37,7 @@ class SnapshotState:
     by_node: NodeLocations = field(default_factory=dict)
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     namespaces: dict[str, Namespace] = field(default_factory=dict)
+    last_evicted: int = 0
 
 
 class _SnapNode(msgspec.Struct, array_like=True):
@@ -48,6 +49,7 @@ class _SnapNode(msgspec.Struct, array_like=True):
     engine: list[tuple[int | bytes, str, bytes, bytes, bytes]]
     # Appended (snapshots without it restore with no capabilities; re-announce refills).
     caps: dict[str, bytes] = msgspec.field(default_factory=dict)
+    role: str = ""  # appended, as caps
 
 
 class _SnapshotHead(msgspec.Struct):
@@ -61,6 +63,8 @@ class _Snapshot(msgspec.Struct):
     by_node: dict[str, list[tuple[str, bytes, Tier]]]
     nodes: list[_SnapNode]
     namespaces: list[bytes]
+    # Appended (snapshots without it restore counting from 0).
+    last_evicted: int = 0
 
 
 _SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
@@ -74,9 +78,10 @@ def encode_snapshot(state: SnapshotState) -> bytes:
         by_node={n: list(keys) for n, keys in state.by_node.items()},
         nodes=[_SnapNode(n, i.epoch, i.last_seq, i.expired_epoch, i.needs_reannounce,
                          [(k, e.ns, e.cpd_parent, e.tokens, e.cpd_hash)
-                          for k, e in i.engine.items()], dict(i.caps))
+                          for k, e in i.engine.items()], dict(i.caps), i.role)
                for n, i in state.nodes.items()],
-        namespaces=[ns.to_spec() for ns in state.namespaces.values()]))
+        namespaces=[ns.to_spec() for ns in state.namespaces.values()],
+        last_evicted=state.last_evicted))
 
 
 def decode_snapshot(data: bytes) -> SnapshotState:
@@ -87,7 +92,8 @@ def decode_snapshot(data: bytes) -> SnapshotState:
     snap = _SNAPSHOT_DECODER.decode(data)
     _share_location_keys(snap.blocks)
     state = SnapshotState(snap.stream_seq, blocks=snap.blocks,
-                          by_node={n: set(keys) for n, keys in snap.by_node.items()})
+                          by_node={n: set(keys) for n, keys in snap.by_node.items()},
+                          last_evicted=snap.last_evicted)
     for spec in snap.namespaces:
         ns = Namespace.from_spec(spec)
         state.namespaces[ns.id] = ns
@@ -95,7 +101,7 @@ def decode_snapshot(data: bytes) -> SnapshotState:
         info = state.nodes[n.node] = NodeInfo(epoch=n.epoch, last_seq=n.last_seq,
                                               expired_epoch=n.expired_epoch,
                                               needs_reannounce=n.needs_reannounce,
-                                              caps=dict(n.caps))
+                                              caps=dict(n.caps), role=n.role)
         for k, ns_id, cpd_parent, tokens, cpd_hash in n.engine:
             info.engine[engine_key(k)] = EngineBlock(ns_id, cpd_parent, tokens, cpd_hash)
     return state

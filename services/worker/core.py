@@ -23,7 +23,14 @@ from opentelemetry.metrics import Observation
 from cpd.bus import BAD_INPUT, Bus, KeepAlives
 from cpd.engines import Engine, EngineStep
 from cpd.engines.servedmodel import ServedModel
-from cpd.kvstore import BlockEntry, BlockStore, DiskTier, KvStore, evicts_copies_first
+from cpd.kvstore import (
+    BlockEntry,
+    BlockStore,
+    CopiesFirstGate,
+    DiskTier,
+    KvStore,
+    evicts_copies_first,
+)
 from cpd.kvstore import events as kvevents
 from cpd.ops import metrics, telemetry
 from cpd.ops.audit import AuditLog
@@ -39,6 +46,7 @@ from cpd.protocol.errors import (
 )
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.lifecycle import BlockState
+from cpd.protocol.roles import Role
 from cpd.transfer import TransferClient, TransferServer, init_ucx
 from services.worker.arena import Arena
 from services.worker.load import WorkerLoad
@@ -112,13 +120,14 @@ class WorkerCore:
         node = settings.node.node_id
         slots = parts.arena.slots
         js = bus.nc.jetstream()  # CPD_KV exists: the service ensured it for its epoch
+        mode = settings.dataplane.decode_copies_first
         kv = KvStore(BlockStore(slots.shape[1], slots.shape[0], node=node, arena=slots,
                                 capability=keyring.issue,
                                 eviction=settings.dataplane.eviction,
-                                copies_first=evicts_copies_first(
-                                    role, settings.dataplane.decode_copies_first)),
+                                copies_first=evicts_copies_first(role, mode)),
                      kvevents.KvEventPublisher(js, node, epoch=epoch),
-                     disk=_disk_tier(settings, node, slots.shape[1], keyring))
+                     disk=_disk_tier(settings, node, slots.shape[1], keyring),
+                     gate=CopiesFirstGate(mode) if role == Role.DECODE else None)
         opened: list[Any] = [kv]
         try:
             await kv.start(bus.nc, sweep_interval_s=settings.dataplane.lease_sweep_interval_s,

@@ -130,6 +130,7 @@ class DecodeHandler:
         node sealed as kvindex recorded it, looked up while they travel."""
         core = self.core
         ok = True
+        core.kv.handoff()
         if hashes and req.source_node != core.node_id:
             core.loader.planned("handoff")
             _, failure = await core.loader.pull(

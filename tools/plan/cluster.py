@@ -46,8 +46,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from cpd.kvstore import evicts_copies_first
+from cpd.kvstore import CopiesFirstGate, evicts_copies_first
 from cpd.kvstore.eviction import EvictionName
+from cpd.ops.config import DecodeCopiesFirst
 from cpd.protocol import wire
 from cpd.protocol.roles import PREFILL_ROLES, Role
 from cpd.sim.costmodel import CostModel
@@ -94,8 +95,8 @@ class ClusterConfig:
     # (dataplane.eviction).
     dram_bytes: int = 2 << 40
     eviction: EvictionName = "tinylfu"
-    # A decode node's arena evicts copies first too (dataplane.decode_copies_first).
-    decode_copies_first: bool = True
+    # Whether a decode node's arena evicts copies first too (dataplane.decode_copies_first).
+    decode_copies_first: DecodeCopiesFirst = "adaptive"
     # Each worker's disk tier below its arena (dataplane.disk_bytes; 0: none), which
     # every sealed block is written behind to, evicting by the same policy, and its
     # read rate (GB/s; the router's router.disk_bandwidth_gbps, which prices it).
@@ -178,8 +179,13 @@ class _Node:
         self.dram = PrefixStore(cfg.dram_bytes // block_bytes, eviction=cfg.eviction,
                                 copies=copies, copies_first=evicts_copies_first(
                                     spec.role, cfg.decode_copies_first))
+        self.copies_gate = (CopiesFirstGate(cfg.decode_copies_first)
+                            if spec.role == Role.DECODE and copies is not None else None)
         self.disk = (PrefixStore(cfg.disk_bytes // block_bytes, eviction=cfg.eviction,
                                  copies=copies) if cfg.disk_bytes else None)
+        for store in (self.dram, self.disk):
+            if store is not None:
+                store.counts_losses = spec.role in PREFILL_ROLES
         self.disk_free = 0.0      # its disk reads, one at a time
         self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
         self.reqs: dict[str, _Req] = {}           # in the engine
@@ -246,7 +252,8 @@ class Cluster:
 
     def __init__(self, cfg: ClusterConfig, router: Router, record_decisions: int = 0) -> None:
         self.cfg = cfg
-        copies = Copies()  # every arena's and disk tier's blocks, as kvindex counts them
+        # Every arena's and disk tier's blocks, as kvindex counts them.
+        self.copies = copies = Copies()
         self.nodes = {s.name: _Node(s, cfg, copies) for s in cfg.nodes}
         self.workers = list(self.nodes.values())
         self.prefill_side = [n for n in self.workers if n.prefill_role]
@@ -502,6 +509,10 @@ class Cluster:
 
     def _handoff(self, src: _Node, dst: _Node, r: _Req) -> None:
         n = len(r.blocks)
+        gate = dst.copies_gate
+        if gate is not None:  # the worker's KvStore.handoff, on kvindex's count
+            gate.observe(self.copies.last_evicted)
+            dst.dram.set_copies_first(gate.handoff())
         held = src.dram.hit(r.blocks, n)  # pinned for the hand-off, at both ends
         lack = held - dst.dram.hit(r.blocks, held)
         start = max(self.now, dst.nic_free)

@@ -74,7 +74,7 @@ class Copies:
     """Which stores hold each block across a cluster's arenas and disk tiers: kvindex's
     served copies, by which an arena knows that a block has a copy elsewhere.
 
-    Kept only once some arena first has to evict (:meth:`activate` counts what the
+    Kept only once some store first has to evict (:meth:`activate` counts what the
     stores hold then): until then no decision depends on it, and a planner run whose
     arenas never fill pays nothing for it."""
 
@@ -82,6 +82,8 @@ class Copies:
         self._holders: dict[Hashable, list[PrefixStore]] = {}
         self._stores: list[PrefixStore] = []
         self.active = False
+        # Blocks evicted from their last copy (kvindex's BlockCopies.last_evicted).
+        self.last_evicted = 0
 
     def join(self, store: PrefixStore) -> None:
         """Count ``store``'s blocks as copies."""
@@ -124,6 +126,8 @@ class Copies:
             h.remove(store)
             if not h:
                 del holders[b]
+                if store.counts_losses:
+                    self.last_evicted += 1
 
 
 class PrefixStore:
@@ -150,6 +154,9 @@ class PrefixStore:
         # rule), least recently used first.
         self._copies = copies
         self._copies_first = copies_first and copies is not None
+        # Whether a last copy this store evicts counts as the pool's loss (kvindex
+        # counts the prefill side's: Copies.last_evicted).
+        self.counts_losses = False
         self._shared: _Heap = []
         if copies is not None:
             copies.join(self)
@@ -324,6 +331,16 @@ class PrefixStore:
         """Whether this store evicts blocks with a copy elsewhere before its policy's."""
         return self._copies_first
 
+    def set_copies_first(self, on: bool) -> None:
+        """Switch whether blocks with a copy elsewhere leave first (the arena's
+        ``BlockStore.set_copies_first``); switched on, every such leaf run is offered."""
+        on = on and self._copies is not None
+        if on == self._copies_first:
+            return
+        self._copies_first = on
+        self._shared = []
+        self.offer_shared()
+
     def _sharing(self) -> bool:
         """Whether this store evicts copies first and the copies are counted yet."""
         return self._copies_first and self._copies.active  # type: ignore[union-attr]
@@ -398,8 +415,7 @@ class PrefixStore:
         """Free ``count`` blocks after ``fresh`` was written: blocks with a copy
         elsewhere first (never ``fresh``'s own, which its writer holds), then by the
         policy."""
-        if self._copies_first:
-            assert self._copies is not None
+        if self._copies is not None:
             self._copies.activate()
         while count > 0:
             if self._copies_first and (run := self._shared_leaf(fresh)) is not None:

@@ -11,7 +11,7 @@ and never touches pinned or unsealed blocks: blocks kvindex says have a copy els
 first (least recently used first), then in the order of a policy
 (:mod:`cpd.kvstore.eviction`: LRU, or LRU with frequency admission), so that the
 cluster's arenas pool their capacity rather than hold the same blocks (a decode
-worker's arena can keep to its policy alone: ``dataplane.decode_copies_first``). Each
+worker's arena may keep to its policy alone, :mod:`cpd.kvstore.copiesgate`). Each
 transition appends the lifecycle event kvindex needs to an outbox
 (:meth:`BlockStore.drain_events`).
 """
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from cpd.ops.config import Settings
+from cpd.ops.config import DecodeCopiesFirst, Settings
 from cpd.protocol import wire
 from cpd.protocol.errors import (
     ArenaFull,
@@ -121,11 +121,13 @@ class Lease:
     expires: float
 
 
-def evicts_copies_first(role: str, decode_copies_first: bool) -> bool:
-    """Whether the arena of a worker of ``role`` evicts blocks with a copy elsewhere
-    first: always on the prefill side, on decode as ``dataplane.decode_copies_first``
-    says (the workers and the planner both ask here)."""
-    return role != Role.DECODE or decode_copies_first
+def evicts_copies_first(role: str, decode_copies_first: DecodeCopiesFirst) -> bool:
+    """Whether the arena of a worker of ``role`` starts out evicting blocks with a copy
+    elsewhere first: always on the prefill side, on decode only when
+    ``dataplane.decode_copies_first`` is "always" ("adaptive" starts off and follows
+    :class:`~cpd.kvstore.copiesgate.CopiesFirstGate`). The workers and the planner both
+    ask here."""
+    return role != Role.DECODE or decode_copies_first == "always"
 
 
 class BlockStore:
@@ -152,7 +154,7 @@ class BlockStore:
         :meth:`seal` needs each block's digest. ``on_removed`` is called with the sealed
         blocks that leave (evicted or discarded), as they leave. ``copies_first``: blocks
         kvindex says have a copy elsewhere leave before the policy's victims (False: the
-        policy alone decides, ``dataplane.decode_copies_first``)."""
+        policy alone decides; :meth:`set_copies_first` switches)."""
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError("slot_bytes and num_slots must be positive")
         self.capability = capability
@@ -423,6 +425,17 @@ class BlockStore:
                 if flag and self.copies_first and evictable(entry):
                     heapq.heappush(self._shared, (entry.tick, entry.hash))
         return named
+
+    def set_copies_first(self, on: bool) -> None:
+        """Switch whether blocks with a copy elsewhere leave first (a decode arena's
+        :class:`~cpd.kvstore.copiesgate.CopiesFirstGate`); switched on, every such
+        evictable block is offered at once."""
+        if on == self.copies_first:
+            return
+        self.copies_first = on
+        self._shared = [(e.tick, e.hash) for e in self._entries.values()
+                        if e.shared and evictable(e)] if on else []
+        heapq.heapify(self._shared)
 
     def evict(self, count: int) -> int:
         """Evict up to ``count`` blocks in prefix-closed policy order; returns how many."""

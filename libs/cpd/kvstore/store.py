@@ -31,6 +31,7 @@ from cpd.protocol.errors import ArenaFull, CpdError
 from cpd.protocol.lifecycle import BlockState
 
 from .arena import BlockEntry, BlockStore, Lease, SealItem, as_byte_array
+from .copiesgate import CopiesFirstGate
 from .disk import DiskTier
 from .events import KvEventPublisher
 from .outbox import EventOutbox
@@ -59,8 +60,13 @@ class KvStore:
 
     def __init__(self, store: BlockStore, publisher: KvEventPublisher | None, *,
                  disk: DiskTier | None = None,
-                 max_queued_events: int = MAX_QUEUED_EVENTS) -> None:
+                 max_queued_events: int = MAX_QUEUED_EVENTS,
+                 gate: CopiesFirstGate | None = None) -> None:
+        """``gate``: a decode arena's :class:`CopiesFirstGate`, fed kvindex's count of
+        last copies evicted and asked at each :meth:`handoff` (None: the store's
+        ``copies_first`` stays as built)."""
         self.store = store
+        self.gate = gate
         self.max_queued_events = max_queued_events
         self.publisher = publisher
         self.disk = disk
@@ -76,6 +82,15 @@ class KvStore:
     @property
     def node(self) -> str:
         return self.store.node
+
+    def handoff(self) -> None:
+        """A hand-off arrives: the gate, if any, sets whether the arena evicts copies
+        first for what it brings."""
+        if self.gate is not None:
+            on = self.gate.handoff()
+            if on != self.store.copies_first:
+                log.info("kvstore.copies_first", on=on, lost_per_handoff=self.gate.mean)
+                self.store.set_copies_first(on)
 
     async def flush(self) -> None:
         """Queue pending lifecycle events and wait until ``CPD_KV`` stored every event
@@ -370,6 +385,8 @@ class KvStore:
         """kvindex's word on which blocks have copies elsewhere (eviction order)."""
         copies = self._decode(msg, wire.BlockCopies)
         if copies is not None:
+            if self.gate is not None:
+                self.gate.observe(copies.last_evicted)
             self.store.mark_copies(wire.split_hashes(copies.shared),
                                    wire.split_hashes(copies.last))
 

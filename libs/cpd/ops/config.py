@@ -317,6 +317,10 @@ class KvIndexSettings(_Section):
 EvictionName = Literal["lru", "tinylfu"]
 """The block arena's eviction policies (``dataplane.eviction``; cpd.kvstore.eviction)."""
 
+DecodeCopiesFirst = Literal["always", "never", "adaptive"]
+"""``dataplane.decode_copies_first``: a decode arena evicts copies first always, never, or
+while the cluster is losing last copies (cpd.kvstore.copiesgate)."""
+
 
 class DataPlaneSettings(_Section):
     """Host-DRAM block store and UCX transfers between workers (docs/architecture.md, "KV tiers and
@@ -330,12 +334,13 @@ class DataPlaneSettings(_Section):
     # "lru" is least recently used (docs/architecture.md, "KV tiers and the data plane").
     eviction: EvictionName = "tinylfu"
     # Whether a decode worker's arena, like a prefill-side worker's, evicts blocks with a
-    # copy elsewhere before its policy's victims. On, the cluster's arenas pool their
-    # capacity fully (more of a working set larger than the arenas is reused); off, a
-    # decode arena keeps its sessions' earlier turns by its policy, so their next
-    # hand-offs pull less, which pays where the engines' caches hold the working set and
-    # the arenas fill with cold prompts (docs/plan.md, "Decode arenas").
-    decode_copies_first: bool = True
+    # copy elsewhere before its policy's victims. "always": the cluster's arenas pool
+    # their capacity fully (more of a working set larger than the arenas is reused);
+    # "never": a decode arena keeps its sessions' earlier turns by its policy, so their
+    # next hand-offs pull less, which pays where the pool holds the working set anyway;
+    # "adaptive": copies first only while the cluster evicts last copies (an average of
+    # more than one per hand-off; cpd.kvstore.copiesgate, docs/plan.md "Decode arenas").
+    decode_copies_first: DecodeCopiesFirst = "adaptive"
     # Bytes of one cache block (one arena slot). 0 derives it from the model:
     # layers × (K, V) × cache.block_size × KV heads × head dim × dtype size.
     block_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0

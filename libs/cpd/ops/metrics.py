@@ -242,6 +242,9 @@ KVINDEX_ILLEGAL = _m(
 KVINDEX_INVALIDATED = _m(
     "cpd_kvindex_invalidated_blocks", "counter",
     "visible blocks made unreadable (failed, evicted, expired)")
+KVINDEX_LAST_EVICTED = _m(
+    "cpd_kvindex_last_copies_evicted", "observed_counter",
+    "last served copies of blocks that a prefill-side node evicted (the pool lost them)")
 KVINDEX_LEASE_EXPIRATIONS = _m(
     "cpd_kvindex_lease_expirations", "counter",
     "node leases that expired (a node stopped heart-beating; its blocks were dropped)")

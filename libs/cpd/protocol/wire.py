@@ -655,11 +655,15 @@ class BlockCopies(Message, tag="kv_copies", kw_only=True):
     of ``namespace`` now have another served copy in the cluster (``shared``: a peer's
     DRAM or disk, or this node's own disk) and which became the last one (``last``). An
     arena evicts blocks with a copy elsewhere first, so the cluster's arenas pool their
-    capacity instead of holding the same blocks. A block never named is a last copy."""
+    capacity instead of holding the same blocks. A block never named is a last copy.
+    ``last_evicted``: how many last copies the cluster's arenas and disk tiers have evicted
+    so far (kvindex's running count, the same on every replica that applied the same
+    events; a decode arena evicts copies first while it grows, cpd.kvstore.copiesgate)."""
 
     namespace: str
     shared: bytes = b""
     last: bytes = b""
+    last_evicted: NonNegInt = 0
 
     def __post_init__(self) -> None:
         _check_hash_width(self.shared)
