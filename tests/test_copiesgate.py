@@ -9,36 +9,41 @@ from cpd.kvstore import BlockStore, CopiesFirstGate
 from cpd.protocol import wire
 
 
-def _answers(mode: str, seen: list[tuple[int, ...]]) -> list[bool]:
-    """The gate's answer at each hand-off; before each, the counts of last copies evicted
-    that kvindex's messages carried (several replicas may send them a little apart)."""
+def _answers(mode: str, seen: list[tuple[tuple[str, int], ...]]) -> list[bool]:
+    """The gate's answer at each hand-off; before each, the (replica, running count of
+    missed blocks) that kvindex's notices carried."""
     gate, out = CopiesFirstGate(mode), []  # type: ignore[arg-type]
     for counts in seen:
-        for count in counts:
-            gate.observe(count)
+        for replica, count in counts:
+            gate.observe(replica, count)
         out.append(gate.handoff())
     return out
 
 
-def _growing(per_handoff: int, handoffs: int) -> list[tuple[int, ...]]:
-    return [(per_handoff * i,) for i in range(handoffs)]
+def _growing(per_handoff: int, handoffs: int) -> list[tuple[tuple[str, int], ...]]:
+    return [(("k0", per_handoff * i),) for i in range(handoffs)]
 
 
 # (case, mode, counts seen before each hand-off, the gate's answers). The mean moves by
-# 5 % of each hand-off's losses; on above 1 block per hand-off, off again below 0.5.
+# 5 % of each hand-off's misses; on above 1 block per hand-off, off again below 0.5.
 GATE_CASES = [
-    ("nothing lost", "adaptive", _growing(0, 50), [False] * 50),
-    # The first hand-off has nothing to compare with; 50 lost before the second passes 1.
+    ("nothing missed", "adaptive", _growing(0, 50), [False] * 50),
+    # A replica's first count is where it starts; 50 missed before the second hand-off.
     ("a short pool", "adaptive", _growing(50, 3), [False, True, True]),
     # One block per hand-off approaches the threshold without passing it.
     ("one per hand-off", "adaptive", _growing(1, 300), [False] * 300),
     # Two per hand-off: 2·(1 − 0.95^i) > 1 from the 15th hand-off.
     ("two per hand-off", "adaptive", _growing(2, 30), [False] * 14 + [True] * 16),
     # After a burst the mean (2.5) decays by 0.95 per hand-off: below 0.5 after 32.
-    ("a burst, then none", "adaptive", [(0,), (50,)] + [(50,)] * 40,
+    ("a burst, then none", "adaptive", [(("k0", 0),), (("k0", 50),)] + [(("k0", 50),)] * 40,
      [False, True] + [True] * 31 + [False] * 9),
-    # A replica behind the others sends a lower count: the highest seen holds.
-    ("a replica behind", "adaptive", [(0,), (50, 10), (10, 50)], [False, True, True]),
+    # Two replicas answer a share of the lookups each: their growths add up.
+    ("two replicas", "adaptive",
+     [(("k0", 100), ("k1", 7))] + [(("k0", 100 + i), ("k1", 7 + i)) for i in range(1, 30)],
+     [False] * 14 + [True] * 16),
+    # A restarted replica counts from 0 again: what it counts since adds.
+    ("a replica restarted", "adaptive", [(("k0", 500),), (("k0", 30),), (("k0", 60),)],
+     [False, True, True]),
     ("always", "always", _growing(0, 5), [True] * 5),
     ("never", "never", _growing(100, 5), [False] * 5),
 ]
@@ -46,8 +51,8 @@ GATE_CASES = [
 
 @pytest.mark.parametrize(("mode", "seen", "expected"), [c[1:] for c in GATE_CASES],
                          ids=[c[0] for c in GATE_CASES])
-def test_the_gate_follows_last_copies_lost_per_handoff(
-        mode: str, seen: list[tuple[int, ...]], expected: list[bool]) -> None:
+def test_the_gate_follows_missed_blocks_per_handoff(
+        mode: str, seen: list[tuple[tuple[str, int], ...]], expected: list[bool]) -> None:
     assert _answers(mode, seen) == expected
 
 

@@ -407,23 +407,30 @@ def test_dram_copies_hear_when_they_gain_or_lose_their_other_copies() -> None:
     assert copies(wire.LeaseExpired(node="n0", seq=0, epoch=1)) == [("n1", "C0", False)]
 
 
-def test_last_copies_evicted_are_counted_and_kept_in_snapshots() -> None:
-    """kvindex counts blocks a prefill-side node evicted from their last served copy
-    (``BlockCopies.last_evicted``): not a copy evicted while another is served, not a
-    block that never became visible, not one its writer failed or a lease expiry
-    dropped, not a decode node's. The count and the nodes' roles survive a snapshot."""
-    idx, a, b, d = Index(), Writer("n0"), Writer("n1"), Writer("d0")
+def test_lost_blocks_are_counted_and_lookups_that_miss_them_too() -> None:
+    """A block evicted from its last visible copy, of any tier on any node, is lost
+    (``last_evicted``, kept in snapshots); not a copy evicted while another is visible,
+    not a block that never became visible, not one its writer failed or a lease expiry
+    dropped. A lookup counts the lost blocks right past its match (``misses``, for
+    ``BlockCopies``) until a block is written again."""
+    idx, a, b = Index(), Writer("n0"), Writer("n1")
     for node in ("n0", "n1"):
         idx.heartbeat(hb(node), 0)
-    idx.heartbeat(msgspec.structs.replace(hb("d0"), role="decode"), 0)
 
     def lost(ev: wire.KvEvent) -> int:
-        return idx.apply(ev).last_evicted
+        before = idx.last_evicted
+        idx.apply(ev)
+        return idx.last_evicted - before
 
-    for ev in (a.alloc("A0", "A1"), a.seal("A0", "A1"), b.alloc("A0"), b.seal("A0")):
+    for ev in (a.alloc("A0", "A1", "A2"), a.seal("A0", "A1", "A2"), b.alloc("A0"),
+               b.seal("A0")):
         lost(ev)
-    assert lost(a.evict("A0")) == 1      # A0 stays on n1; A1 (its child there) was alone
-    assert lost(b.evict("A0")) == 1      # now n1's A0 was the last
+    assert lost(a.evict("A0")) == 2      # A0 stays on n1; A1-A2 (its children) were alone
+    assert idx.lookup(NS, chain_hashes("A0", "A1", "A2", "A3"), 1).num_blocks == 1
+    assert idx.misses == 2               # A1, A2 lost right past n1's A0; A3 never seen
+    assert lost(b.evict("A0")) == 1
+    idx.lookup(NS, chain_hashes("C0"), 1)
+    assert idx.misses == 2               # not lost: never held
     assert lost(a.alloc("C0")) == 0 and lost(a.evict("C0")) == 0   # never visible
     for ev in (a.alloc("C0"), a.seal("C0")):
         lost(ev)
@@ -431,16 +438,14 @@ def test_last_copies_evicted_are_counted_and_kept_in_snapshots() -> None:
     for ev in (a.alloc("C0"), a.seal("C0"), a.alloc("C0", tier=DISK),
                a.seal("C0", tier=DISK)):
         lost(ev)
-    assert lost(a.evict("C0")) == 0      # the DRAM copy left; the disk copy is served
+    assert lost(a.evict("C0")) == 0      # the DRAM copy left; the disk copy is visible
     assert lost(wire.LeaseExpired(node="n0", seq=0, epoch=1)) == 0
-    for ev in (d.alloc("A0"), d.seal("A0")):
-        lost(ev)
-    assert lost(d.evict("A0")) == 0      # a decode arena's choice, not the pool's loss
-    assert idx.last_evicted == 2
+    assert idx.last_evicted == 3
+    lost(b.alloc("A0"))                  # A0 is being written again: no longer lost
+    idx.lookup(NS, chain_hashes("A0", "A1"), 1)
+    assert idx.misses == 2
     back, _ = Index.restore(idx.snapshot(stream_seq=9))
-    assert back.last_evicted == 2
-    assert {n: i.role for n, i in back.nodes.items()} == {
-        "n0": "prefill", "n1": "prefill", "d0": "decode"}
+    assert back.last_evicted == 3
 
 
 def test_locations_are_keyed_by_node_and_tier() -> None:

@@ -556,9 +556,9 @@ async def test_events_and_heartbeats_naming_another_node_are_refused(env: tuple)
 
 async def test_each_node_hears_which_of_its_blocks_have_copies_elsewhere(env: tuple) -> None:
     """A second node's copy makes both copies shared; when it leaves, the first node
-    hears its copy is the last one (``cpd.v1.kv.copies.<node>``). When the first (a
-    prefill node) evicts its last copies too, the next notices count them
-    (``last_evicted``)."""
+    hears its copy is the last one (``cpd.v1.kv.copies.<node>``). When the first evicts
+    its copies too they are lost, and a lookup that asks for them counts in the next
+    notices (``misses``, from this replica)."""
     _, bus, js = env
     hs, refs = _chain(3, seed=7)
     subs = {n: await bus.nc.subscribe(subjects.kv_copies(n)) for n in ("c0", "c1")}
@@ -572,12 +572,17 @@ async def test_each_node_hears_which_of_its_blocks_have_copies_elsewhere(env: tu
     await pubs["c1"].evicted(NS.id, [r.hash for r in reversed(refs)])
     note = wire.decode((await subs["c0"].next_msg(timeout=5)).data, wire.BlockCopies)
     assert (note.shared, set(wire.split_hashes(note.last))) == (b"", set(wire.split_hashes(hs)))
-    before = note.last_evicted
+    before = note.misses
     await pubs["c0"].evicted(NS.id, [r.hash for r in reversed(refs)])
+
+    async def asked() -> bool:  # the first lookup after kvindex applied the eviction
+        return (await _lookup(bus, hs)).num_blocks == 0
+    await _until(asked)
     hs2, refs2 = _chain(2, seed=8)
     await _write(pubs["c0"], refs2)
     await _write(pubs["c1"], refs2)
     note = wire.decode((await subs["c0"].next_msg(timeout=5)).data, wire.BlockCopies)
-    assert (note.shared, note.last_evicted) == (hs2, before + len(refs))
+    assert note.shared == hs2 and note.kvindex
+    assert note.misses == before + len(refs)
     for b in beats:
         await b.stop()

@@ -187,24 +187,27 @@ def test_an_arena_evicts_blocks_with_a_copy_elsewhere_first(
     assert all(a.match(c) < len(c) for c in gone)
 
 
-def test_the_pool_counts_last_copies_lost_by_the_prefill_side_and_a_gate_switches_on() -> None:
-    """kvindex's ``last_evicted`` in the planner: a last copy that a counted store (the
-    prefill side's) evicts is the pool's loss, one an uncounted store (a decode arena's
-    policy) evicts is not, a copy evicted while another is held is neither. A decode
-    arena switched to copies first evicts its shared blocks before its policy's."""
+def test_the_pool_counts_lost_blocks_and_the_lookups_that_miss_them() -> None:
+    """kvindex's counts in the planner: a block evicted from every arena and engine cache
+    is lost (``last_evicted``), one an engine cache still holds is not; a lookup counts
+    the lost blocks right past its match (``misses``) until a block is held again. A
+    decode arena switched to copies first evicts its shared blocks before its
+    policy's."""
     copies = Copies()
     pool = PrefixStore(3, copies=copies, copies_first=True)
-    pool.counts_losses = True
-    dec = PrefixStore(3, copies=copies)
+    gpu = PrefixStore(2)
+    copies.join_engine(gpu)
     pool.insert((1, 2, 3), 3)
-    dec.insert((1, 2, 3), 3)
-    pool.insert((4,), 1)
-    pool.insert((5, 6), 2)               # 1-2-3 leave first: dec holds them
-    assert copies.last_evicted == 0
-    pool.insert((10, 11), 2)             # 4 and 6 were the last copies
-    assert copies.last_evicted == 2
-    dec.insert((7,), 1)                  # dec's policy drops its last copy of 3
-    assert copies.last_evicted == 2
+    gpu.insert((1, 2), 2)
+    pool.insert((4, 5, 6), 3)            # 1-2-3 leave; the engine still holds 1-2
+    assert copies.last_evicted == 1 and list(copies.lost) == [3]
+    gpu.insert((7, 8), 2)                # and now drops them
+    assert copies.last_evicted == 3
+    copies.missed((1, 2, 3, 9), 0)
+    assert copies.misses == 3
+    pool.insert((1,), 1)                 # held again
+    copies.missed((1, 2, 3), 1)
+    assert copies.misses == 5
 
     copies = Copies()
     other, dec = PrefixStore(10, copies=copies), PrefixStore(3, copies=copies)

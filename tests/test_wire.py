@@ -67,7 +67,7 @@ SAMPLES: list[wire.Message] = [
     wire.GpuBlocksRemoved(node="n1", seq=8, engine_hashes=[1]),
     wire.Reannounce(from_seq=4, reason="gap"),
     wire.BlocksVisible(namespace="ns", node="n1", tier=wire.Tier.DRAM, block_hashes=H),
-    wire.BlockCopies(namespace="ns", shared=H, last=H, last_evicted=12),
+    wire.BlockCopies(namespace="ns", shared=H, last=H, kvindex="k0", misses=12),
     wire.BlocksInvalidated(node="n1", reason="lease expired"),
     wire.Heartbeat(node="n1", role="prefill", started_unix_ms=1, lease_ttl_ms=5000,
                    ucx_address=b"\x01\x02", capacity_blocks=100),

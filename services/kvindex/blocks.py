@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from cpd.kvstore.copiesgate import LOST_BLOCKS
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import BlockState, can_transition
 from cpd.protocol.wire import SERVED_TIERS
@@ -29,9 +30,13 @@ class BlockTable:
     def __init__(self) -> None:
         self.blocks: dict[str, dict[bytes, Block]] = {}
         self.num_locations = 0
-        # Last served copies evicted so far by the nodes whose evictions count
-        # (BlockCopies.last_evicted; in snapshots).
+        # Blocks evicted from their last visible copy of any tier (in snapshots); the
+        # most recent of them, lost to the cluster until one is written again; and the
+        # looked-up blocks right past a match found among them (cpd.kvstore.copiesgate:
+        # this replica's count, BlockCopies.misses).
         self.last_evicted = 0
+        self.lost: dict[bytes, None] = {}
+        self.misses = 0
         # (namespace, hash, tier) of every location per node: drops touch only that node.
         self._by_node: dict[str, set[tuple[str, bytes, Tier]]] = {}
 
@@ -76,6 +81,7 @@ class BlockTable:
             ch.illegal.append(f"{key}: allocate {h.hex()} while {old.state.name}")
             return
         block.locs[key] = Location(BlockState.ALLOCATED, epoch)
+        self.lost.pop(h, None)  # being written again
         self._by_node.setdefault(key.node, set()).add((ns, h, key.tier))
         self.num_locations += 1
         ch.transitions += 1
@@ -117,10 +123,26 @@ class BlockTable:
             if block.children:
                 todo.extend(block.children)
 
+    def lost_run(self, hashes: bytes, start: int) -> int:
+        """How many of the packed ``hashes`` from block ``start`` on are lost blocks, in a
+        row."""
+        lost, k, n = self.lost, start, len(hashes) // wire.HASH_BYTES
+        while k < n and hashes[k * wire.HASH_BYTES:(k + 1) * wire.HASH_BYTES] in lost:
+            k += 1
+        return k - start
+
+    def _lose(self, h: bytes) -> None:
+        """``h``'s last visible copy was evicted: the cluster lost it."""
+        self.last_evicted += 1
+        lost = self.lost
+        lost[h] = None
+        if len(lost) > LOST_BLOCKS:
+            del lost[next(iter(lost))]
+
     def _remove(self, ns: str, h: bytes, key: LocKey, ch: Changes,
-                counted: bool = False) -> None:
+                evicted: bool = False) -> None:
         """Drop ``h`` at ``key`` and every descendant there (prefix-closed eviction);
-        ``counted``: a last served copy that leaves counts in :attr:`last_evicted`."""
+        ``evicted``: the node evicted them (a block left with no visible copy is lost)."""
         table = self.blocks.get(ns)
         if table is None or h not in table:
             return
@@ -138,9 +160,10 @@ class BlockTable:
             ch.transitions += 1
             if loc.state is BlockState.VISIBLE:
                 ch.invalidated.append((ns, key.node, key.tier, cur))
-                if _copy_removed(ns, cur, block, key, ch) and counted:
-                    self.last_evicted += 1
-                    ch.last_evicted += 1
+                _copy_removed(ns, cur, block, key, ch)
+                if evicted and not any(c.state is BlockState.VISIBLE
+                                       for c in block.locs.values()):
+                    self._lose(cur)
             if block.children:
                 todo.extend(block.children)
             self._gc(ns, table, cur, block)
@@ -190,15 +213,13 @@ def _copy_added(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> No
         ch.copies.append((ns, others[0].node, h, True))
 
 
-def _copy_removed(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> bool:
-    """A visible copy of ``h`` at ``key`` left: a DRAM copy left alone is the last one.
-    Returns whether that was the last served copy."""
+def _copy_removed(ns: str, h: bytes, block: Block, key: LocKey, ch: Changes) -> None:
+    """A visible copy of ``h`` at ``key`` left: a DRAM copy left alone is the last one."""
     if key.tier not in SERVED_TIERS:
-        return False
+        return
     left = _served_copies(block)
     if len(left) == 1 and left[0].tier is Tier.DRAM:
         ch.copies.append((ns, left[0].node, h, False))
-    return not left
 
 
 def _link(table: dict[bytes, Block], parent: bytes, child: bytes) -> None:

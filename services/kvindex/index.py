@@ -28,7 +28,6 @@ import msgspec
 from cpd.protocol import wire
 from cpd.protocol.hashing import Namespace
 from cpd.protocol.lifecycle import BlockState
-from cpd.protocol.roles import PREFILL_ROLES
 from cpd.protocol.wire import SERVED_TIERS
 from services.kvindex.blocks import BlockTable
 from services.kvindex.gpu import removed_blocks, stored_blocks
@@ -63,8 +62,11 @@ class Index(BlockTable):
         Per location the visible blocks of a chain form a prefix, so each location costs
         one binary search (~9 probes for a 100K-token prompt), not a scan.
         """
-        return lookup_prefixes(self.blocks.get(ns), self.nodes, ns, hashes, now,
-                               include_pending, checksums)
+        reply = lookup_prefixes(self.blocks.get(ns), self.nodes, ns, hashes, now,
+                                include_pending, checksums)
+        if self.lost:  # a namespace whose every block is gone answers unknown_namespace
+            self.misses += self.lost_run(hashes, reply.num_blocks)
+        return reply
 
     def checksums(self, ns: str, node: str, hashes: bytes, now: float) -> bytes:
         """What ``node`` sealed for the leading blocks of ``hashes`` it holds (packed)."""
@@ -83,7 +85,6 @@ class Index(BlockTable):
         came_back = not (same_epoch and info.alive(now)) and \
             info.expired_epoch == hb.started_unix_ms
         info.live_epoch = hb.started_unix_ms
-        info.role = hb.role
         info.lease_ttl = hb.lease_ttl_ms / 1000.0
         info.lease_until = now + info.lease_ttl
         if hb.namespace_spec:
@@ -197,13 +198,9 @@ class Index(BlockTable):
                     loc.nbytes, loc.checksum = seal.nbytes, seal.checksum
                     self._try_visible(ns, seal.hash, key, ch)
         elif isinstance(ev, (wire.BlocksEvicted, wire.BlocksFailed)):
-            # The pool's losses: last copies a prefill-side node evicted. Its arenas
-            # evict copies first, so a last copy leaves only when no copy was left to
-            # give; a decode arena that keeps to its policy evicts last copies by choice
-            # (cpd.kvstore.copiesgate).
-            counted = isinstance(ev, wire.BlocksEvicted) and info.role in PREFILL_ROLES
+            evicted = isinstance(ev, wire.BlocksEvicted)
             for h in ev.hashes:
-                self._remove(ns, h, key, ch, counted)
+                self._remove(ns, h, key, ch, evicted)
 
     def _gpu_event(self, ev: wire.GpuBlocksStored | wire.GpuBlocksRemoved, info: NodeInfo,
                    ch: Changes) -> None:
@@ -211,7 +208,7 @@ class Index(BlockTable):
         key = LocKey(ev.node, Tier.GPU)
         if isinstance(ev, wire.GpuBlocksRemoved):
             for ns, h in removed_blocks(ev, info.engine):
-                self._remove(ns, h, key, ch)
+                self._remove(ns, h, key, ch, evicted=True)
             return
         if ev.namespace not in self.namespaces and ev.namespace_spec:
             self._learn_namespace(ev.node, ev.namespace, ev.namespace_spec, ch)

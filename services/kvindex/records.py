@@ -98,9 +98,6 @@ class NodeInfo:
     lease_ttl: float = 0.0
     expired_epoch: int = -1     # newest epoch whose lease expiry was applied
     needs_reannounce: bool = False
-    # The role of its latest heartbeat (persisted): whether a last copy it evicts counts
-    # as the pool's loss (BlockTable.last_evicted).
-    role: str = ""
     engine: dict[Any, EngineBlock] = field(default_factory=dict)
     # namespace id → the node's data-plane read capability in ``epoch`` (persisted).
     caps: dict[str, bytes] = field(default_factory=dict)
@@ -121,7 +118,6 @@ class Changes:
     copies: list[tuple[str, str, bytes, bool]] = field(default_factory=list)
     reannounce: set[str] = field(default_factory=set)
     illegal: list[str] = field(default_factory=list)
-    last_evicted: int = 0  # last served copies evicted
     duplicates: int = 0
     stale: int = 0
     unmapped: int = 0

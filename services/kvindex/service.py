@@ -74,6 +74,8 @@ class KvIndexService(Service):
         self._m_evictions = metrics.counter(m, metrics.KVINDEX_INVALIDATED)
         metrics.observed_counter(m, metrics.KVINDEX_LAST_EVICTED,
                                  lambda _: [Observation(self.index.last_evicted)])
+        metrics.observed_counter(m, metrics.KVINDEX_LOST_MISSES,
+                                 lambda _: [Observation(self.index.misses)])
         self._m_expirations = metrics.counter(m, metrics.KVINDEX_LEASE_EXPIRATIONS)
         # The stream's pending count as of the last event applied (see lag_events).
         self.pending_events = 0
@@ -327,7 +329,7 @@ class KvIndexService(Service):
 
     async def _publish_copies(self, ch: Changes) -> None:
         """Tell each node which of its DRAM blocks gained or lost their other copies (the
-        last word on a block wins), with the count of last copies evicted so far."""
+        last word on a block wins), with this replica's count of lost blocks asked for."""
         state: dict[tuple[str, str], dict[bytes, bool]] = defaultdict(dict)
         for ns, node, h, shared in ch.copies:
             state[(node, ns)][h] = shared
@@ -335,7 +337,7 @@ class KvIndexService(Service):
             await self._send(subjects.kv_copies(node), wire.BlockCopies(
                 namespace=ns, shared=b"".join(h for h, s in blocks.items() if s),
                 last=b"".join(h for h, s in blocks.items() if not s),
-                last_evicted=self.index.last_evicted))
+                kvindex=self.node_id, misses=self.index.misses))
 
     async def _send(self, subject: str, msg: wire.Message) -> None:
         try:

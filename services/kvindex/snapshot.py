@@ -49,7 +49,6 @@ class _SnapNode(msgspec.Struct, array_like=True):
     engine: list[tuple[int | bytes, str, bytes, bytes, bytes]]
     # Appended (snapshots without it restore with no capabilities; re-announce refills).
     caps: dict[str, bytes] = msgspec.field(default_factory=dict)
-    role: str = ""  # appended, as caps
 
 
 class _SnapshotHead(msgspec.Struct):
@@ -78,7 +77,7 @@ def encode_snapshot(state: SnapshotState) -> bytes:
         by_node={n: list(keys) for n, keys in state.by_node.items()},
         nodes=[_SnapNode(n, i.epoch, i.last_seq, i.expired_epoch, i.needs_reannounce,
                          [(k, e.ns, e.cpd_parent, e.tokens, e.cpd_hash)
-                          for k, e in i.engine.items()], dict(i.caps), i.role)
+                          for k, e in i.engine.items()], dict(i.caps))
                for n, i in state.nodes.items()],
         namespaces=[ns.to_spec() for ns in state.namespaces.values()],
         last_evicted=state.last_evicted))
@@ -101,7 +100,7 @@ def decode_snapshot(data: bytes) -> SnapshotState:
         info = state.nodes[n.node] = NodeInfo(epoch=n.epoch, last_seq=n.last_seq,
                                               expired_epoch=n.expired_epoch,
                                               needs_reannounce=n.needs_reannounce,
-                                              caps=dict(n.caps), role=n.role)
+                                              caps=dict(n.caps))
         for k, ns_id, cpd_parent, tokens, cpd_hash in n.engine:
             info.engine[engine_key(k)] = EngineBlock(ns_id, cpd_parent, tokens, cpd_hash)
     return state

@@ -183,9 +183,8 @@ class _Node:
                             if spec.role == Role.DECODE and copies is not None else None)
         self.disk = (PrefixStore(cfg.disk_bytes // block_bytes, eviction=cfg.eviction,
                                  copies=copies) if cfg.disk_bytes else None)
-        for store in (self.dram, self.disk):
-            if store is not None:
-                store.counts_losses = spec.role in PREFILL_ROLES
+        if copies is not None and spec.role in PREFILL_ROLES:
+            copies.join_engine(self.gpu)
         self.disk_free = 0.0      # its disk reads, one at a time
         self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
         self.reqs: dict[str, _Req] = {}           # in the engine
@@ -374,6 +373,8 @@ class Cluster:
 
     def _route(self, r: _Req) -> None:
         hits, loads = self._hits(r), self._loads()
+        self.copies.missed(r.blocks, max([0, *hits.gpu.values(), *hits.dram.values(),
+                                          *hits.disk.values()]))
         d = self.router.decide(r.w.prompt_len, self.bs, hits, loads)
         if len(self.result.decisions) < self._record:
             self.result.decisions.append((r.w.prompt_len, self.bs, hits, loads, d))
@@ -511,7 +512,7 @@ class Cluster:
         n = len(r.blocks)
         gate = dst.copies_gate
         if gate is not None:  # the worker's KvStore.handoff, on kvindex's count
-            gate.observe(self.copies.last_evicted)
+            gate.observe("kvindex", self.copies.misses)
             dst.dram.set_copies_first(gate.handoff())
         held = src.dram.hit(r.blocks, n)  # pinned for the hand-off, at both ends
         lack = held - dst.dram.hit(r.blocks, held)

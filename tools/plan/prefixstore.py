@@ -46,6 +46,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 
+from cpd.kvstore.copiesgate import LOST_BLOCKS
 from cpd.kvstore.eviction import EWMA_ALPHA, MAX_FREQ, EvictionName
 
 
@@ -72,7 +73,9 @@ _Heap = list[tuple[int, int, _Run]]
 
 class Copies:
     """Which stores hold each block across a cluster's arenas and disk tiers: kvindex's
-    served copies, by which an arena knows that a block has a copy elsewhere.
+    served copies, by which an arena knows that a block has a copy elsewhere; and the
+    blocks the cluster lost (evicted from every store, engine caches included), as
+    kvindex remembers them to count the lookups that miss them.
 
     Kept only once some store first has to evict (:meth:`activate` counts what the
     stores hold then): until then no decision depends on it, and a planner run whose
@@ -81,13 +84,23 @@ class Copies:
     def __init__(self) -> None:
         self._holders: dict[Hashable, list[PrefixStore]] = {}
         self._stores: list[PrefixStore] = []
+        self._engines: list[PrefixStore] = []
         self.active = False
-        # Blocks evicted from their last copy (kvindex's BlockCopies.last_evicted).
+        # Blocks evicted from their last copy (kvindex's last_evicted), the most recent
+        # of them (its lost blocks) and the looked-up blocks found lost (its misses).
         self.last_evicted = 0
+        self.lost: dict[Hashable, None] = {}
+        self.misses = 0
 
     def join(self, store: PrefixStore) -> None:
         """Count ``store``'s blocks as copies."""
         self._stores.append(store)
+
+    def join_engine(self, store: PrefixStore) -> None:
+        """Count ``store`` (an engine's cache) as holding its blocks, though it serves no
+        copies: a block it still holds is not lost."""
+        self._engines.append(store)
+        store.engine_of = self
 
     def activate(self) -> None:
         """Start counting: every store's blocks now, then each change."""
@@ -108,8 +121,9 @@ class Copies:
 
     def added(self, store: PrefixStore, blocks: Sequence[Hashable]) -> None:
         """``store`` holds ``blocks`` now; a block's sole holder hears it is shared."""
-        holders = self._holders
+        holders, lost = self._holders, self.lost
         for b in blocks:
+            lost.pop(b, None)
             h = holders.get(b)
             if h is None:
                 holders[b] = [store]
@@ -126,8 +140,32 @@ class Copies:
             h.remove(store)
             if not h:
                 del holders[b]
-                if store.counts_losses:
-                    self.last_evicted += 1
+                self._maybe_lost(b)
+
+    def engine_dropped(self, blocks: Sequence[Hashable]) -> None:
+        """An engine's cache dropped ``blocks``."""
+        if self.active:
+            holders = self._holders
+            for b in blocks:
+                if b not in holders:
+                    self._maybe_lost(b)
+
+    def _maybe_lost(self, block: Hashable) -> None:
+        if any(block in e for e in self._engines):
+            return
+        self.last_evicted += 1
+        lost = self.lost
+        lost[block] = None
+        if len(lost) > LOST_BLOCKS:
+            del lost[next(iter(lost))]
+
+    def missed(self, blocks: Sequence[Hashable], start: int) -> None:
+        """A lookup matched ``blocks[:start]``: count the lost blocks right after it
+        (kvindex's ``Index.lookup``)."""
+        lost, k = self.lost, start
+        while k < len(blocks) and blocks[k] in lost:
+            k += 1
+        self.misses += k - start
 
 
 class PrefixStore:
@@ -154,9 +192,8 @@ class PrefixStore:
         # rule), least recently used first.
         self._copies = copies
         self._copies_first = copies_first and copies is not None
-        # Whether a last copy this store evicts counts as the pool's loss (kvindex
-        # counts the prefill side's: Copies.last_evicted).
-        self.counts_losses = False
+        # The registry this store is an engine cache of (Copies.join_engine).
+        self.engine_of: Copies | None = None
         self._shared: _Heap = []
         if copies is not None:
             copies.join(self)
@@ -448,6 +485,8 @@ class PrefixStore:
             del held[b]
         if self._copies is not None and self._copies.active:
             self._copies.removed(self, gone)
+        if self.engine_of is not None:
+            self.engine_of.engine_dropped(gone)
         if self._ghost_max:
             ghost = self._ghost
             mark = (run.ref_tick, run.freq)

@@ -1,17 +1,19 @@
-"""Whether a decode arena evicts copies first, decided from the cluster's losses (pure).
+"""Whether a decode arena evicts copies first, decided from what the cluster lost (pure).
 
 Every prefill-side arena evicts blocks with a copy elsewhere before its policy's victims,
 so the cluster's arenas pool their capacity. A decode arena holds each hand-off's blocks,
 which are copies of what the prefill side computed: evicting them first keeps the pool's
 capacity distinct, but the decode node then pulls its sessions' earlier turns again at
-every hand-off, and at high load its inbound link is what saturates. Which of the two
-costs more depends on whether the pool is short, and that shows in one number kvindex
-counts: last copies evicted anywhere in the cluster (``BlockCopies.last_evicted``). A
-pool that loses none holds the working set, and the decode arena keeps its sessions by
-its policy; a pool that loses last copies needs the decode arena's capacity, which it
-then evicts copies first (docs/plan.md, "Decode arenas").
+every hand-off, and at high load its inbound link is what saturates. Which costs more
+depends on whether the pool is short, and that shows in one number kvindex counts: the
+blocks that lookups ask for right past their match and that the cluster had evicted from
+every copy, arenas, disk tiers and engine caches alike (``BlockCopies.misses``). Blocks
+lost and never asked for again (ended sessions) cost nothing; blocks lost and asked for
+are recomputed because the pool was short. While there are none the decode arena keeps
+its sessions by its policy; while there are, it gives the pool its capacity and evicts
+copies first (docs/plan.md, "Decode arenas").
 
-:class:`CopiesFirstGate` follows the losses per hand-off as an exponentially weighted
+:class:`CopiesFirstGate` follows those misses per hand-off as an exponentially weighted
 mean, with hysteresis so that a rate near the threshold does not flip the arena at every
 hand-off (each switch on re-offers the arena's shared blocks). The workers and the
 planner both run it.
@@ -22,13 +24,17 @@ from __future__ import annotations
 from cpd.ops.config import DecodeCopiesFirst
 
 ALPHA = 0.05
-"""Weight of one hand-off's losses in the mean (about the last 20 hand-offs count)."""
+"""Weight of one hand-off's misses in the mean (about the last 20 hand-offs count)."""
 
 ON_ABOVE = 1.0
-"""Mean last copies lost per hand-off above which the decode arena evicts copies first."""
+"""Mean missed blocks per hand-off above which the decode arena evicts copies first."""
 
 OFF_BELOW = 0.5
 """Mean below which it keeps to its policy again."""
+
+LOST_BLOCKS = 1 << 18
+"""How many of the most recently lost blocks kvindex (and the planner) remember to
+recognise a lookup's miss (about 20 MiB of hashes)."""
 
 
 class CopiesFirstGate:
@@ -38,23 +44,25 @@ class CopiesFirstGate:
         self.mode: DecodeCopiesFirst = mode
         self.on = mode == "always"
         self.mean = 0.0
-        self._seen = 0
-        self._at_handoff: int | None = None
+        self._counts: dict[str, int] = {}
+        self._pending = 0
 
-    def observe(self, last_evicted: int) -> None:
-        """kvindex's running count of last copies evicted in the cluster. Replicas may
-        send it a little apart; the highest count seen is the one that holds."""
-        if last_evicted > self._seen:
-            self._seen = last_evicted
+    def observe(self, replica: str, misses: int) -> None:
+        """A kvindex replica's running count of missed blocks. Each replica answers its
+        share of the lookups and counts its own, so the growth of every replica's count
+        adds up; a count lower than the last one seen is a restarted replica's."""
+        last = self._counts.get(replica)
+        self._counts[replica] = misses
+        if last is not None:
+            self._pending += misses - last if misses >= last else misses
 
     def handoff(self) -> bool:
-        """One hand-off arrives: fold the losses since the previous one into the mean;
+        """One hand-off arrives: fold the misses since the previous one into the mean;
         returns whether the arena evicts copies first now."""
         if self.mode != "adaptive":
             return self.on
-        lost = 0 if self._at_handoff is None else self._seen - self._at_handoff
-        self._at_handoff = self._seen
-        self.mean += ALPHA * (lost - self.mean)
+        missed, self._pending = self._pending, 0
+        self.mean += ALPHA * (missed - self.mean)
         if self.on and self.mean < OFF_BELOW:
             self.on = False
         elif not self.on and self.mean > ON_ABOVE:

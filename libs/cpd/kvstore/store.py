@@ -386,7 +386,7 @@ class KvStore:
         copies = self._decode(msg, wire.BlockCopies)
         if copies is not None:
             if self.gate is not None:
-                self.gate.observe(copies.last_evicted)
+                self.gate.observe(copies.kvindex, copies.misses)
             self.store.mark_copies(wire.split_hashes(copies.shared),
                                    wire.split_hashes(copies.last))
 

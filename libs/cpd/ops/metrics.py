@@ -244,7 +244,11 @@ KVINDEX_INVALIDATED = _m(
     "visible blocks made unreadable (failed, evicted, expired)")
 KVINDEX_LAST_EVICTED = _m(
     "cpd_kvindex_last_copies_evicted", "observed_counter",
-    "last served copies of blocks that a prefill-side node evicted (the pool lost them)")
+    "blocks evicted from their last copy in the cluster (arenas, disk tiers, engine caches)")
+KVINDEX_LOST_MISSES = _m(
+    "cpd_kvindex_lost_block_misses", "observed_counter",
+    "blocks that lookups asked for right past their match and that the cluster had lost "
+    "(evicted from every copy): recomputed because the pool was short")
 KVINDEX_LEASE_EXPIRATIONS = _m(
     "cpd_kvindex_lease_expirations", "counter",
     "node leases that expired (a node stopped heart-beating; its blocks were dropped)")

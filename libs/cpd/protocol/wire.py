@@ -656,14 +656,16 @@ class BlockCopies(Message, tag="kv_copies", kw_only=True):
     DRAM or disk, or this node's own disk) and which became the last one (``last``). An
     arena evicts blocks with a copy elsewhere first, so the cluster's arenas pool their
     capacity instead of holding the same blocks. A block never named is a last copy.
-    ``last_evicted``: how many last copies the cluster's arenas and disk tiers have evicted
-    so far (kvindex's running count, the same on every replica that applied the same
-    events; a decode arena evicts copies first while it grows, cpd.kvstore.copiesgate)."""
+    ``misses``: how many blocks the lookups that replica ``kvindex`` answered asked for
+    right past their match and found lost (evicted from every copy in the cluster), its
+    running count since it started; a decode arena evicts copies first while these grow
+    (cpd.kvstore.copiesgate)."""
 
     namespace: str
     shared: bytes = b""
     last: bytes = b""
-    last_evicted: NonNegInt = 0
+    kvindex: str = ""
+    misses: NonNegInt = 0
 
     def __post_init__(self) -> None:
         _check_hash_width(self.shared)
