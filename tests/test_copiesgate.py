@@ -25,26 +25,26 @@ def _growing(per_handoff: int, handoffs: int) -> list[tuple[tuple[str, int], ...
 
 
 # (case, mode, counts seen before each hand-off, the gate's answers). The mean moves by
-# 5 % of each hand-off's misses; on above 1 block per hand-off, off again below 0.5.
+# 5 % of each hand-off's misses. Copies first starts on and is tried off after 256 quiet
+# hand-offs (mean below 0.5 block); a try ends when the mean passes 1 block.
 GATE_CASES = [
-    ("nothing missed", "adaptive", _growing(0, 50), [False] * 50),
-    # A replica's first count is where it starts; 50 missed before the second hand-off.
-    ("a short pool", "adaptive", _growing(50, 3), [False, True, True]),
-    # One block per hand-off approaches the threshold without passing it.
-    ("one per hand-off", "adaptive", _growing(1, 300), [False] * 300),
-    # Two per hand-off: 2·(1 − 0.95^i) > 1 from the 15th hand-off.
-    ("two per hand-off", "adaptive", _growing(2, 30), [False] * 14 + [True] * 16),
-    # After a burst the mean (2.5) decays by 0.95 per hand-off: below 0.5 after 32.
-    ("a burst, then none", "adaptive", [(("k0", 0),), (("k0", 50),)] + [(("k0", 50),)] * 40,
-     [False, True] + [True] * 31 + [False] * 9),
-    # Two replicas answer a share of the lookups each: their growths add up.
+    ("nothing missed: tried off", "adaptive", _growing(0, 300), [True] * 255 + [False] * 45),
+    # A replica's first count is where it starts; then 50 missed per hand-off.
+    ("a short pool: never quiet", "adaptive", _growing(50, 300), [True] * 300),
+    # One block per hand-off keeps the mean above 0.5 from the 15th hand-off on.
+    ("one per hand-off", "adaptive", _growing(1, 300), [True] * 300),
+    # Two replicas with an eighth of a block each per hand-off: quiet (mean below 0.5).
+    ("two quiet replicas", "adaptive",
+     [(("k0", 100 + i // 8), ("k1", 7 + i // 8)) for i in range(300)],
+     [True] * 255 + [False] * 45),
+    # Two replicas answering a share of the lookups each: their growths add up.
     ("two replicas", "adaptive",
-     [(("k0", 100), ("k1", 7))] + [(("k0", 100 + i), ("k1", 7 + i)) for i in range(1, 30)],
-     [False] * 14 + [True] * 16),
+     [(("k0", 100 + i), ("k1", 7 + i)) for i in range(300)], [True] * 300),
     # A restarted replica counts from 0 again: what it counts since adds.
-    ("a replica restarted", "adaptive", [(("k0", 500),), (("k0", 30),), (("k0", 60),)],
-     [False, True, True]),
-    ("always", "always", _growing(0, 5), [True] * 5),
+    ("a replica restarted", "adaptive",
+     [(("k0", 500),), (("k0", 30),)] + [(("k0", 30 + i),) for i in range(300)],
+     [True] * 302),
+    ("always", "always", _growing(0, 300), [True] * 300),
     ("never", "never", _growing(100, 5), [False] * 5),
 ]
 
@@ -54,6 +54,18 @@ GATE_CASES = [
 def test_the_gate_follows_missed_blocks_per_handoff(
         mode: str, seen: list[tuple[tuple[str, int], ...]], expected: list[bool]) -> None:
     assert _answers(mode, seen) == expected
+
+
+def test_a_try_that_costs_ends_at_once_and_the_next_waits_twice_as_long() -> None:
+    """Quiet for 256 hand-offs, the gate tries copies first off; 50 blocks missed at the
+    next hand-off end the try. Once the misses stop and the mean has decayed below 0.5,
+    the next try comes after 512 quiet hand-offs."""
+    seen = _growing(0, 256) + [(("k0", 50 * k),) for k in range(1, 5)] + [(("k0", 200),)] * 800
+    answers = _answers("adaptive", seen)
+    assert answers[254] and not answers[255] and all(answers[256:256 + 512])
+    off_again = answers.index(False, 256)
+    assert 256 + 512 < off_again < 256 + 512 + 100
+    assert not any(answers[off_again:])
 
 
 def _h(i: int) -> bytes:

@@ -290,12 +290,12 @@ def test_the_plan_runs_the_arena_size_and_policy_of_its_settings(eviction: str) 
 
 
 @pytest.mark.parametrize(("decode_copies_first", "decode_first", "gated"), [
-    ("never", False, False), ("always", True, False), ("adaptive", False, True)])
+    ("never", False, False), ("always", True, False), ("adaptive", True, True)])
 def test_a_decode_arena_evicts_copies_first_as_its_setting_says(
         decode_copies_first: str, decode_first: bool, gated: bool) -> None:
     """As the workers' arenas (``dataplane.decode_copies_first``): a prefill-side arena
     always evicts copies first, a decode arena as the setting says ("adaptive" starts
-    off, behind the gate the hand-offs ask)."""
+    on, behind the gate the hand-offs ask)."""
     s = load_settings(environ={}, overrides=[
         f"dataplane.decode_copies_first={decode_copies_first}"])
     cc = cluster_config(config_for(s, build_parser().parse_args(["plan"])),

@@ -104,7 +104,7 @@ def test_arena_files_are_removed_and_a_dead_predecessors_are_swept(tmp_path: Pat
     ("prefill", "adaptive", True),
     ("decode", "always", True),      # decode as dataplane.decode_copies_first says
     ("decode", "never", False),
-    ("decode", "adaptive", False),   # starts off; its gate switches it
+    ("decode", "adaptive", True),    # starts on; its gate switches it
 ])
 def test_which_arenas_evict_copies_first(role: str, setting: str, first: bool) -> None:
     s = load_settings(environ={}, overrides=[f"dataplane.decode_copies_first={setting}"])

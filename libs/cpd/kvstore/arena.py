@@ -123,11 +123,11 @@ class Lease:
 
 def evicts_copies_first(role: str, decode_copies_first: DecodeCopiesFirst) -> bool:
     """Whether the arena of a worker of ``role`` starts out evicting blocks with a copy
-    elsewhere first: always on the prefill side, on decode only when
-    ``dataplane.decode_copies_first`` is "always" ("adaptive" starts off and follows
+    elsewhere first: always on the prefill side, on decode unless
+    ``dataplane.decode_copies_first`` is "never" ("adaptive" starts on and follows
     :class:`~cpd.kvstore.copiesgate.CopiesFirstGate`). The workers and the planner both
     ask here."""
-    return role != Role.DECODE or decode_copies_first == "always"
+    return role != Role.DECODE or decode_copies_first != "never"
 
 
 class BlockStore:

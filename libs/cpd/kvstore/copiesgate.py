@@ -13,10 +13,13 @@ are recomputed because the pool was short. While there are none the decode arena
 its sessions by its policy; while there are, it gives the pool its capacity and evicts
 copies first (docs/plan.md, "Decode arenas").
 
-:class:`CopiesFirstGate` follows those misses per hand-off as an exponentially weighted
-mean, with hysteresis so that a rate near the threshold does not flip the arena at every
-hand-off (each switch on re-offers the arena's shared blocks). The workers and the
-planner both run it.
+:class:`CopiesFirstGate` starts with copies first, the safe side: a pool that keeps its
+capacity loses little whatever the traffic. Whether keeping to the policy would cost
+anything shows only once it does, so the gate tries it: after ``PROBE_AFTER`` hand-offs in
+a row whose mean misses stayed below ``OFF_BELOW`` blocks, it switches copies first off;
+if the misses then climb past ``ON_ABOVE`` per hand-off it switches back on and waits
+twice as long before the next try. The mean is exponentially weighted per hand-off. The
+workers and the planner both run it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,16 @@ ALPHA = 0.05
 """Weight of one hand-off's misses in the mean (about the last 20 hand-offs count)."""
 
 ON_ABOVE = 1.0
-"""Mean missed blocks per hand-off above which the decode arena evicts copies first."""
+"""Mean missed blocks per hand-off above which a try ends: copies first again."""
 
 OFF_BELOW = 0.5
-"""Mean below which it keeps to its policy again."""
+"""Mean below which a hand-off counts as quiet."""
+
+PROBE_AFTER = 256
+"""Quiet hand-offs in a row after which the gate first tries copies first off."""
+
+MAX_PROBE_AFTER = 1 << 16
+"""The longest wait between two tries."""
 
 LOST_BLOCKS = 1 << 18
 """How many of the most recently lost blocks kvindex (and the planner) remember to
@@ -42,8 +51,10 @@ class CopiesFirstGate:
 
     def __init__(self, mode: DecodeCopiesFirst = "adaptive") -> None:
         self.mode: DecodeCopiesFirst = mode
-        self.on = mode == "always"
+        self.on = mode != "never"
         self.mean = 0.0
+        self.quiet = 0  # hand-offs in a row with the mean below OFF_BELOW, while on
+        self.probe_after = PROBE_AFTER
         self._counts: dict[str, int] = {}
         self._pending = 0
 
@@ -63,8 +74,11 @@ class CopiesFirstGate:
             return self.on
         missed, self._pending = self._pending, 0
         self.mean += ALPHA * (missed - self.mean)
-        if self.on and self.mean < OFF_BELOW:
-            self.on = False
-        elif not self.on and self.mean > ON_ABOVE:
-            self.on = True
+        if self.on:
+            self.quiet = self.quiet + 1 if self.mean < OFF_BELOW else 0
+            if self.quiet >= self.probe_after:
+                self.on = False  # try keeping to the policy
+        elif self.mean > ON_ABOVE:  # the try cost the pool: back, and wait longer
+            self.on, self.quiet = True, 0
+            self.probe_after = min(2 * self.probe_after, MAX_PROBE_AFTER)
         return self.on

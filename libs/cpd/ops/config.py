@@ -319,7 +319,7 @@ EvictionName = Literal["lru", "tinylfu"]
 
 DecodeCopiesFirst = Literal["always", "never", "adaptive"]
 """``dataplane.decode_copies_first``: a decode arena evicts copies first always, never, or
-while lookups ask for blocks the cluster lost (cpd.kvstore.copiesgate)."""
+unless a try shows that lookups do not miss what it would lose (cpd.kvstore.copiesgate)."""
 
 
 class DataPlaneSettings(_Section):
@@ -338,9 +338,9 @@ class DataPlaneSettings(_Section):
     # their capacity fully (more of a working set larger than the arenas is reused);
     # "never": a decode arena keeps its sessions' earlier turns by its policy, so their
     # next hand-offs pull less, which pays where the pool holds the working set anyway;
-    # "adaptive": copies first only while lookups ask for blocks the cluster lost (an
-    # average of more than one per hand-off; cpd.kvstore.copiesgate, docs/plan.md
-    # "Decode arenas").
+    # "adaptive": copies first, tried off while lookups ask for almost none of the blocks
+    # the cluster lost and back on once they ask for more than one per hand-off
+    # (cpd.kvstore.copiesgate, docs/plan.md "Decode arenas").
     decode_copies_first: DecodeCopiesFirst = "adaptive"
     # Bytes of one cache block (one arena slot). 0 derives it from the model:
     # layers × (K, V) × cache.block_size × KV heads × head dim × dtype size.
