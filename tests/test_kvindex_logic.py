@@ -232,10 +232,13 @@ def test_gpu_events_map_to_cpd_hashes_through_token_ids() -> None:
     r = idx.lookup(spec.id, ours, 1)
     assert r.num_blocks == 3 and r.matches == [wire.TierMatch("g0", GPU, 3)]
     # Removing the page in the middle of CPD block 1 breaks blocks 1 and 2 on the GPU.
+    # They were their only copies: the cluster lost them, and a lookup misses them.
     idx.apply(w.ev(wire.GpuBlocksRemoved, namespace=spec.id, tier=GPU, engine_hashes=[b"\x0e"]))
     assert idx.lookup(spec.id, ours, 1).num_blocks == 1
-    idx.apply(w.ev(wire.NodeCleared, tier=GPU))
+    assert (idx.last_evicted, idx.misses) == (2, 2)
+    idx.apply(w.ev(wire.NodeCleared, tier=GPU))  # a restart, not an eviction
     assert idx.lookup(spec.id, ours, 1).num_blocks == 0
+    assert (idx.last_evicted, idx.misses) == (2, 2)
     # Unknown chain parents and unregistered namespaces are counted, not guessed.
     ch = idx.apply(w.ev(wire.GpuBlocksStored, namespace=spec.id, tier=GPU, engine_hashes=[99],
                         parent_engine_hash=12345, tokens=wire.pack_tokens(range(16)),

@@ -62,9 +62,9 @@ class KvStore:
                  disk: DiskTier | None = None,
                  max_queued_events: int = MAX_QUEUED_EVENTS,
                  gate: CopiesFirstGate | None = None) -> None:
-        """``gate``: a decode arena's :class:`CopiesFirstGate`, fed kvindex's count of
-        last copies evicted and asked at each :meth:`handoff` (None: the store's
-        ``copies_first`` stays as built)."""
+        """``gate``: a decode arena's :class:`CopiesFirstGate`, fed kvindex's counts of
+        lookups that missed lost blocks and asked at each :meth:`handoff` (None: the
+        store's ``copies_first`` stays as built)."""
         self.store = store
         self.gate = gate
         self.max_queued_events = max_queued_events
@@ -89,7 +89,7 @@ class KvStore:
         if self.gate is not None:
             on = self.gate.handoff()
             if on != self.store.copies_first:
-                log.info("kvstore.copies_first", on=on, lost_per_handoff=self.gate.mean)
+                log.info("kvstore.copies_first", on=on, misses_per_handoff=self.gate.mean)
                 self.store.set_copies_first(on)
 
     async def flush(self) -> None:
