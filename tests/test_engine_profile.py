@@ -12,7 +12,7 @@ import pytest
 from cpd.engines.profile import SimProfile, VllmProfile, engine_profile
 from cpd.modelbuild import PRESETS
 from cpd.ops.config import load_settings
-from cpd.protocol.errors import ConfigError
+from cpd.protocol.errors import ConfigError, InvalidRequest
 from cpd.sim.costmodel import preset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +100,20 @@ def _engine_kind_reads(path: Path) -> list[int]:
     return [n.lineno for n in ast.walk(tree)
             if isinstance(n, ast.Attribute) and n.attr == "engine"
             and isinstance(n.value, ast.Attribute) and n.value.attr == "worker"]
+
+
+@pytest.mark.parametrize("render", [
+    lambda m: m.encode("a prompt"),
+    lambda m: m.render_chat([{"role": "user", "content": "a chat"}]),
+])
+def test_a_sim_model_without_a_tokenizer_refuses_text_typed(render: object) -> None:
+    """The sim engine's model has no tokenizer: a completion's text and a chat are
+    refused as invalid requests (a 400 at the gateway), never an internal error."""
+    model = engine_profile(load_settings(environ={}, overrides=["worker.engine=sim"])
+                           ).served_model()
+    model.prepare_chat()  # nothing to load
+    with pytest.raises(InvalidRequest, match="no tokenizer"):
+        render(model)  # type: ignore[operator]
 
 
 def test_only_the_profile_reads_the_engine_kind() -> None:

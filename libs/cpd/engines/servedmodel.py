@@ -149,6 +149,9 @@ class ServedModel:
         """``transformers``' tokenizer of the folder, whose ``apply_chat_template``
         renders chats exactly as vLLM's server does (loading it takes seconds: a server
         loads it at start, :meth:`prepare_chat`)."""
+        if not self.has_tokenizer:
+            raise InvalidRequest(f"{self.name} has no tokenizer: chats need one; send a "
+                                 "completion's token ids")
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.folder))
