@@ -20,7 +20,7 @@ from nats.js import api
 
 from cpd.bus import Bus
 from cpd.engines.profile import engine_profile
-from cpd.kvstore import BlockStore, KvStore, as_byte_array, checksum
+from cpd.kvstore import BlockStore, CopiesFirstGate, KvStore, as_byte_array, checksum
 from cpd.kvstore import events as kvevents
 from cpd.kvstore.events import MAX_BLOCKS_PER_EVENT, KvEventPublisher
 from cpd.modelbuild import PRESETS
@@ -407,6 +407,34 @@ def test_store_matches_the_reference_model(slots: int, program: list[tuple]) -> 
 
 
 # ----------------------------------------------------------------------- into CPD_KV
+
+
+@pytest.mark.timeout(60)
+async def test_a_decode_store_follows_kvindex_misses_at_its_hand_offs(bus) -> None:
+    """A decode worker's store (with a CopiesFirstGate) evicts copies first from the
+    start, keeps to its policy after 256 quiet hand-offs, and evicts copies first again
+    once kvindex's copies notices (over NATS) report lookups that missed lost blocks."""
+    node = f"kvs-{uuid.uuid4().hex[:8]}"
+    kv = KvStore(BlockStore(64, 2, node=node, copies_first=True), None,
+                 gate=CopiesFirstGate("adaptive"))
+    await kv.start(bus.nc, sweep_interval_s=0.05)
+    try:
+        for _ in range(256):
+            assert kv.store.copies_first
+            kv.handoff()
+        assert not kv.store.copies_first
+        for misses in (10, 60):  # a replica's first count, then 50 more
+            await bus.nc.publish(subjects.kv_copies(node), wire.encode(wire.BlockCopies(
+                namespace=NS, kvindex="kvi-0", misses=misses)))
+        await bus.nc.flush()
+        for _ in range(100):  # the next hand-off once the notices are in
+            kv.handoff()
+            if kv.store.copies_first:
+                break
+            await asyncio.sleep(0.02)
+        assert kv.store.copies_first
+    finally:
+        await kv.close()
 
 
 @pytest.mark.timeout(60)

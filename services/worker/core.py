@@ -317,6 +317,8 @@ def _instruments(role: str, node: str, kv: KvStore) -> _Instruments:
                   lambda _: [Observation(store.total_bytes, attrs)])
     metrics.observed_counter(m, metrics.WORKER_EVICTIONS,
                              lambda _: [Observation(store.evictions, attrs)])
+    metrics.gauge(m, metrics.WORKER_COPIES_FIRST,
+                  lambda _: [Observation(int(store.copies_first), attrs)])
     return _Instruments(kv_bytes=kv_bytes, phase=metrics.histogram(m, metrics.WORKER_PHASE),
                         queue=metrics.histogram(m, metrics.WORKER_QUEUE))
 

@@ -208,6 +208,10 @@ WORKER_DRAM_CAPACITY = _m(
 WORKER_EVICTIONS = _m(
     "cpd_worker_evictions", "observed_counter", "blocks evicted from the DRAM arena",
     labels=("role", "node"))
+WORKER_COPIES_FIRST = _m(
+    "cpd_worker_copies_first", "gauge",
+    "1 while the DRAM arena evicts blocks with a copy elsewhere first, 0 while its policy "
+    "alone decides (a decode arena's dataplane.decode_copies_first)", labels=("role", "node"))
 WORKER_DISK_USED = _m(
     "cpd_worker_disk_used", "gauge", "disk tier bytes in use (block slots)", "By",
     ("role", "node"))
