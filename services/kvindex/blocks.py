@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from cpd.kvstore.copiesgate import LOST_BLOCKS
+from cpd.kvstore.copiesgate import LostBlocks
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import BlockState, can_transition
 from cpd.protocol.wire import SERVED_TIERS
@@ -35,7 +35,7 @@ class BlockTable:
         # looked-up blocks right past a match found among them (cpd.kvstore.copiesgate:
         # this replica's count, BlockCopies.misses).
         self.last_evicted = 0
-        self.lost: dict[bytes, None] = {}
+        self.lost = LostBlocks()
         self.misses = 0
         # (namespace, hash, tier) of every location per node: drops touch only that node.
         self._by_node: dict[str, set[tuple[str, bytes, Tier]]] = {}
@@ -131,14 +131,6 @@ class BlockTable:
             k += 1
         return k - start
 
-    def _lose(self, h: bytes) -> None:
-        """``h``'s last visible copy was evicted: the cluster lost it."""
-        self.last_evicted += 1
-        lost = self.lost
-        lost[h] = None
-        if len(lost) > LOST_BLOCKS:
-            del lost[next(iter(lost))]
-
     def _remove(self, ns: str, h: bytes, key: LocKey, ch: Changes,
                 evicted: bool = False) -> None:
         """Drop ``h`` at ``key`` and every descendant there (prefix-closed eviction);
@@ -163,7 +155,8 @@ class BlockTable:
                 _copy_removed(ns, cur, block, key, ch)
                 if evicted and not any(c.state is BlockState.VISIBLE
                                        for c in block.locs.values()):
-                    self._lose(cur)
+                    self.last_evicted += 1  # the cluster lost it
+                    self.lost.add(cur)
             if block.children:
                 todo.extend(block.children)
             self._gc(ns, table, cur, block)

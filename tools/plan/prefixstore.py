@@ -46,7 +46,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 
-from cpd.kvstore.copiesgate import LOST_BLOCKS
+from cpd.kvstore.copiesgate import LostBlocks
 from cpd.kvstore.eviction import EWMA_ALPHA, MAX_FREQ, EvictionName
 
 
@@ -89,7 +89,7 @@ class Copies:
         # Blocks evicted from their last copy (kvindex's last_evicted), the most recent
         # of them (its lost blocks) and the looked-up blocks found lost (its misses).
         self.last_evicted = 0
-        self.lost: dict[Hashable, None] = {}
+        self.lost = LostBlocks()
         self.misses = 0
 
     def join(self, store: PrefixStore) -> None:
@@ -154,10 +154,7 @@ class Copies:
         if any(block in e for e in self._engines):
             return
         self.last_evicted += 1
-        lost = self.lost
-        lost[block] = None
-        if len(lost) > LOST_BLOCKS:
-            del lost[next(iter(lost))]
+        self.lost.add(block)
 
     def missed(self, blocks: Sequence[Hashable], start: int) -> None:
         """A lookup matched ``blocks[:start]``: count the lost blocks right after it

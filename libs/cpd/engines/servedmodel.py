@@ -85,10 +85,14 @@ class ServedModel:
             return self.namespace
         return self.namespace.with_salt(tenant, cache_salt)
 
+    def _need_tokenizer(self, instead: str) -> None:
+        """Refuse, typed, what needs the tokenizer of a model that has none."""
+        if not self.has_tokenizer:
+            raise InvalidRequest(f"{self.name} has no tokenizer: {instead}")
+
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        if not self.has_tokenizer:
-            raise InvalidRequest(f"{self.name} has no tokenizer: send token ids, not text")
+        self._need_tokenizer("send token ids, not text")
         return Tokenizer.from_file(str(self.folder / "tokenizer.json"))
 
     @cached_property
@@ -149,9 +153,7 @@ class ServedModel:
         """``transformers``' tokenizer of the folder, whose ``apply_chat_template``
         renders chats exactly as vLLM's server does (loading it takes seconds: a server
         loads it at start, :meth:`prepare_chat`)."""
-        if not self.has_tokenizer:
-            raise InvalidRequest(f"{self.name} has no tokenizer: chats need one; send a "
-                                 "completion's token ids")
+        self._need_tokenizer("chats need one; send a completion's token ids")
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.folder))

@@ -10,11 +10,11 @@ from .arena import (
     evicts_copies_first,
     kv_block_bytes,
 )
-from .copiesgate import CopiesFirstGate
+from .copiesgate import CopiesFirstGate, LostBlocks
 from .disk import DiskTier
 from .events import KvEventPublisher
 from .store import KvStore
 
 __all__ = ["BlockEntry", "BlockStore", "CopiesFirstGate", "DiskTier", "KvEventPublisher",
-           "KvStore", "Lease", "as_byte_array", "checksum", "evicts_copies_first",
+           "KvStore", "Lease", "LostBlocks", "as_byte_array", "checksum", "evicts_copies_first",
            "kv_block_bytes"]

@@ -24,7 +24,12 @@ workers and the planner both run it.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from cpd.ops.config import DecodeCopiesFirst
+from cpd.protocol.roles import Role
+
+from .arena import evicts_copies_first
 
 ALPHA = 0.05
 """Weight of one hand-off's misses in the mean (about the last 20 hand-offs count)."""
@@ -46,12 +51,28 @@ LOST_BLOCKS = 1 << 18
 recognise a lookup's miss (about 20 MiB of hashes)."""
 
 
+class LostBlocks(dict[Hashable, None]):
+    """The most recently lost blocks, at most ``limit``, oldest first: what kvindex and
+    the planner recognise a lookup's miss by. A dict, so that membership, removal (a
+    block held again: ``pop``) and iteration cost what a dict's do."""
+
+    def __init__(self, limit: int = LOST_BLOCKS) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def add(self, block: Hashable) -> None:
+        """``block`` was lost; past ``limit`` the oldest is forgotten."""
+        self[block] = None
+        if len(self) > self.limit:
+            del self[next(iter(self))]
+
+
 class CopiesFirstGate:
     """Whether one decode arena evicts copies first, updated at each hand-off."""
 
     def __init__(self, mode: DecodeCopiesFirst = "adaptive") -> None:
         self.mode: DecodeCopiesFirst = mode
-        self.on = mode != "never"
+        self.on = evicts_copies_first(Role.DECODE, mode)
         self.mean = 0.0
         self.quiet = 0  # hand-offs in a row with the mean below OFF_BELOW, while on
         self.probe_after = PROBE_AFTER
