@@ -138,3 +138,25 @@ async def vllm_cluster(model_cache: Path,
         yield c
     finally:
         await c.stop()
+
+
+@pytest.fixture
+async def vllm_cluster_intact(vllm_cluster: VllmCluster) -> AsyncIterator[None]:
+    """The shared cluster whole around one test: a node found dead before it (left so by
+    an earlier failure) is started again, and a node that died during it fails the test
+    with the node's log, once restarted, so that one crash fails one test, not every
+    later test of the session."""
+    if found := await vllm_cluster.revive():
+        print(f"restarted before the test, found dead: {sorted(found)}")
+    yield
+    if crashed := await vllm_cluster.revive():
+        pytest.fail("the shared cluster lost " + ", ".join(sorted(crashed)) + " during the "
+                    "test; restarted. Their logs ended:\n"
+                    + "\n".join(f"--- {n}\n{tail}" for n, tail in sorted(crashed.items())))
+
+
+@pytest.fixture(autouse=True)
+def _shared_cluster_checked(request: pytest.FixtureRequest) -> None:
+    """:func:`vllm_cluster_intact` around every test that uses the shared cluster."""
+    if "vllm_cluster" in request.fixturenames:
+        request.getfixturevalue("vllm_cluster_intact")

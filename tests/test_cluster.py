@@ -104,10 +104,12 @@ async def test_node_verbs_and_a_stop_that_leaves_nothing(
         await cluster.restart("kvi")  # waits until the new one answers lookups
         assert cluster.pid("kvi") != first and cluster.alive("kvi")
         await cluster.stop_node("kvi")
-        assert cluster.dead() == ["kvi"]
+        assert cluster.dead() == ["kvi"] and cluster.crashed() == []  # stopped on purpose
         await cluster.restart("kvi")
+        assert cluster.crashed() == []
         cluster.kill("kvi")
-        assert not cluster.alive("kvi")
+        await _until(lambda: not cluster.alive("kvi"))
+        assert cluster.crashed() == ["kvi"]  # exited, and nobody stopped it
         pids = [cluster.pid("kvi")]
         # Supervised: a killed node and a killed NATS come back.
         events: list[str] = []

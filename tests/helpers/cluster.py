@@ -174,6 +174,14 @@ class VllmCluster:
         """Start ``node`` again (after a kill) and wait for the new incarnation."""
         await self.cluster.restart(node)
 
+    async def revive(self) -> dict[str, str]:
+        """Start again, and wait for, every node that exited without being stopped on
+        purpose; returns the end of each one's log from before (why it exited)."""
+        found = {n: self.log_tail(n) for n in self.cluster.crashed()}
+        for node in found:
+            await self.cluster.restart(node)
+        return found
+
 
 async def reference_outputs(model_cache: Path, tmp: Path, prompts: list[list[int]],
                             max_tokens: int, preset: str = "tiny") -> list[list[int]]:

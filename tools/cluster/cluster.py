@@ -293,6 +293,11 @@ class Cluster(ClusterState):
         self.resume(node)
         await asyncio.to_thread(self.procs[node].terminate, self.spec.stop_timeout_s)
 
+    def crashed(self) -> list[str]:
+        """Nodes whose process exited without :meth:`stop_node` (a crash or a kill not
+        yet followed by :meth:`restart`)."""
+        return [n for n in self.dead() if n not in self._down]
+
     def kill(self, node: str) -> None:
         """``kill -9`` the node's process group (the supervisor, if on, restarts it)."""
         p = self.procs[node]
