@@ -69,6 +69,16 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TMPDIR"] = folder
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that use the session's shared vLLM cluster (:func:`vllm_cluster`) run
+    last, one after the other, in their usual order: its engines then start once the
+    rest of the suite is done, and never share this host's memory and cores with the
+    engines other tests start."""
+    shared = {item.module for item in items
+              if "vllm_cluster" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.module in shared)  # stable: order kept within each
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     folder = getattr(config, _CHILD_TMP, None)
     if folder:

@@ -5,8 +5,6 @@ vanished peer, and bad input; every output equal to a monolithic vLLM run."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -14,15 +12,19 @@ import pytest
 
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import PromptTooLong
-from cpd.protocol.hashing import Namespace, block_hashes
-from services.router.outcome import Reports, RouterTimes, assemble
 from tests.helpers.cluster import VllmCluster, reference_outputs
+from tests.helpers.workerpaths import (
+    BS,
+    MAX_TOKENS,
+    ask,
+    every_path,
+    source_of,
+    visible_on,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
-BS = 256
-MAX_TOKENS = 10
 _rng = np.random.default_rng(42)
 PREFIX = _rng.integers(0, 1900, size=4 * BS).tolist()
 PROMPTS = {
@@ -39,10 +41,6 @@ for _i, _n in enumerate(CROWN_LENGTHS):
 PROMPTS["d"] = _rng.integers(0, 1900, size=4 * BS + 30).tolist()
 PROMPTS["tp_warm"] = _rng.integers(0, 1900, size=4 * BS + 50).tolist()
 PROMPTS["tp_cold"] = _rng.integers(0, 1900, size=3 * BS + 70).tolist()
-# The small preset's cluster (8 layers, 4 KV heads) runs these on every path.
-SMALL_PROMPTS = [_rng.integers(0, 1900, size=n).tolist() for n in (3 * BS, 5 * BS + 77)]
-# "ptp" (a prefill node of two tensor-parallel ranks) is started by its own test.
-NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode", "ptp": "prefill"}
 
 
 @pytest.fixture(scope="module")
@@ -52,85 +50,17 @@ async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory)
     return dict(zip(PROMPTS, outs, strict=True))
 
 
-@pytest.fixture(scope="module")
-async def small_reference(model_cache: Path,
-                          tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    return await reference_outputs(model_cache, tmp_path_factory.mktemp("small-ref"),
-                                   SMALL_PROMPTS, MAX_TOKENS, preset="small")
-
-
-@pytest.fixture(scope="module")
-async def small_cluster(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
-                        ) -> AsyncIterator[dict]:
-    """pp0, p0 and d0 on the ``small`` preset (its own NATS and kvindex)."""
-    c = VllmCluster(tmp_path_factory.mktemp("small"), model_cache, "model.preset=small")
-    try:
-        await c.start()
-        yield {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp}
-    finally:
-        await c.stop()
-
-
 @pytest.fixture
 def cluster(vllm_cluster: VllmCluster) -> dict:
     c = vllm_cluster
     return {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp}
 
 
-async def _ask(c: dict, node: str, prompt: list[int],
-               sources: list[wire.LoadSource] = ()) -> tuple[list[int], wire.Final]:
-    ns: Namespace = c["ns"]
-    req = wire.PrefillRequest(
-        request_id=f"r{time.monotonic_ns()}", reply_to="", tokens=wire.pack_tokens(prompt),
-        sampling=wire.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-        namespace=ns.id, block_hashes=block_hashes(ns, prompt), decode_node="d0",
-        deadline_unix_ms=int(time.time() * 1000) + 300_000, sources=list(sources))
-    msgs = [m async for m in c["bus"].stream(subjects.run(NODES[node], node), req,
-                                             timeout=300)]
-    tokens = [t for m in msgs if isinstance(m, wire.TokenChunk) for t in m.token_ids]
-    assert [m.seq for m in msgs] == list(range(len(msgs)))
-    # The final as the router would assemble it from the workers' reports.
-    reports = Reports(
-        prefill=next((m for m in msgs if isinstance(m, wire.PrefillReport)), None),
-        decode=next((m for m in msgs if isinstance(m, wire.DecodeReport)), None))
-    return tokens, assemble(wire.Route(), reports, msgs[-1], prompt_tokens=len(prompt),
-                            completion_tokens=len(tokens), times=RouterTimes(), failovers=0)
-
-
-async def _visible_on(c: dict, prompt: list[int], node: str,
-                      tier: wire.Tier = wire.Tier.DRAM) -> int:
-    ns: Namespace = c["ns"]
-    for _ in range(100):
-        r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
-            namespace=ns.id, block_hashes=block_hashes(ns, prompt)), expect=wire.LookupReply)
-        hit = {(m.node, m.tier): m.num_blocks for m in r.matches}.get((node, tier), 0)
-        if hit:
-            return hit
-        await asyncio.sleep(0.1)
-    return 0
-
-
-async def _source(c: dict, prompt: list[int], node: str, num_blocks: int) -> wire.LoadSource:
-    """What the router would plan: ``node``'s DRAM run with the read capability kvindex
-    returns with the location (the node's data plane serves nothing without it)."""
-    ns: Namespace = c["ns"]
-    for _ in range(100):
-        r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
-            namespace=ns.id, block_hashes=block_hashes(ns, prompt)), expect=wire.LookupReply)
-        match = next((m for m in r.matches if (m.node, m.tier) == (node, wire.Tier.DRAM)
-                      and m.num_blocks >= num_blocks and m.capability), None)
-        if match is not None:
-            return wire.LoadSource(node=node, tier=wire.Tier.DRAM, first_block=0,
-                                   num_blocks=num_blocks, capability=match.capability)
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"kvindex never showed {num_blocks} blocks with a capability on {node}")
-
-
 async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
                                                                  reference: dict) -> None:
     a, b = PROMPTS["a"], PROMPTS["b"]
     # 1. Cold: full prefill on the pre-prefill node, hand-off to decode.
-    tokens, final = await _ask(cluster, "pp0", a)
+    tokens, final = await ask(cluster, "pp0", a)
     assert tokens == reference["a"]
     r = final.route
     assert (r.prefill_node, r.decode_node, r.tokens.computed) == ("pp0", "d0", len(a))
@@ -138,15 +68,15 @@ async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
     assert final.usage.completion_tokens == MAX_TOKENS
     # 2. kvindex made pp0's blocks visible; a prompt sharing the prefix loads them
     #    from pp0's DRAM on the prefill node and computes only its own suffix.
-    assert await _visible_on(cluster, b, "pp0") == 4
+    assert await visible_on(cluster, b, "pp0") == 4
     # vLLM's own KV events reached kvindex too: pp0's GPU prefix cache holds the prefix.
-    assert await _visible_on(cluster, b, "pp0", wire.Tier.GPU) == 4
-    src = await _source(cluster, b, "pp0", 4)
-    tokens, final = await _ask(cluster, "p0", b, [src])
+    assert await visible_on(cluster, b, "pp0", wire.Tier.GPU) == 4
+    src = await source_of(cluster, b, "pp0", 4)
+    tokens, final = await ask(cluster, "p0", b, [src])
     assert tokens == reference["b"]
     assert (final.route.tokens.remote, final.route.tokens.computed) == (4 * BS, len(b) - 4 * BS)
     # 3. The same prompt again on p0: its engine's own prefix cache serves the prefix.
-    tokens, final = await _ask(cluster, "p0", b)
+    tokens, final = await ask(cluster, "p0", b)
     assert tokens == reference["b"]
     assert final.route.tokens.gpu == 4 * BS and final.route.tokens.remote == 0
 
@@ -154,7 +84,7 @@ async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,
 async def test_vanished_peer_means_recompute_not_failure(cluster: dict, reference: dict) -> None:
     c = PROMPTS["c"]
     src = wire.LoadSource(node="gone-node", tier=wire.Tier.DRAM, first_block=0, num_blocks=2)
-    tokens, final = await _ask(cluster, "p0", c, [src])
+    tokens, final = await ask(cluster, "p0", c, [src])
     assert tokens == reference["c"]
     assert final.route.tokens.remote == 0
     assert final.route.load_error == wire.LoadError(peer="gone-node", code="unavailable",
@@ -204,10 +134,10 @@ async def test_a_refused_pull_is_reported_in_the_route_not_hidden(cluster: dict,
     recomputed, and the final says which load failed and why: a client, the router's
     counters and the benchmarks see the slower path instead of a silent fallback."""
     d = PROMPTS["d"]  # on no node yet: p0 must pull it to have it
-    await _ask(cluster, "pp0", d)
-    assert await _visible_on(cluster, d, "pp0") == 4
+    await ask(cluster, "pp0", d)
+    assert await visible_on(cluster, d, "pp0") == 4
     forged = wire.LoadSource(node="pp0", tier=wire.Tier.DRAM, first_block=0, num_blocks=4)
-    tokens, final = await _ask(cluster, "p0", d, [forged])
+    tokens, final = await ask(cluster, "p0", d, [forged])
     assert tokens == reference["d"]
     assert final.route.load_error == wire.LoadError(peer="pp0", code="capability_denied")
     assert (final.route.tokens.remote, final.route.tokens.computed) == (0, len(d))
@@ -215,46 +145,11 @@ async def test_a_refused_pull_is_reported_in_the_route_not_hidden(cluster: dict,
 
 async def test_bad_input_gets_typed_errors_and_workers_stay_up(cluster: dict) -> None:
     with pytest.raises(PromptTooLong):
-        await _ask(cluster, "pp0", [1] * 8190)
+        await ask(cluster, "pp0", [1] * 8190)
     raw = await cluster["bus"].nc.request(subjects.run("preprefill", "pp0"), b"\xc1junk",
                                           timeout=10)
     assert wire.decode(raw.data, wire.Error).code == "malformed"
     assert all(p.poll() is None for p in cluster["procs"].values())
-
-
-async def _reset_gpu_cache(c: dict, node: str) -> None:
-    await c["bus"].request(subjects.admin(NODES[node], node), wire.ResetCache(reason="test"),
-                           expect=wire.Accepted)
-
-
-async def _every_path(c: dict, prompt: list[int], want: list[int], prefill: str = "p0"
-                      ) -> None:
-    """``prompt`` cold on pp0, then on ``prefill``: warm from pp0's DRAM, warm from its
-    own DRAM, and from its engine's prefix cache: each path asserted from the final
-    message, each output ``want``."""
-    n = len(prompt)
-    blocks = (n - 1) // BS  # the last prompt token is always computed
-    cached = blocks * BS
-    tokens, final = await _ask(c, "pp0", prompt)  # cold
-    r = final.route
-    assert tokens == want, f"cold, {n} tokens"
-    assert (r.prefill_node, r.tokens.computed, r.tokens.gpu) == ("pp0", n, 0)
-    assert r.decode_tokens_pulled == n // BS * BS
-    src = await _source(c, prompt, "pp0", blocks)
-    tokens, final = await _ask(c, prefill, prompt, [src])  # warm, peer's DRAM
-    r = final.route
-    assert tokens == want, f"warm-remote, {n} tokens"
-    assert (r.tokens.remote, r.tokens.dram, r.tokens.computed) == (cached, 0, n - cached)
-    await _reset_gpu_cache(c, prefill)
-    tokens, final = await _ask(c, prefill, prompt)  # warm, own DRAM
-    r = final.route
-    assert tokens == want, f"warm-local-DRAM, {n} tokens"
-    assert (r.tokens.dram, r.tokens.gpu, r.tokens.remote) == (cached, 0, 0)
-    tokens, final = await _ask(c, prefill, prompt)  # warm, GPU prefix cache
-    r = final.route
-    assert tokens == want, f"GPU hit, {n} tokens"
-    assert (r.tokens.gpu, r.tokens.dram, r.tokens.remote) == (cached, 0, 0)
-    assert r.tokens.computed == n - cached
 
 
 async def test_crown_every_path_is_token_identical_to_monolithic_vllm(cluster: dict,
@@ -263,7 +158,7 @@ async def test_crown_every_path_is_token_identical_to_monolithic_vllm(cluster: d
     warm from the prefill node's own DRAM, and warm from its GPU prefix cache — each path
     asserted from the final message, each output equal to the monolithic run."""
     for i in range(len(CROWN_LENGTHS)):
-        await _every_path(cluster, PROMPTS[f"crown{i}"], reference[f"crown{i}"])
+        await every_path(cluster, PROMPTS[f"crown{i}"], reference[f"crown{i}"])
 
 
 async def test_a_tensor_parallel_prefill_node_shares_blocks_with_single_rank_nodes(
@@ -282,19 +177,10 @@ async def test_a_tensor_parallel_prefill_node_shares_blocks_with_single_rank_nod
             vllm_cluster.procs["ptp"].pid).children(recursive=True)]
         assert sum("VLLM::Worker" in t for t in titles) == 2, titles  # a process per rank
         # Cold on pp0 (one rank); on ptp warm from pp0's DRAM, its own DRAM, its cache.
-        await _every_path(cluster, PROMPTS["tp_warm"], reference["tp_warm"], prefill="ptp")
+        await every_path(cluster, PROMPTS["tp_warm"], reference["tp_warm"], prefill="ptp")
         cold = PROMPTS["tp_cold"]
-        tokens, final = await _ask(cluster, "ptp", cold)
+        tokens, final = await ask(cluster, "ptp", cold)
         assert tokens == reference["tp_cold"]
         assert final.route.decode_tokens_pulled == 3 * BS  # d0 loaded ptp's blocks
     finally:
         await vllm_cluster.stop_worker("ptp")
-
-
-async def test_the_small_model_is_token_identical_on_every_path(
-        small_reference: list[list[int]], small_cluster: dict) -> None:
-    """The ``small`` preset (twice the layers and KV heads of ``tiny``): cold, warm from
-    a peer's DRAM, from the node's own DRAM and from its engine's cache, each output equal
-    to monolithic vLLM on the same model."""
-    for prompt, want in zip(SMALL_PROMPTS, small_reference, strict=True):
-        await _every_path(small_cluster, prompt, want)
