@@ -74,19 +74,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     last, one after the other, in their usual order: its engines then start once the
     rest of the suite is done, and never share this host's memory and cores with the
     engines other tests start."""
-    shared = {item.module for item in items
+    shared = {getattr(item, "module", None) for item in items
               if "vllm_cluster" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.module in shared)  # stable: order kept within each
+    shared.discard(None)
+    # A stable sort: the order within each part stays.
+    items.sort(key=lambda item: getattr(item, "module", None) in shared)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     folder = getattr(config, _CHILD_TMP, None)
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
+    _remove_shm_leftovers(config)
+
+
+def _remove_shm_leftovers(config: pytest.Config) -> None:
+    """Remove the shared memory made during the session that no live process uses."""
     before = getattr(config, _SHM_BEFORE, None)
     if before is not None:
         for name in _shm_entries() - before - _shm_in_use():
             (_SHM / name).unlink(missing_ok=True)
+
 
 
 @pytest.fixture(scope="session")

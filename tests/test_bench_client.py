@@ -24,12 +24,12 @@ from tools.bench.client import (
     Failure,
     Sample,
     _pct,
+    case_hops,
     context_sizes,
     cpd_fields,
     hops,
     make_plan,
     summarize,
-    warm_hops,
 )
 from tools.bench.corpus import CorpusPrompts
 from tools.vllmcli import vllm_version
@@ -192,7 +192,7 @@ def _timed(api: str, n: int, case: str, ttft: float, router: float, admission: f
                 decision_ms=decision, lookup_ms=lookup, load_ms=load, prefill_ms=prefill)
 
 
-def test_warm_hops_per_api_and_size_and_overall() -> None:
+def test_hops_per_case_api_and_size_and_overall() -> None:
     samples = [
         # chat 1K: gateway 10, 15, 20; relay 24, 18, 12.
         _timed("chat", 1024, "repeat", 100, 90, 1, 5, 2, 20, 40),
@@ -205,7 +205,7 @@ def test_warm_hops_per_api_and_size_and_overall() -> None:
         _one("monolithic", "chat", 1024, "repeat", 40),
         _one("cpd", "chat", 4096, "repeat", 150),
     ]
-    got = warm_hops(samples)
+    got = case_hops(samples, "repeat")
     assert got["rows"] == [
         {"api": "chat", "context_tokens": 1024, "requests": 3, "gateway": 15.0,
          "admission": 2.0, "decision": 5.0, "lookup": 2.0, "load": 30.0, "prefill": 40.0,
@@ -217,7 +217,13 @@ def test_warm_hops_per_api_and_size_and_overall() -> None:
                               "lookup": 2.0, "load": 25.0, "prefill": 40.0, "relay": 21.0}
     assert list(got["overall"]) == list(HOPS)
     assert summarize(samples)["warm_hops_p50_ms"] == got
-    assert warm_hops(samples[-2:]) == {"overall": None, "rows": []}
+    assert case_hops(samples[-2:], "repeat") == {"overall": None, "rows": []}
+    # The cold breakdown: the one unique request (gateway 100, relay 94).
+    cold = {"gateway": 100.0, "admission": 1.0, "decision": 5.0, "lookup": 2.0,
+            "load": 0.0, "prefill": 700.0, "relay": 94.0}
+    assert summarize(samples)["cold_hops_p50_ms"] == {
+        "overall": cold, "rows": [{"api": "chat", "context_tokens": 1024, "requests": 1,
+                                   **cold}]}
 
 
 def test_a_failed_request_fails_the_run_and_is_listed() -> None:
@@ -281,7 +287,8 @@ def test_the_client_benchmark_runs_end_to_end(tmp_path: Path, model_cache: Path)
     for key in ("cached_over_unique_at_max", "cached_over_unique_worst",
                 "cached_p90_over_p50", "tpot_over_monolithic", "warm_over_monolithic_warm",
                 "cold_over_monolithic", "tpot_p50_ms", "targets", "met", "met_targets",
-                "requests", "requests_failed", "failures", "warm_hops_p50_ms", "rows",
+                "requests", "requests_failed", "failures", "warm_hops_p50_ms",
+                "cold_hops_p50_ms", "rows",
                 "contexts", "iterations", "servers", "load_average_1m", "machine"):
         assert key in r, key
     assert r["contexts"] == [1024, 4096]
@@ -290,6 +297,9 @@ def test_the_client_benchmark_runs_end_to_end(tmp_path: Path, model_cache: Path)
     hop_rows = r["warm_hops_p50_ms"]["rows"]
     assert len(hop_rows) == len(APIS) * len(r["contexts"])
     assert all(h["prefill"] > 0 and h["requests"] == r["iterations"] for h in hop_rows)
+    cold_rows = r["cold_hops_p50_ms"]["rows"]
+    assert len(cold_rows) == len(hop_rows)
+    assert all(h["prefill"] > 0 and h["requests"] == r["iterations"] for h in cold_rows)
     for row in r["rows"]:
         assert row["repeat"]["ttft_p50_ms"] > 0 and row["unique"]["tpot_p50_ms"] > 0
         if row["server"] == "cpd":

@@ -168,6 +168,17 @@ async def test_a_tensor_parallel_prefill_node_shares_blocks_with_single_rank_nod
     engine's cache), and hands the blocks it computes to the single-rank decode node: a
     block holds the whole model whatever the engine's ranks, so nodes of different sizes
     share one namespace."""
+    # p0 takes no part: stopped meanwhile, so that the two ranks fit in this host's
+    # memory beside the cluster (they did not beside all of it: the start took minutes).
+    await vllm_cluster.stop_worker("p0")
+    try:
+        await _tensor_parallel_paths(vllm_cluster, cluster, reference)
+    finally:
+        await vllm_cluster.start_worker("p0", "prefill")
+
+
+async def _tensor_parallel_paths(vllm_cluster: VllmCluster, cluster: dict,
+                                 reference: dict) -> None:
     await vllm_cluster.start_worker("ptp", "prefill", "engine.tensor_parallel_size=2",
                                     "worker.engine_cpus=0,1")
     try:

@@ -23,8 +23,8 @@ the count fixed). Every request must succeed: an error is a failed request, coun
 reported, never averaged in.
 
 CPD's TTFT is compared with the monolithic server's, cold (``unique``) and warm
-(``repeat``: CPD's cache against vLLM's own prefix cache), and CPD's warm TTFT is split
-into hops from the timings the gateway returns in its ``cpd`` extension.
+(``repeat``: CPD's cache against vLLM's own prefix cache), and CPD's warm and cold TTFT
+are split into hops from the timings the gateway returns in its ``cpd`` extension.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ QUESTION_TOKENS = 24
 TARGETS = {"cached_over_unique_at_max": 0.15, "cached_over_unique_worst": 1.0,
            "cached_p90_over_p50": 1.5, "tpot_over_monolithic": 1.5,
            "warm_over_monolithic_warm": 1.25, "cold_over_monolithic": 1.1}
-# CPD's warm time to first token, hop by hop (:func:`hops`): the gateway's own share,
+# CPD's time to first token, hop by hop (:func:`hops`): the gateway's own share,
 # the router's admission and decision (of which the kvindex lookup), the prefill node's
 # load and prefill, and the rest (dispatch and relaying the first token).
 HOPS = ("gateway", "admission", "decision", "lookup", "load", "prefill", "relay")
@@ -226,13 +226,14 @@ def hops(s: Sample) -> dict[str, float] | None:
             "relay": s.router_ttft_ms - adm - dec - load - pre}
 
 
-def warm_hops(samples: Sequence[Sample]) -> dict[str, Any]:
-    """The p50 (ms) of each hop of CPD's ``repeat`` requests, per API and context size
-    (``rows``) and over all of them (``overall``; None when no request had timings).
-    Each hop's p50 is taken on its own: they need not add up to the TTFT p50."""
+def case_hops(samples: Sequence[Sample], case: str) -> dict[str, Any]:
+    """The p50 (ms) of each hop of CPD's requests of ``case`` (``repeat``: the warm
+    breakdown; ``unique``: the cold one), per API and context size (``rows``) and over
+    all of them (``overall``; None when no request had timings). Each hop's p50 is
+    taken on its own: they need not add up to the TTFT p50."""
     per: dict[tuple[str, int], list[dict[str, float]]] = {}
     for s in samples:
-        h = hops(s) if s.server == "cpd" and s.case == "repeat" else None
+        h = hops(s) if s.server == "cpd" and s.case == case else None
         if h is not None:
             per.setdefault((s.api, s.context_tokens), []).append(h)
 
@@ -248,8 +249,8 @@ def warm_hops(samples: Sequence[Sample]) -> dict[str, Any]:
 def summarize(samples: Sequence[Sample], failures: Sequence[Failure] = (),
               targets: dict[str, float] | None = None) -> dict[str, Any]:
     """Percentiles per server, API, context size and case; ratios within CPD (warm ÷
-    unique) and CPD ÷ monolithic; the breakdown of CPD's warm TTFT by hop
-    (:func:`warm_hops`); the headline figures against ``targets``.
+    unique) and CPD ÷ monolithic; the breakdown of CPD's warm (repeat) and cold
+    (unique) TTFT by hop (:func:`case_hops`); the headline figures against ``targets``.
 
     * ``cached_over_unique_at_max``: repeat ÷ unique TTFT p50 at the largest context,
       the worse of the two APIs;
@@ -284,7 +285,8 @@ def summarize(samples: Sequence[Sample], failures: Sequence[Failure] = (),
         "requests": len(samples) + len(failures),
         "requests_failed": len(failures),
         "failures": [asdict(f) for f in failures],
-        "warm_hops_p50_ms": warm_hops(samples),
+        "warm_hops_p50_ms": case_hops(samples, "repeat"),
+        "cold_hops_p50_ms": case_hops(samples, "unique"),
         "rows": rows,
     }
 
