@@ -85,16 +85,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     folder = getattr(config, _CHILD_TMP, None)
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
-    _remove_shm_leftovers(config)
-
-
-def _remove_shm_leftovers(config: pytest.Config) -> None:
-    """Remove the shared memory made during the session that no live process uses."""
     before = getattr(config, _SHM_BEFORE, None)
     if before is not None:
         for name in _shm_entries() - before - _shm_in_use():
             (_SHM / name).unlink(missing_ok=True)
-
 
 
 @pytest.fixture(scope="session")
