@@ -19,6 +19,7 @@ from tests.helpers.workerpaths import (
     ask,
     every_path,
     source_of,
+    view,
     visible_on,
 )
 
@@ -52,8 +53,7 @@ async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture
 def cluster(vllm_cluster: VllmCluster) -> dict:
-    c = vllm_cluster
-    return {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp}
+    return view(vllm_cluster)
 
 
 async def test_cold_warm_remote_and_gpu_hit_match_monolithic_vllm(cluster: dict,

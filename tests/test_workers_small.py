@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.cluster import VllmCluster, reference_outputs
-from tests.helpers.workerpaths import BS, MAX_TOKENS, every_path
+from tests.helpers.workerpaths import BS, MAX_TOKENS, every_path, view
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,7 +33,7 @@ async def small_cluster(model_cache: Path, tmp_path_factory: pytest.TempPathFact
     c = VllmCluster(tmp_path_factory.mktemp("small"), model_cache, "model.preset=small")
     try:
         await c.start()
-        yield {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp}
+        yield view(c)
     finally:
         await c.stop()
 

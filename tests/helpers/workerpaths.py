@@ -2,7 +2,7 @@
 takes through pre-prefill, prefill and decode, each asserted from the final message as
 the router would assemble it: shared by the worker tests of every model preset.
 
-``c`` is a cluster as these tests see it: ``{"bus", "ns", "procs", "tmp"}``.
+``c`` is a cluster as these tests see it (:func:`view`): ``{"bus", "ns", "procs", "tmp"}``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,17 @@ import time
 from cpd.protocol import subjects, wire
 from cpd.protocol.hashing import Namespace, block_hashes
 from services.router.outcome import Reports, RouterTimes, assemble
+from tests.helpers.cluster import VllmCluster
 
 BS = 256
 MAX_TOKENS = 10
 # "ptp" (a prefill node of two tensor-parallel ranks) is started by its own test.
 NODES = {"pp0": "preprefill", "p0": "prefill", "d0": "decode", "ptp": "prefill"}
+
+
+def view(c: VllmCluster) -> dict:
+    """What these helpers use of a started cluster."""
+    return {"bus": c.bus, "ns": c.ns, "procs": c.procs, "tmp": c.tmp}
 
 
 async def ask(c: dict, node: str, prompt: list[int],
@@ -42,15 +48,20 @@ async def ask(c: dict, node: str, prompt: list[int],
                             completion_tokens=len(tokens), times=RouterTimes(), failovers=0)
 
 
+async def _matches(c: dict, hashes: bytes) -> list[wire.TierMatch]:
+    """kvindex's locations of the blocks ``hashes``."""
+    r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
+        namespace=c["ns"].id, block_hashes=hashes), expect=wire.LookupReply)
+    return r.matches
+
+
 async def visible_on(c: dict, prompt: list[int], node: str,
                      tier: wire.Tier = wire.Tier.DRAM) -> int:
     """The blocks of ``prompt`` kvindex shows on ``node``'s ``tier`` (0 after 10 s)."""
-    ns: Namespace = c["ns"]
+    hashes = block_hashes(c["ns"], prompt)
     for _ in range(100):
-        r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
-            namespace=ns.id, block_hashes=block_hashes(ns, prompt)), expect=wire.LookupReply)
-        hit = {(m.node, m.tier): m.num_blocks for m in r.matches}.get((node, tier), 0)
-        if hit:
+        matches = await _matches(c, hashes)
+        if hit := {(m.node, m.tier): m.num_blocks for m in matches}.get((node, tier), 0):
             return hit
         await asyncio.sleep(0.1)
     return 0
@@ -59,11 +70,10 @@ async def visible_on(c: dict, prompt: list[int], node: str,
 async def source_of(c: dict, prompt: list[int], node: str, num_blocks: int) -> wire.LoadSource:
     """What the router would plan: ``node``'s DRAM run with the read capability kvindex
     returns with the location (the node's data plane serves nothing without it)."""
-    ns: Namespace = c["ns"]
+    hashes = block_hashes(c["ns"], prompt)
     for _ in range(100):
-        r = await c["bus"].request(subjects.KVINDEX_LOOKUP, wire.LookupRequest(
-            namespace=ns.id, block_hashes=block_hashes(ns, prompt)), expect=wire.LookupReply)
-        match = next((m for m in r.matches if (m.node, m.tier) == (node, wire.Tier.DRAM)
+        match = next((m for m in await _matches(c, hashes)
+                      if (m.node, m.tier) == (node, wire.Tier.DRAM)
                       and m.num_blocks >= num_blocks and m.capability), None)
         if match is not None:
             return wire.LoadSource(node=node, tier=wire.Tier.DRAM, first_block=0,

@@ -143,7 +143,7 @@ class Cluster(ClusterState):
             for node in list(self._paused):
                 self.resume(node)
             if self._client is not None:
-                await self._close_client()
+                await _close_client(self._client)
             for stage in sorted({n.stage for n in self.spec.nodes}, reverse=True):
                 await asyncio.gather(*(
                     asyncio.to_thread(p.terminate, self.spec.stop_timeout_s)
@@ -152,18 +152,6 @@ class Cluster(ClusterState):
                 await asyncio.to_thread(self.nats.stop)
         finally:
             self.kill_all()  # what a cancelled or failed stop did not reach
-
-    async def _close_client(self) -> None:
-        """Close the client; what its closing raises (a connection already torn down,
-        its own cancelled waits) must not keep the nodes and NATS running."""
-        try:
-            await self._need(self._client).close()
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # the stop itself was cancelled
-                raise
-        except Exception:  # closing: the stop goes on regardless
-            pass
 
     def kill_all(self) -> None:
         """SIGKILL every node's process group and NATS, remove a temporary workdir
@@ -395,6 +383,18 @@ class Cluster(ClusterState):
         """Wait until the router's status lists every one of ``nodes`` as alive."""
         await router_sees(await self.connect(), nodes, timeout_s)
 
+
+async def _close_client(client: Client) -> None:
+    """Close ``client``; what its closing raises (a connection already torn down, its own
+    cancelled waits) must not keep a stopping cluster's nodes and NATS running."""
+    try:
+        await client.close()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # the stop itself was cancelled
+            raise
+    except Exception:  # closing: the stop goes on regardless
+        pass
 
 
 __all__ = ["Cluster"]
