@@ -1,5 +1,6 @@
 """Workloads: the coding-agent generator (deterministic, growing warm sessions, cold
-starts, bursty arrivals at the target rate), Mooncake replay, open-loop Poisson."""
+starts, bursty arrivals at the target rate), Mooncake replay, open-loop Poisson, waves
+of fresh prompts merged into another workload."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import pytest
 
 from cpd.sim.workloads import (
     CodingAgentConfig,
+    Wave,
     WorkloadRequest,
     block_token_ids,
     coding_agent,
+    merge,
     mooncake,
     poisson,
     poisson_arrivals,
+    wave,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -182,3 +186,37 @@ def test_the_steady_phase_is_steady() -> None:
         steady_cold = [r.turn == 0 for r in reqs if r.arrival_s >= 30]
         assert 0.02 < np.mean(steady_cold) < 0.12  # new sessions keep coming
     assert 0.85 < np.mean(ratios) < 1.25
+
+
+def test_a_wave_is_fresh_first_turns_inside_its_window() -> None:
+    w = Wave(start_s=30.0, end_s=50.0, qps=3.0, prompt_len=1_000, output_len=64, seed=4)
+    reqs = wave(w, block_tokens=256)
+    assert reqs == wave(w, block_tokens=256)
+    assert 30 <= len(reqs) <= 90  # 60 expected
+    assert all(30.0 <= r.arrival_s < 50.0 and r.turn == 0 and r.output_len == 64
+               and r.prompt_len == 1_000 and len(r.block_ids) == 4 for r in reqs)
+    blocks = [b for r in reqs for b in r.block_ids]
+    assert len(set(blocks)) == len(blocks)  # no two wave prompts share a block
+    base = coding_agent(SMALL)
+    assert not set(blocks) & {b for r in base for b in r.block_ids}
+
+
+def test_merged_workloads_are_sorted_and_keep_every_request() -> None:
+    base = coding_agent(SMALL)
+    reqs = wave(Wave(start_s=20.0, end_s=40.0, qps=2.0, prompt_len=500, output_len=8))
+    merged = merge(base, reqs)
+    assert len(merged) == len(base) + len(reqs)
+    assert [r.arrival_s for r in merged] == sorted(r.arrival_s for r in merged)
+    with pytest.raises(ValueError):
+        merge(reqs, reqs)
+
+
+@pytest.mark.parametrize("bad", [
+    Wave(start_s=5.0, end_s=5.0, qps=1.0, prompt_len=10, output_len=1),
+    Wave(start_s=0.0, end_s=5.0, qps=1.0, prompt_len=0, output_len=1),
+    Wave(start_s=0.0, end_s=5.0, qps=1.0, prompt_len=10, output_len=0),
+    Wave(start_s=0.0, end_s=5.0, qps=0.0, prompt_len=10, output_len=1),
+])
+def test_a_wave_that_cannot_exist_is_refused(bad: Wave) -> None:
+    with pytest.raises(ValueError):
+        wave(bad)

@@ -9,7 +9,9 @@ reaped children's: the planner's searches run in worker processes):
 * **one large cluster**: a single simulation of 256 nodes split in the proportions of
   the paper's CPD-2D, at 100 QPS for 600 simulated seconds of steady load.
 
-``--quick`` runs a much smaller version of each, with the same keys.
+``--quick`` runs a much smaller version of each, with the same keys. ``--fidelity``
+compares the planner with the real services instead (:mod:`tools.bench.fidelity`), and
+``--waves`` runs CPD's elastic split under waves of traffic (:mod:`tools.plan.waves`).
 """
 
 from __future__ import annotations
@@ -193,6 +195,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fidelity", action="store_true",
                         help="instead: the planner against cpd bench sweep on the same "
                              "workload, loads and phases (the sweep runs for about 40 minutes)")
+    parser.add_argument("--waves", action="store_true",
+                        help="instead: CPD-1D's elastic split under a wave of cold prompts "
+                             "and one of long outputs, with and without it (seconds)")
     parser.add_argument("--sweep-json", metavar="PATH", nargs="+",
                         help="--fidelity against these cpd bench sweep results (one "
                              "configuration, merged) instead of running one")
@@ -202,6 +207,12 @@ def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
     """Run from ``cpd bench plan``'s flags, with the common ``--config``/``--set``."""
     if args.sweep_json and not args.fidelity:
         raise CpdError("--sweep-json goes with --fidelity")
+    if args.waves:
+        if args.fidelity or args.quick:
+            raise CpdError("--waves runs on its own (no --fidelity, no --quick)")
+        from tools.plan import waves
+
+        return waves.run(settings())
     if args.fidelity:
         from tools.bench import fidelity
 

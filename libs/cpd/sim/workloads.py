@@ -15,6 +15,8 @@ it concrete.
 2. :func:`mooncake` - replay of a Mooncake JSONL trace (``timestamp`` ms,
    ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks) with time scaling.
 3. :func:`poisson` - open-loop Poisson arrivals at a target QPS over any request mix.
+4. :func:`wave` - a burst of fresh prompts over a window, merged into another workload
+   (:func:`merge`): the sudden load an elastic split must absorb.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _SPACE_SHIFT = 40
 SPACE_MOONCAKE = 1
 SPACE_AGENT = 2
 SPACE_POISSON = 3
+SPACE_WAVE = 4
 
 # The coding-agent generator rescales its session rate until the post-ramp request rate
 # is within this share of the target (a few rounds: the count is nearly linear in it).
@@ -370,6 +373,44 @@ def poisson(qps: float, duration_s: float, requests: Iterable[WorkloadRequest] |
         block_tokens=block_tokens, output_len=output_len) for i, t in enumerate(times)]
 
 
+# ---------------------------------------------------------------------------------
+# 4. Waves
+
+
+@dataclass(frozen=True)
+class Wave:
+    """A burst of fresh prompts: Poisson arrivals at ``qps`` in ``[start_s, end_s)``,
+    each a first turn that shares no block with any other request (a wave of new
+    sessions, or of long answers with ``output_len``)."""
+
+    start_s: float
+    end_s: float
+    qps: float
+    prompt_len: int
+    output_len: int
+    seed: int = 0
+
+
+def wave(w: Wave, block_tokens: int = 256) -> list[WorkloadRequest]:
+    """The requests of ``w``: ids ``w<i>``, content in an id space of their own."""
+    if w.end_s <= w.start_s or w.prompt_len < 1 or w.output_len < 1:
+        raise ValueError("a wave needs end_s > start_s and positive lengths")
+    nblocks = -(-w.prompt_len // block_tokens)
+    times = poisson_arrivals(w.qps, w.end_s - w.start_s, w.seed) + w.start_s
+    return [WorkloadRequest(
+        request_id=f"w{i}", arrival_s=float(t), session_id=f"w{i}", prompt_len=w.prompt_len,
+        block_ids=tuple(_space(SPACE_WAVE, i * nblocks + b) for b in range(nblocks)),
+        block_tokens=block_tokens, output_len=w.output_len) for i, t in enumerate(times)]
+
+
+def merge(*workloads: Iterable[WorkloadRequest]) -> list[WorkloadRequest]:
+    """Several workloads as one, sorted by arrival; request ids must not collide."""
+    out = sorted(itertools.chain(*workloads), key=lambda r: r.arrival_s)
+    if len({r.request_id for r in out}) != len(out):
+        raise ValueError("the merged workloads share request ids")
+    return out
+
+
 def replace_arrival(req: WorkloadRequest, arrival_s: float, request_id: str) -> WorkloadRequest:
     """The same prompt at another time under another id."""
     return msgspec.structs.replace(req, arrival_s=arrival_s, request_id=request_id)
@@ -381,5 +422,6 @@ def iter_window(requests: Iterable[WorkloadRequest], start_s: float,
     return (r for r in requests if start_s <= r.arrival_s < end_s)
 
 
-__all__ = ["CodingAgentConfig", "WorkloadRequest", "block_token_ids", "coding_agent",
-           "iter_window", "mooncake", "poisson", "poisson_arrivals", "replace_arrival"]
+__all__ = ["CodingAgentConfig", "Wave", "WorkloadRequest", "block_token_ids", "coding_agent",
+           "iter_window", "merge", "mooncake", "poisson", "poisson_arrivals",
+           "replace_arrival", "wave"]
