@@ -35,7 +35,7 @@ FLAGS: dict[str, set[str]] = {
               "--ramp-s", "--steady-s", "--settle-s", "--topologies", "--stop-after",
               "--out"},
     "faults": {"--quick", "--scenarios", "--concurrency", "--duration-s"},
-    "plan": {"--quick", "--jobs", "--fidelity", "--sweep-json"},
+    "plan": {"--quick", "--jobs", "--fidelity", "--sweep-json", "--waves", "--services"},
     "fuzz": {"--cases", "--seed"},
     "soak": {"--minutes", "--concurrency", "--fault-every"},
 }
@@ -77,6 +77,8 @@ PARSES: list[tuple[str, dict[str, object]]] = [
                 "duration_s": None}),
     ("faults --quick --scenarios a,b --concurrency 60 --duration-s 14",
      {"quick": True, "scenarios": "a,b", "concurrency": 60, "duration_s": 14.0}),
+    ("plan --waves --services --json w.json",
+     {"waves": True, "services": True, "quick": False, "fidelity": False, "json": "w.json"}),
     ("fuzz", {"cases": 10_000, "seed": 0}),
     ("fuzz --cases 200 --seed 3", {"cases": 200, "seed": 3}),
     ("soak", {"minutes": 30.0, "concurrency": 100, "fault_every": 4}),

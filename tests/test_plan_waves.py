@@ -72,8 +72,9 @@ def test_window_stats(results: list[Result], expect: dict[str, Any]) -> None:
     assert {k: got[k] for k in expect} == expect
 
 
-@pytest.mark.parametrize("extra", [["--quick"], ["--fidelity"]])
-def test_waves_run_on_their_own(extra: list[str]) -> None:
-    args = build_parser().parse_args(["bench", "plan", "--waves", *extra])
+@pytest.mark.parametrize("flags", [["--waves", "--quick"], ["--waves", "--fidelity"],
+                                   ["--services"], ["--quick", "--services"]])
+def test_waves_run_on_their_own(flags: list[str]) -> None:
+    args = build_parser().parse_args(["bench", "plan", *flags])
     with pytest.raises(CpdError):
         bench_plan.run_args(args, Settings)

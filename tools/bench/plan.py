@@ -198,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--waves", action="store_true",
                         help="instead: CPD-1D's elastic split under a wave of cold prompts "
                              "and one of long outputs, with and without it (seconds)")
+    parser.add_argument("--services", action="store_true",
+                        help="with --waves: the elastic runs on the real services too "
+                             "(sim engines at time scale 1: about 12 minutes)")
     parser.add_argument("--sweep-json", metavar="PATH", nargs="+",
                         help="--fidelity against these cpd bench sweep results (one "
                              "configuration, merged) instead of running one")
@@ -212,7 +215,15 @@ def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
             raise CpdError("--waves runs on its own (no --fidelity, no --quick)")
         from tools.plan import waves
 
-        return waves.run(settings())
+        out = waves.run(settings())
+        if args.services:
+            from tools.bench import waves as services
+
+            out["services"] = got = services.run(settings())
+            out["services_met"] = waves.met(got, out["slo_ttft_p90_s"])
+        return out
+    if args.services:
+        raise CpdError("--services goes with --waves")
     if args.fidelity:
         from tools.bench import fidelity
 

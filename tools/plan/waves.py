@@ -27,9 +27,8 @@ import msgspec
 import numpy as np
 
 from cpd.ops.config import Settings
-from cpd.sim.workloads import Wave, merge, wave
+from cpd.sim.workloads import Wave, WorkloadRequest, merge, wave
 from tools.bench.loaddriver import Phases, Result
-from tools.bench.sweep import Topology
 from tools.plan.cluster import simulate
 from tools.plan.search import PlanConfig, cluster_config, router_for, topology, workload
 
@@ -47,10 +46,41 @@ _FIXED_MARGIN_MS = 1e12
 
 
 @dataclass(frozen=True)
-class _Run:
+class WaveRun:
+    """One run: a wave on the steady load, with CPD's elastic mechanisms as configured,
+    the split held fixed, or decode lent."""
+
     label: str
-    settings: Settings
     wave: Wave
+    fixed_split: bool = False
+    lend: bool = False
+
+    def env(self) -> dict[str, str]:
+        """The run's settings as ``CPD_<SECTION>__<FIELD>`` variables (a services run's)."""
+        out = {}
+        if self.fixed_split:
+            out["CPD_ROUTER__OVERFLOW_MARGIN_MS"] = str(_FIXED_MARGIN_MS)
+        if self.lend:
+            out |= {"CPD_WORKER__SERVE_DECODE": "true",
+                    "CPD_ROUTER__DECODE_LEND_AT": str(DECODE_LEND_AT)}
+        return out
+
+    def settings(self, base: Settings) -> Settings:
+        """``base`` with the run's settings (the planner's)."""
+        router, worker = base.router, base.worker
+        if self.fixed_split:
+            router = msgspec.structs.replace(router, overflow_margin_ms=_FIXED_MARGIN_MS)
+        if self.lend:
+            router = msgspec.structs.replace(router, decode_lend_at=DECODE_LEND_AT)
+            worker = msgspec.structs.replace(worker, serve_decode=True)
+        return msgspec.structs.replace(base, router=router, worker=worker)
+
+
+RUNS = (WaveRun("cold_wave", COLD_WAVE),
+        WaveRun("cold_wave_fixed_split", COLD_WAVE, fixed_split=True),
+        WaveRun("long_output_wave", LONG_OUTPUT_WAVE, lend=True),
+        WaveRun("long_output_wave_no_lending", LONG_OUTPUT_WAVE))
+TOPOLOGY = topology("cpd", 1, 1, 1)
 
 
 def _p(xs: list[float], q: float) -> float | None:
@@ -77,25 +107,41 @@ def window_stats(results: list[Result], roles: dict[str, str], start_s: float,
             "tpot_p50_ms": None if not tpot else round(float(np.median(tpot)) * 1e3, 3)}
 
 
-def _settings(base: Settings, *, overflow_margin_ms: float | None = None,
-              lend: bool = False) -> Settings:
-    router = base.router
-    if overflow_margin_ms is not None:
-        router = msgspec.structs.replace(router, overflow_margin_ms=overflow_margin_ms)
-    worker = base.worker
-    if lend:
-        router = msgspec.structs.replace(router, decode_lend_at=DECODE_LEND_AT)
-        worker = msgspec.structs.replace(worker, serve_decode=True)
-    return msgspec.structs.replace(base, router=router, worker=worker)
+def requests(run: WaveRun, cfg: PlanConfig) -> list[WorkloadRequest]:
+    """The run's traffic: the steady load on :data:`TOPOLOGY` with its wave."""
+    base = workload(cfg, round(BASE_QPS_PER_GPU * TOPOLOGY.gpus(cfg.cost.gpus), 6), 0)
+    return merge(base, wave(run.wave, cfg.settings.cache.block_size))
 
 
-def _simulate(run: _Run, top: Topology) -> dict[str, dict[str, Any]]:
-    cfg = PlanConfig(topologies=(top,), phases=PHASES, seeds=1, settings=run.settings)
-    base = workload(cfg, round(BASE_QPS_PER_GPU * top.gpus(cfg.cost.gpus), 6), 0)
-    reqs = merge(base, wave(run.wave, run.settings.cache.block_size))
-    res = simulate(cluster_config(cfg, top), router_for(cfg, top), reqs)
-    roles = top.nodes()
-    return {name: window_stats(res.results, roles, a, b) for name, (a, b) in WINDOWS.items()}
+def plan_config(run: WaveRun, base: Settings) -> PlanConfig:
+    """The planner's configuration of ``run``."""
+    return PlanConfig(topologies=(TOPOLOGY,), phases=PHASES, seeds=1,
+                      settings=run.settings(base))
+
+
+def windows(results: list[Result]) -> dict[str, dict[str, Any]]:
+    """:func:`window_stats` of every window of :data:`WINDOWS`."""
+    roles = TOPOLOGY.nodes()
+    return {name: window_stats(results, roles, a, b) for name, (a, b) in WINDOWS.items()}
+
+
+def _simulate(run: WaveRun, base: Settings) -> dict[str, dict[str, Any]]:
+    cfg = plan_config(run, base)
+    res = simulate(cluster_config(cfg, TOPOLOGY), router_for(cfg, TOPOLOGY),
+                   requests(run, cfg))
+    return windows(res.results)
+
+
+def met(out: dict[str, Any], slo_s: float) -> dict[str, bool]:
+    """Whether warm requests stayed within the SLO during both waves, the cold split
+    moved and came back, and decode was lent during the long-output wave alone."""
+    cold, long_ = out["cold_wave"], out["long_output_wave"]
+    within = [w["during"]["warm_ttft_p90_s"] for w in (cold, long_)]
+    lent = {k: long_[k]["decode_lent"] for k in WINDOWS}
+    return {"warm_within_slo": all(x is not None and x <= slo_s for x in within),
+            "split_moves_and_back": _moved(cold),
+            "lending_follows_the_wave": lent["during"] > 0 and lent["after"] == 0
+            and lent["before"] == 0}
 
 
 def _moved(w: dict[str, dict[str, Any]]) -> bool:
@@ -105,28 +151,15 @@ def _moved(w: dict[str, dict[str, Any]]) -> bool:
 
 
 def run(settings: Settings | None = None) -> dict[str, Any]:
-    """Both waves, each with CPD's elastic split and without; the JSON-able result."""
+    """Both waves, each with CPD's elastic mechanism and without; the JSON-able result."""
     base = settings or Settings()
     slo = PlanConfig(topologies=()).slo_ttft_p90_s
-    top = topology("cpd", 1, 1, 1)
-    runs = [_Run("cold_wave", _settings(base), COLD_WAVE),
-            _Run("cold_wave_fixed_split", _settings(base, overflow_margin_ms=_FIXED_MARGIN_MS),
-                 COLD_WAVE),
-            _Run("long_output_wave", _settings(base, lend=True), LONG_OUTPUT_WAVE),
-            _Run("long_output_wave_no_lending", _settings(base), LONG_OUTPUT_WAVE)]
     t0 = time.perf_counter()
-    out: dict[str, Any] = {r.label: _simulate(r, top) for r in runs}
-    cold, long_ = out["cold_wave"], out["long_output_wave"]
-    within = [w["during"]["warm_ttft_p90_s"] for w in (cold, long_)]
-    lent = {k: long_[k]["decode_lent"] for k in WINDOWS}
+    out: dict[str, Any] = {r.label: _simulate(r, base) for r in RUNS}
     out.update(
-        topology=top.label, base_qps_per_gpu=BASE_QPS_PER_GPU, windows=WINDOWS,
+        topology=TOPOLOGY.label, base_qps_per_gpu=BASE_QPS_PER_GPU, windows=WINDOWS,
         waves={"cold": asdict(COLD_WAVE), "long_output": asdict(LONG_OUTPUT_WAVE)},
-        decode_lend_at=DECODE_LEND_AT, slo_ttft_p90_s=slo,
-        met={"warm_within_slo": all(x is not None and x <= slo for x in within),
-             "split_moves_and_back": _moved(cold),
-             "lending_follows_the_wave": lent["during"] > 0 and lent["after"] == 0
-             and lent["before"] == 0},
+        decode_lend_at=DECODE_LEND_AT, slo_ttft_p90_s=slo, met=met(out, slo),
         wall_s=round(time.perf_counter() - t0, 2))
     out["met_all"] = all(out["met"].values())
     return out
