@@ -212,6 +212,7 @@ async def test_streams_of_a_killed_router_resume_on_the_other_replica(tmp_path) 
         prompts = [[3000 + i, *range(1, 600)] for i in range(6)]
         options = {"max_tokens": 300, "ignore_eos": True, "timeout_s": 180}
         streaming = [asyncio.Event() for _ in prompts]
+        got = [0] * len(prompts)  # tokens each stream has (what a timeout reports)
         await cluster.stop_node("router-b")  # every stream starts on the other router
 
         async def one(i: int) -> tuple[list[int], str, wire.Final]:
@@ -223,12 +224,24 @@ async def test_streams_of_a_killed_router_resume_on_the_other_replica(tmp_path) 
                         return ids, text, msg
                     ids += msg.token_ids
                     text += msg.text
+                    got[i] = len(ids)
                     if len(ids) >= 5:
                         streaming[i].set()
             raise AssertionError("no final message")
 
         runs = [asyncio.create_task(one(i)) for i in range(len(prompts))]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 90)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 90)
+        except TimeoutError:
+            ended = ["running" if not r.done() else "cancelled" if r.cancelled()
+                     else repr(r.exception()) for r in runs]
+            try:
+                status: object = await asyncio.wait_for(client.status(), 5)
+            except Exception as e:
+                status = repr(e)
+            pytest.fail(f"not every stream started in 90 s: tokens {got}, {ended}, "
+                        f"crashed nodes {cluster.crashed()}, status {status}, "
+                        f"router log: {cluster.log_tail(cluster.router_node)}")
         await cluster.restart("router-b")
         assert not any(r.done() for r in runs)  # killed mid-stream, each of them
         cluster.kill(cluster.router_node)
