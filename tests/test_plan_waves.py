@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cpd.ops.config import Settings
+from cpd.ops.config import Settings, load_settings
 from cpd.protocol.errors import CpdError
 from tools.bench import plan as bench_plan
 from tools.bench.loaddriver import Result
@@ -78,3 +78,9 @@ def test_waves_run_on_their_own(flags: list[str]) -> None:
     args = build_parser().parse_args(["bench", "plan", *flags])
     with pytest.raises(CpdError):
         bench_plan.run_args(args, Settings)
+
+
+@pytest.mark.parametrize("run", waves.RUNS, ids=[r.label for r in waves.RUNS])
+def test_a_services_run_gets_the_settings_the_planner_runs(run: waves.WaveRun) -> None:
+    planned, served = run.settings(Settings()), load_settings(environ=run.env())
+    assert (planned.router, planned.worker) == (served.router, served.worker)

@@ -29,6 +29,7 @@ import numpy as np
 from cpd.ops.config import Settings
 from cpd.sim.workloads import Wave, WorkloadRequest, merge, wave
 from tools.bench.loaddriver import Phases, Result
+from tools.cluster import override_env
 from tools.plan.cluster import simulate
 from tools.plan.search import PlanConfig, cluster_config, router_for, topology, workload
 
@@ -55,25 +56,29 @@ class WaveRun:
     fixed_split: bool = False
     lend: bool = False
 
+    def overrides(self) -> dict[tuple[str, str], object]:
+        """The run's settings: (section, field) → value."""
+        out: dict[tuple[str, str], object] = {}
+        if self.fixed_split:
+            out[("router", "overflow_margin_ms")] = _FIXED_MARGIN_MS
+        if self.lend:
+            out |= {("worker", "serve_decode"): True,
+                    ("router", "decode_lend_at"): DECODE_LEND_AT}
+        return out
+
     def env(self) -> dict[str, str]:
         """The run's settings as ``CPD_<SECTION>__<FIELD>`` variables (a services run's)."""
-        out = {}
-        if self.fixed_split:
-            out["CPD_ROUTER__OVERFLOW_MARGIN_MS"] = str(_FIXED_MARGIN_MS)
-        if self.lend:
-            out |= {"CPD_WORKER__SERVE_DECODE": "true",
-                    "CPD_ROUTER__DECODE_LEND_AT": str(DECODE_LEND_AT)}
-        return out
+        return override_env(f"{sec}.{name}={str(v).lower() if isinstance(v, bool) else v}"
+                            for (sec, name), v in self.overrides().items())
 
     def settings(self, base: Settings) -> Settings:
         """``base`` with the run's settings (the planner's)."""
-        router, worker = base.router, base.worker
-        if self.fixed_split:
-            router = msgspec.structs.replace(router, overflow_margin_ms=_FIXED_MARGIN_MS)
-        if self.lend:
-            router = msgspec.structs.replace(router, decode_lend_at=DECODE_LEND_AT)
-            worker = msgspec.structs.replace(worker, serve_decode=True)
-        return msgspec.structs.replace(base, router=router, worker=worker)
+        sections: dict[str, dict[str, object]] = {}
+        for (sec, name), v in self.overrides().items():
+            sections.setdefault(sec, {})[name] = v
+        return msgspec.structs.replace(base, **{
+            sec: msgspec.structs.replace(getattr(base, sec), **fields)
+            for sec, fields in sections.items()})
 
 
 RUNS = (WaveRun("cold_wave", COLD_WAVE),

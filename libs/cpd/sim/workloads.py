@@ -366,10 +366,18 @@ def poisson(qps: float, duration_s: float, requests: Iterable[WorkloadRequest] |
             raise ValueError("empty request mix")
         return [replace_arrival(pool[i % len(pool)], float(t), f"p{i}")
                 for i, t in enumerate(times)]
+    return _fresh(times, "p", SPACE_POISSON, prompt_len, output_len, block_tokens)
+
+
+def _fresh(times: Iterable[float], prefix: str, space: int, prompt_len: int,
+           output_len: int, block_tokens: int) -> list[WorkloadRequest]:
+    """A first turn at each of ``times`` (ids ``<prefix><i>``), none sharing a block
+    with another: its content is numbered in ``space``."""
     nblocks = -(-prompt_len // block_tokens)
     return [WorkloadRequest(
-        request_id=f"p{i}", arrival_s=float(t), session_id=f"p{i}", prompt_len=prompt_len,
-        block_ids=tuple(_space(SPACE_POISSON, i * nblocks + b) for b in range(nblocks)),
+        request_id=f"{prefix}{i}", arrival_s=float(t), session_id=f"{prefix}{i}",
+        prompt_len=prompt_len,
+        block_ids=tuple(_space(space, i * nblocks + b) for b in range(nblocks)),
         block_tokens=block_tokens, output_len=output_len) for i, t in enumerate(times)]
 
 
@@ -395,12 +403,8 @@ def wave(w: Wave, block_tokens: int = 256) -> list[WorkloadRequest]:
     """The requests of ``w``: ids ``w<i>``, content in an id space of their own."""
     if w.end_s <= w.start_s or w.prompt_len < 1 or w.output_len < 1:
         raise ValueError("a wave needs end_s > start_s and positive lengths")
-    nblocks = -(-w.prompt_len // block_tokens)
     times = poisson_arrivals(w.qps, w.end_s - w.start_s, w.seed) + w.start_s
-    return [WorkloadRequest(
-        request_id=f"w{i}", arrival_s=float(t), session_id=f"w{i}", prompt_len=w.prompt_len,
-        block_ids=tuple(_space(SPACE_WAVE, i * nblocks + b) for b in range(nblocks)),
-        block_tokens=block_tokens, output_len=w.output_len) for i, t in enumerate(times)]
+    return _fresh(times, "w", SPACE_WAVE, w.prompt_len, w.output_len, block_tokens)
 
 
 def merge(*workloads: Iterable[WorkloadRequest]) -> list[WorkloadRequest]:
