@@ -82,3 +82,22 @@ def test_the_namespace_follows_the_weights(model: ServedModel, tmp_path: Path,
     named = ServedModel.load(load_settings(environ={}, overrides=[
         f"model.path={copy}", f"model.cache_dir={model_cache}", "model.revision=v7"]))
     assert named.namespace.model_revision == "v7"
+
+
+@pytest.mark.parametrize(("text", "incomplete_after"), [
+    # "你" is three byte-level tokens: its text is held back until the third.
+    ("你", [True, True, False]),
+    ("a你", [False, True, True, False]),
+    ("ab", [False, False]),
+])
+def test_the_detokenizer_says_when_its_ids_end_inside_a_character(
+        model: ServedModel, text: str, incomplete_after: list[bool]) -> None:
+    ids = model.encode(text, add_special_tokens=False)
+    assert len(ids) == len(incomplete_after)
+    detok = model.detokenizer()
+    seen = []
+    for i in ids:
+        detok.push([i])
+        seen.append(detok.incomplete)
+    assert seen == incomplete_after
+    assert detok.flush() == "" and not detok.incomplete

@@ -150,10 +150,13 @@ async def test_several_choices_share_one_prefill_and_one_hand_off(both: WorkerSe
         assert report.tokens_computed == 3 * (len(prompt) - 2 * bs)  # the KV loaded, each
         assert both.core is not None and not both.core.choices and not both.core.running
 
-        for first, n in ((1, 2), (None, 1)):
+        # A first token with several choices, none with one, next tokens without a
+        # first, a generated token past the vocabulary, nothing left to generate.
+        for i, (first, more, n) in enumerate(((1, [], 2), (None, [], 1), (None, [5], 2),
+                                              (1, [1 << 30], 1), (1, [2, 3, 4], 1))):
             bad = wire.DecodeRequest(
-                request_id=f"r-bad-{n}", reply_to=bus.nc.new_inbox(),
-                tokens=wire.pack_tokens(prompt), first_token=first,
+                request_id=f"r-bad-{i}", reply_to=bus.nc.new_inbox(),
+                tokens=wire.pack_tokens(prompt), first_token=first, next_tokens=more,
                 sampling=wire.SamplingParams(max_tokens=4, n=n), namespace=ns.id,
                 block_hashes=b"", source_node=NODE, lease_id="none",
                 deadline_unix_ms=int(time.time() * 1000) + 60_000, seq_start=1)

@@ -5,13 +5,16 @@ vanished peer, and bad input; every output equal to a monolithic vLLM run."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import PromptTooLong
+from cpd.protocol.hashing import block_hashes
 from tests.helpers.cluster import VllmCluster, reference_outputs
 from tests.helpers.workerpaths import (
     BS,
@@ -141,6 +144,42 @@ async def test_a_refused_pull_is_reported_in_the_route_not_hidden(cluster: dict,
     assert tokens == reference["d"]
     assert final.route.load_error == wire.LoadError(peer="pp0", code="capability_denied")
     assert (final.route.tokens.remote, final.route.tokens.computed) == (0, len(d))
+
+
+# A lone lead byte of a three-byte character (byte-level token 228, 0xE4), and "a".
+_HALF, _WHOLE = 228, 97
+
+
+@pytest.mark.parametrize("sampling", [
+    wire.SamplingParams(max_tokens=6, ignore_eos=True),
+    # Seeded: the prefill's next tokens are forced output of a run from the prompt.
+    wire.SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=11),
+], ids=["greedy", "seeded"])
+async def test_a_prefill_node_samples_on_while_its_tokens_end_inside_a_character(
+        cluster: dict, sampling: wire.SamplingParams) -> None:
+    """Tokens forced by ``logit_bias``: while they end inside a character (no text for
+    the client yet) the prefill node samples the next one itself, up to
+    ``worker.first_text_tokens`` (4); a whole character goes to decode at once. The
+    decode node goes on after them, and the request has its ``max_tokens``."""
+    bus, ns = cluster["bus"], cluster["ns"]
+    prompt = PROMPTS["c"][:300]
+    for token, on_prefill in ((_HALF, 4), (_WHOLE, 1)):
+        s = msgspec.structs.replace(sampling, logit_bias={token: 100.0})
+        req = wire.PrefillRequest(
+            request_id=f"r-text-{token}-{s.seed}", reply_to="",
+            tokens=wire.pack_tokens(prompt), sampling=s, namespace=ns.id,
+            block_hashes=block_hashes(ns, prompt), decode_node="d0",
+            deadline_unix_ms=int(time.time() * 1000) + 300_000)
+        msgs = [m async for m in bus.stream(subjects.run("prefill", "p0"), req, timeout=300)]
+        handoff = next(i for i, m in enumerate(msgs) if isinstance(m, wire.HandoffAccepted))
+        chunks = [m.token_ids for m in msgs if isinstance(m, wire.TokenChunk)]
+        before = [t for m in msgs[:handoff] if isinstance(m, wire.TokenChunk)
+                  for t in m.token_ids]
+        assert before == [token] * on_prefill, chunks
+        assert [t for c in chunks for t in c] == [token] * 6
+        final = msgs[-1]
+        assert isinstance(final, wire.Final) and final.finish_reason == "length"
+        assert final.usage.completion_tokens == 6
 
 
 async def test_bad_input_gets_typed_errors_and_workers_stay_up(cluster: dict) -> None:

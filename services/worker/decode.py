@@ -2,8 +2,9 @@
 
 Accept a hand-off, pull the request's blocks from its prefill node (whatever cannot be
 pulled is recomputed), ack the pull so the prefill node releases its lease, and stream
-the rest of the tokens from prompt + first token. A hand-off from this same process (a
-node hosting both handlers) needs no pull: the blocks are in its own store.
+the rest of the tokens from the prompt and the prefill's tokens. A hand-off from this
+same process (a node hosting both handlers) needs no pull: the blocks are in its own
+store.
 """
 
 from __future__ import annotations
@@ -52,17 +53,20 @@ class DecodeHandler:
         if (n > 1) != (req.first_token is None):
             raise InvalidRequest("a hand-off carries a first token exactly when its "
                                  "request has one choice")
-        if req.first_token is not None and not 0 <= req.first_token < core.vocab_size:
-            raise InvalidRequest(f"first token {req.first_token} is outside the vocabulary "
-                                 f"of {core.vocab_size}")
+        if req.next_tokens and req.first_token is None:
+            raise InvalidRequest("a hand-off's next tokens follow a first token")
+        generated = req.generated()
+        if generated and not 0 <= max(generated) < core.vocab_size:
+            raise InvalidRequest(f"generated token {max(generated)} is outside the "
+                                 f"vocabulary of {core.vocab_size}")
         hashes = wire.split_hashes(req.block_hashes)
-        remaining = req.sampling.max_tokens - (req.first_token is not None)
+        remaining = req.sampling.max_tokens - len(generated)
         if remaining < 1:
             raise InvalidRequest("a hand-off needs at least one more token to generate")
         core.check_not_cancelled(req.request_id)
         req.deadline_unix_ms = deadlines.local_deadline_ms(req.deadline_unix_ms,
                                                            req.budget_ms, deadlines.now_ms())
-        core.admit(len(tokens) + (req.first_token is not None), remaining, req.deadline_unix_ms)
+        core.admit(len(tokens) + len(generated), remaining, req.deadline_unix_ms)
         core.claim("decode", req.request_id)
         if n > 1:
             core.choices[req.request_id] = n
@@ -73,12 +77,12 @@ class DecodeHandler:
     def _runs(self, req: wire.DecodeRequest, tokens: np.ndarray
               ) -> list[tuple[str, np.ndarray, wire.SamplingParams, tuple[int, ...]]]:
         """The engine runs of a hand-off (id, prompt, sampling, forced output): the
-        continuation of the prefill's first token, or one run per choice."""
+        continuation of the prefill's tokens, or one run per choice."""
         rid = req.request_id
         if req.first_token is None:
             return [(choice_id(rid, i), *run)
                     for i, run in enumerate(choice_runs(req.sampling, tokens))]
-        return [(rid, *continuation(req.sampling, tokens, req.first_token))]
+        return [(rid, *continuation(req.sampling, tokens, req.generated()))]
 
     async def _decode(self, req: wire.DecodeRequest, tokens: np.ndarray,
                       hashes: list[bytes]) -> None:
@@ -197,14 +201,14 @@ class DecodeHandler:
     async def _final(self, req: wire.DecodeRequest, out: ReplyStream,
                      ends: list[tuple[EngineStep, int]], prompt_tokens: int) -> None:
         """The final message: how each run ended (by choice, when several), and the
-        tokens generated (the prefill's first one included)."""
-        first = req.first_token is not None
+        tokens generated (the prefill's included)."""
+        before = len(req.generated())
         choices = [wire.ChoiceEnd(index=i, finish_reason=last.finish_reason or "length",
                                   stop_reason=last.stop_token,
-                                  completion_tokens=generated + first)
+                                  completion_tokens=generated + before)
                    for i, (last, generated) in enumerate(ends)]
         await out.final(finish_reason=choices[0].finish_reason,
                         stop_reason=choices[0].stop_reason,
-                        choices=choices if not first else [],
+                        choices=choices if req.first_token is None else [],
                         usage=wire.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(
                             c.completion_tokens for c in choices)))

@@ -2,9 +2,10 @@
 
 Pull the planned prefix blocks from peers, pin what will be loaded, give every new full
 block an arena slot (write-through), run the engine for the first token, send it to the
-client, seal the new blocks (their event's ack is not on the client's path), then hand
-the request to its decode node with the blocks pinned under a lease until decode acks
-the pull (or the lease runs out).
+client (and the next ones, sampled on this engine, while the tokens end inside a
+character, so the client's first text needs no hand-off), seal the new blocks (their
+event's ack is not on the client's path), then hand the request to its decode node with
+the blocks pinned under a lease until decode acks the pull (or the lease runs out).
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ from cpd.kvstore import BlockEntry
 from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
 from services.worker.core import WorkerCore
-from services.worker.requests import check_ids, first_token
+from services.worker.requests import check_ids, first_token, next_token, wants_text
 
 # How long a hand-off waits for kvindex's record of the blocks it hands over to be
 # stored (decode verifies the bytes it pulls against it); past that decode waits on its
 # own, and recomputes what is not recorded.
 _SEALED_WAIT_S = 0.5
+
+
+def _stopped(step: EngineStep) -> bool:
+    """Whether ``step`` ended its run on a stop token (EOS, ``stop_token_ids``)."""
+    return step.finished and step.finish_reason == "stop"
 
 
 class DecodeUnavailable(CpdError):
@@ -110,32 +116,63 @@ class PrefillHandler:
         # Several choices each start from the prompt on the decode node: the prefill
         # computed their shared KV, its own token is no choice's.
         several = req.sampling.n > 1
-        stopped = step.finished and step.finish_reason == "stop" and not several
+        generated: list[int] = [] if several else [step.token_ids[0]]
+        last = step
         try:
             if not several:
-                await out.tokens([step.token_ids[0]], ends_with_stop_token=stopped,
+                await out.tokens(generated, ends_with_stop_token=_stopped(step),
                                  logprobs=step.logprobs[:1])
+                last = await self._first_text(req, tokens, generated, step, out)
         finally:  # after the first token left: the client never waits for the event's ack
             if fresh:
                 await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
         queued = core.queued(submitted, step)
-        core.record(self.role, {"load": t_load - t0, "prefill": t_done - t_load},
-                    queued=queued, written=len(fresh), loaded=step.loaded_blocks)
+        phases = {"load": t_load - t0, "prefill": t_done - t_load}
+        if len(generated) > 1:
+            phases["first_text"] = time.perf_counter() - t_done
+        core.record(self.role, phases, queued=queued, written=len(fresh),
+                    loaded=step.loaded_blocks)
         await out.report(wire.PrefillReport, node=core.node_id,
                          tokens=self._sources(step, remote, disk, len(tokens)),
                          load_error=load_error, load_ms=(t_load - t0) * 1e3,
                          prefill_ms=(t_done - t_load) * 1e3, queue_ms=queued * 1e3)
+        stopped = _stopped(last) and not several
         cancelled = req.request_id in core.cancelled  # e.g. a stop string in the token
-        if stopped or (req.sampling.max_tokens <= 1 and not several) or cancelled:
+        if stopped or (len(generated) >= req.sampling.max_tokens and not several) or cancelled:
             await out.final(finish_reason=("abort" if cancelled and (several or
-                                                                  not step.finished)
-                                           else step.finish_reason or "length"),
-                            stop_reason=step.stop_token if stopped else None,
+                                                                  not last.finished)
+                                           else last.finish_reason or "length"),
+                            stop_reason=last.stop_token if stopped else None,
                             usage=wire.Usage(prompt_tokens=len(tokens),
-                                             completion_tokens=0 if several else 1,
+                                             completion_tokens=len(generated),
                                              cached_tokens=step.cached_tokens))
             return
-        await self._handoff(req, hashes, None if several else step.token_ids[0], out)
+        await self._handoff(req, hashes, generated, out)
+
+    async def _first_text(self, req: wire.PrefillRequest, tokens: np.ndarray,
+                          generated: list[int], step: EngineStep, out: ReplyStream
+                          ) -> EngineStep:
+        """While the tokens sent so far end inside a character, sample the next one on
+        this engine (its GPU cache holds the prompt) and send it: the client's first text
+        does not wait for the hand-off (:func:`~services.worker.requests.wants_text`).
+        The last run's step; ``generated`` grows in place."""
+        core = self.core
+        detok = core.parts.model.detokenizer()
+        detok.push(generated)
+        limit = core.settings.worker.first_text_tokens
+        last = step
+        while (wants_text(detok.incomplete, len(generated), _stopped(last), limit,
+                          req.sampling) and req.request_id not in core.cancelled):
+            prompt, sampling, forced = next_token(req.sampling, tokens, generated)
+            last = await self._first_token(EngineRequest(
+                request_id=req.request_id, tokens=prompt, sampling=sampling,
+                forced_output=forced, cache_salt=core.salt(req.namespace)))
+            token = last.token_ids[0]
+            generated.append(token)
+            await out.tokens([token], ends_with_stop_token=_stopped(last),
+                             logprobs=last.logprobs[:1])
+            detok.push([token])
+        return last
 
     def _sources(self, step: EngineStep, remote: int, disk: int, prompt_tokens: int
                  ) -> wire.PromptTokens:
@@ -228,10 +265,10 @@ class PrefillHandler:
         return step
 
     async def _handoff(self, req: wire.PrefillRequest, hashes: list[bytes],
-                       first: int | None, out: ReplyStream) -> None:
+                       generated: list[int], out: ReplyStream) -> None:
         """Pin the request's blocks and give it to its decode node, which owns the rest
-        of the stream once it accepts (with the ``first`` token, or every choice from
-        the prompt)."""
+        of the stream once it accepts (after the ``generated`` tokens, or every choice
+        from the prompt when there are none)."""
         core = self.core
         with contextlib.suppress(TimeoutError, CpdError):
             async with asyncio.timeout(_SEALED_WAIT_S):
@@ -240,7 +277,8 @@ class PrefillHandler:
         lease = core.pin_for_handoff(req.request_id, held)
         dreq = wire.DecodeRequest(
             request_id=req.request_id, reply_to=req.reply_to, tokens=req.tokens,
-            first_token=first, sampling=req.sampling, namespace=req.namespace,
+            first_token=generated[0] if generated else None, next_tokens=generated[1:],
+            sampling=req.sampling, namespace=req.namespace,
             block_hashes=b"".join(held), source_node=core.node_id, lease_id=lease,
             deadline_unix_ms=req.deadline_unix_ms, seq_start=out.seq, trace=req.trace,
             budget_ms=deadlines.budget_ms(req.deadline_unix_ms, deadlines.now_ms()),

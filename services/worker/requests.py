@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 import numpy as np
 
@@ -26,20 +28,42 @@ def first_token(s: wire.SamplingParams) -> wire.SamplingParams:
     return msgspec.structs.replace(s, max_tokens=1, min_tokens=min(s.min_tokens, 1))
 
 
-def continuation(s: wire.SamplingParams, prompt: np.ndarray, first: int
+def continuation(s: wire.SamplingParams, prompt: np.ndarray, generated: Sequence[int]
                  ) -> tuple[np.ndarray, wire.SamplingParams, tuple[int, ...]]:
-    """A decode node's engine run after a prefill's ``first`` token: its prompt, its
-    sampling and the output it must start with.
+    """An engine run after the tokens ``generated`` elsewhere (a prefill's first ones):
+    its prompt, its sampling and the output it must start with.
 
-    The first token joins the prompt, and the run generates the rest, unless sampling
+    The generated tokens join the prompt, and the run generates the rest, unless sampling
     depends on the output so far (:attr:`~cpd.protocol.wire.SamplingParams.needs_output_history`):
-    then it is forced output of a run from the prompt, one engine step more for the
+    then they are forced output of a run from the prompt, one engine step more for the
     same tokens a single engine would sample."""
     if s.needs_output_history:
-        return prompt, s, (first,)
-    return (np.append(prompt, np.asarray(first, dtype=wire.TOKEN_DTYPE)),
-            msgspec.structs.replace(s, max_tokens=s.max_tokens - 1,
-                                    min_tokens=max(0, s.min_tokens - 1)), ())
+        return prompt, s, tuple(generated)
+    n = len(generated)
+    return (np.append(prompt, np.asarray(generated, dtype=wire.TOKEN_DTYPE)),
+            msgspec.structs.replace(s, max_tokens=s.max_tokens - n,
+                                    min_tokens=max(0, s.min_tokens - n)), ())
+
+
+def next_token(s: wire.SamplingParams, prompt: np.ndarray, generated: Sequence[int]
+               ) -> tuple[np.ndarray, wire.SamplingParams, tuple[int, ...]]:
+    """The engine run that samples the one token after ``generated`` (as
+    :func:`continuation`, stopped after that token)."""
+    run_prompt, run, forced = continuation(s, prompt, generated)
+    if forced:
+        last = len(forced) + 1
+        return run_prompt, msgspec.structs.replace(
+            run, max_tokens=last, min_tokens=min(run.min_tokens, last)), forced
+    return run_prompt, first_token(run), ()
+
+
+def wants_text(incomplete: bool, generated: int, stopped: bool, limit: int,
+               s: wire.SamplingParams) -> bool:
+    """Whether a prefill node samples one more token before the hand-off: its tokens so
+    far end inside a character (their text is held back, so the client would see none
+    until the decode node's first token), the request goes on, and fewer than ``limit``
+    (``worker.first_text_tokens``) and ``max_tokens`` were generated."""
+    return incomplete and not stopped and generated < min(limit, s.max_tokens)
 
 
 def choice_id(request_id: str, index: int) -> str:

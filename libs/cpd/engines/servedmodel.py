@@ -186,6 +186,13 @@ class Detokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # end of what was emitted
+        self._partial = False
+
+    @property
+    def incomplete(self) -> bool:
+        """Whether the ids pushed so far end inside a character: their last bytes are
+        held back until the ids that complete it come."""
+        return self._partial
 
     def push(self, ids: list[int]) -> str:
         """Add generated ids; return the new complete text (may be empty)."""
@@ -202,7 +209,8 @@ class Detokenizer:
         skip = self._skip_special
         before = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=skip)
         now = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=skip)
-        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
+        self._partial = now.endswith("\ufffd") and not final
+        if len(now) <= len(before) or self._partial:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return now[len(before):]

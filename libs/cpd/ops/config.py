@@ -454,6 +454,12 @@ class WorkerSettings(_Section):
     # the last message may be shorter). 1 sends every token at once; larger values cut
     # the per-token message cost on every hop (decode -> router -> client).
     stream_interval: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    # A prefill node samples up to this many tokens before the hand-off while its tokens
+    # end inside a character (byte-level tokens of CJK text, emoji, a small model's
+    # first tokens): the client's first text then comes from the prefill engine's next
+    # step, not from the decode node after the hand-off. 1: hand off after the first
+    # token always. Only for models with a tokenizer (the sim engine has none).
+    first_text_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     # vLLM's long_prefill_token_threshold, for either engine: while other requests are
     # running or waiting, no prefill computes more than this many tokens per step, so a
     # long cold prompt leaves step budget for the short warm suffixes behind it (0: off,

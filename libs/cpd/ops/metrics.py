@@ -199,7 +199,7 @@ WORKER_QUEUE = _m(
     LATENCY_BUCKETS_S)
 WORKER_PHASE = _m(
     "cpd_worker_phase_duration", "histogram",
-    "time per request phase on this worker (load, prefill, pull, decode)", "s",
+    "time per request phase on this worker (load, prefill, first_text, pull, decode)", "s",
     ("role", "phase"), LATENCY_BUCKETS_S)
 WORKER_DRAM_USED = _m(
     "cpd_worker_dram_used", "gauge", "block arena bytes in use", "By", ("role", "node"))

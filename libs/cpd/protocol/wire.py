@@ -789,6 +789,13 @@ class DecodeRequest(Message, tag="decode", kw_only=True):
     seq_start: NonNegInt = 1
     trace: str = ""
     capability: bytes = b""  # source_node's read capability for ``namespace``
+    # Tokens the prefill side sampled after ``first_token``, before the hand-off (its
+    # first tokens ended inside a character: ``worker.first_text_tokens``).
+    next_tokens: list[TokenId] = msgspec.field(default_factory=list)
+
+    def generated(self) -> list[int]:
+        """The tokens the prefill side sampled, in order (none for several choices)."""
+        return [] if self.first_token is None else [self.first_token, *self.next_tokens]
 
 
 class Accepted(Message, tag="accepted", kw_only=True):
