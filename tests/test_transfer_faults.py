@@ -20,6 +20,7 @@ CASES = Path(__file__).parent / "helpers" / "ucx_fault_cases.py"
     "test_a_dead_address_fails_typed_within_the_deadline",
     "test_a_resumed_peer_serves_a_fresh_connection",
     "test_connecting_ahead_to_a_dead_peer_is_one_bounded_silent_dial",
+    "test_a_handshake_answered_after_its_timeout_writes_into_kept_buffers",
 ])
 def test_fault_case_in_its_own_process(case: str) -> None:
     out = subprocess.run([sys.executable, "-m", "pytest", f"{CASES}::{case}", "-q",

@@ -10,6 +10,7 @@ and dead-address cases assert that the next connection is served. Run directly:
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -18,8 +19,9 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
+from cpd.ops.config import DataPlaneSettings
 from cpd.protocol.errors import PeerGone, TransferTimeout
-from cpd.transfer import TransferClient, coalesce_runs
+from cpd.transfer import TransferClient, coalesce_runs, handshake
 from cpd.transfer.framing import runs_field
 from tests.helpers.ucx_harness import Peer, local_store, new_client, peer
 from tests.helpers.ucx_peer import block_hash
@@ -151,3 +153,38 @@ async def test_connecting_ahead_to_a_dead_peer_is_one_bounded_silent_dial(
         await client.get_into(live.address, live.hashes(range(4)), dests, timeout_s=10)
         assert all(np.array_equal(d, live.expected(i)) for i, d in enumerate(dests))
 
+
+
+@pytest.mark.timeout(60, method="thread")
+async def test_a_handshake_answered_after_its_timeout_writes_into_kept_buffers() -> None:
+    """A paused peer answers each dial's handshake only once resumed, after the dialler
+    gave up. UCX still holds the dialler's receive then: its buffers are kept until the
+    receive is done (ucxx's own exchange freed them, and the late answer wrote into freed
+    memory: a segfault in the allocator some time later). Eight such dials, memory
+    churned between, then a transfer from the same peer: byte exact, and nothing left
+    held; the peer, whose side of each handshake timed out too, is still up."""
+    client = TransferClient(DataPlaneSettings(max_concurrent_transfers=4,
+                                              connect_timeout_s=0.3))
+    try:
+        with peer(seed=75, sizes="1048576x4") as p:
+            for _ in range(8):
+                os.kill(p.proc.pid, signal.SIGSTOP)
+                try:
+                    assert not await client.connect_ahead(p.address)
+                    assert handshake.abandoned() >= 1  # the late answer has somewhere to go
+                finally:
+                    os.kill(p.proc.pid, signal.SIGCONT)
+                await asyncio.sleep(0.3)  # the peer answers now, into the kept buffers
+                gc.collect()
+                churn = [bytearray(16) for _ in range(100_000)]
+                del churn
+            for _ in range(100):
+                if not handshake.abandoned():
+                    break
+                await asyncio.sleep(0.05)
+            assert handshake.abandoned() == 0 and p.proc.poll() is None
+            dests = [np.empty(1 << 20, np.uint8) for _ in range(4)]
+            await client.get_into(p.address, p.hashes(range(4)), dests, timeout_s=10)
+            assert all(np.array_equal(d, p.expected(i)) for i, d in enumerate(dests))
+    finally:
+        await client.close()

@@ -16,6 +16,8 @@ from typing import Any
 from cpd.ops import telemetry
 from cpd.ops.config import DataPlaneSettings
 
+from . import handshake
+
 log = telemetry.get_logger("cpd.transfer")
 
 NS_PER_S = 1_000_000_000
@@ -62,6 +64,7 @@ def init_ucx(settings: DataPlaneSettings) -> None:
         raise RuntimeError(f"ucxx {ucxx.__version__} lacks the request API that "
                            "cpd.transfer drives directly") from e
 
+    handshake.install()
     try:
         ucxx.init(options=options, progress_mode=settings.ucx_progress_mode,
                   enable_python_future=settings.ucx_progress_mode.startswith("thread"),
