@@ -153,9 +153,12 @@ class VllmEngine:
             raise
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
-        prompt: dict[str, Any] = {"prompt_token_ids": _token_list(request.tokens)}
-        if request.cache_salt:
-            prompt["cache_salt"] = request.cache_salt
+        from vllm.inputs.engine import tokens_input
+
+        # Rendered input (typed "token"): vLLM takes it as it is, where a raw prompt goes
+        # through its renderer on a thread pool first (a thread hop per request).
+        prompt = tokens_input(_token_list(request.tokens),
+                              cache_salt=request.cache_salt or None)
         # Forced output tokens come back first: the caller has them already.
         skip = len(request.forced_output)
         async for out in self._llm.generate(
@@ -256,7 +259,9 @@ def _sampling_params(request: EngineRequest, *, connector: bool) -> Any:
         min_p=s.min_p, repetition_penalty=s.repetition_penalty,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias) or None,
-        logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA, extra_args=extra or None)
+        logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA, extra_args=extra or None,
+        # The router owns the text (and stop strings): vLLM's would be decoded for nothing.
+        detokenize=False)
 
 
 def _logprobs(per_token: Any, ids: list[int], k: int | None) -> list[wire.TokenLogprob]:
