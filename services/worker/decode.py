@@ -22,7 +22,13 @@ from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, InvalidRequest
 from cpd.protocol.roles import Role
 from services.worker.core import WorkerCore
-from services.worker.requests import check_ids, choice_id, choice_runs, continuation
+from services.worker.requests import (
+    check_ids,
+    choice_id,
+    choice_runs,
+    continuation,
+    ended_on_stop,
+)
 
 # A hand-off's puller waits this long for kvindex to record what the prefill node sealed
 # (its events are acked before the hand-off; kvindex applies them within milliseconds),
@@ -188,7 +194,7 @@ class DecodeHandler:
                 generated += len(step.token_ids)
                 pending += step.token_ids
                 logprobs += step.logprobs
-                stopped = step.finished and step.finish_reason == "stop"
+                stopped = ended_on_stop(step)
                 if len(pending) >= interval or stopped:
                     await out.tokens(pending, ends_with_stop_token=stopped,
                                      logprobs=logprobs, index=index)

@@ -23,17 +23,18 @@ from cpd.kvstore import BlockEntry
 from cpd.protocol import deadlines, subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode, InvalidRequest
 from services.worker.core import WorkerCore
-from services.worker.requests import check_ids, first_token, next_token, wants_text
+from services.worker.requests import (
+    check_ids,
+    ended_on_stop,
+    first_token,
+    next_token,
+    wants_text,
+)
 
 # How long a hand-off waits for kvindex's record of the blocks it hands over to be
 # stored (decode verifies the bytes it pulls against it); past that decode waits on its
 # own, and recomputes what is not recorded.
 _SEALED_WAIT_S = 0.5
-
-
-def _stopped(step: EngineStep) -> bool:
-    """Whether ``step`` ended its run on a stop token (EOS, ``stop_token_ids``)."""
-    return step.finished and step.finish_reason == "stop"
 
 
 class DecodeUnavailable(CpdError):
@@ -117,26 +118,28 @@ class PrefillHandler:
         # computed their shared KV, its own token is no choice's.
         several = req.sampling.n > 1
         generated: list[int] = [] if several else [step.token_ids[0]]
-        last = step
+        last, t_text = step, t_done
         try:
             if not several:
-                await out.tokens(generated, ends_with_stop_token=_stopped(step),
+                await out.tokens(generated, ends_with_stop_token=ended_on_stop(step),
                                  logprobs=step.logprobs[:1])
+                t_text = time.perf_counter()
                 last = await self._first_text(req, tokens, generated, step, out)
+            t_first_text = time.perf_counter()
         finally:  # after the first token left: the client never waits for the event's ack
             if fresh:
                 await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
         queued = core.queued(submitted, step)
         phases = {"load": t_load - t0, "prefill": t_done - t_load}
         if len(generated) > 1:
-            phases["first_text"] = time.perf_counter() - t_done
+            phases["first_text"] = t_first_text - t_text
         core.record(self.role, phases, queued=queued, written=len(fresh),
                     loaded=step.loaded_blocks)
         await out.report(wire.PrefillReport, node=core.node_id,
                          tokens=self._sources(step, remote, disk, len(tokens)),
                          load_error=load_error, load_ms=(t_load - t0) * 1e3,
                          prefill_ms=(t_done - t_load) * 1e3, queue_ms=queued * 1e3)
-        stopped = _stopped(last) and not several
+        stopped = ended_on_stop(last) and not several
         cancelled = req.request_id in core.cancelled  # e.g. a stop string in the token
         if stopped or (len(generated) >= req.sampling.max_tokens and not several) or cancelled:
             await out.final(finish_reason=("abort" if cancelled and (several or
@@ -161,7 +164,7 @@ class PrefillHandler:
         detok.push(generated)
         limit = core.settings.worker.first_text_tokens
         last = step
-        while (wants_text(detok.incomplete, len(generated), _stopped(last), limit,
+        while (wants_text(detok.incomplete, len(generated), ended_on_stop(last), limit,
                           req.sampling) and req.request_id not in core.cancelled):
             prompt, sampling, forced = next_token(req.sampling, tokens, generated)
             last = await self._first_token(EngineRequest(
@@ -169,7 +172,7 @@ class PrefillHandler:
                 forced_output=forced, cache_salt=core.salt(req.namespace)))
             token = last.token_ids[0]
             generated.append(token)
-            await out.tokens([token], ends_with_stop_token=_stopped(last),
+            await out.tokens([token], ends_with_stop_token=ended_on_stop(last),
                              logprobs=last.logprobs[:1])
             detok.push([token])
         return last

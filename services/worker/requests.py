@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from cpd.engines import EngineStep
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import InvalidRequest
 
@@ -21,6 +22,11 @@ def check_ids(*, reply_to: str = "", **nodes: str) -> None:
             subjects.check_token(node, what)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
+
+
+def ended_on_stop(step: EngineStep) -> bool:
+    """Whether an engine run ended on a stop token (EOS, ``stop_token_ids``) at ``step``."""
+    return step.finished and step.finish_reason == "stop"
 
 
 def first_token(s: wire.SamplingParams) -> wire.SamplingParams:

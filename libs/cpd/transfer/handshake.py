@@ -49,9 +49,9 @@ async def exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
                              connect_timeout: float = 5.0) -> dict[str, int]:
     """ucxx's exchange of peer information (same bytes, same order: the listener sends
     first), whose buffers outlive a timeout or a cancel."""
-    from ucxx._lib.arr import Array
-    from ucxx._lib_async.utils import hash64bits
+    from .runtime import _request_api  # runtime installs this module: imported late
 
+    Array, _, _, hash64bits = _request_api()
     mine = struct.pack(_FORMAT, msg_tag, hash64bits(msg_tag))
     theirs = bytearray(len(mine))
     mine_arr, theirs_arr = Array(mine), Array(theirs)
