@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import numpy as np
 import pytest
 import torch
@@ -498,6 +499,32 @@ async def test_a_node_finds_its_last_epoch_in_the_stream(bus) -> None:
         await KvEventPublisher(js, n, epoch=epoch).cleared()
     assert await kvevents.last_epoch(js, node) == 9_000_000_000_000
     assert kvevents.next_epoch(1_000, await kvevents.last_epoch(js, node)) == 9_000_000_000_001
+
+
+class _StoreRaceJetStream:
+    """The JetStream API answering a stream's creation as a server does while a stream of
+    that name, just deleted, is still being torn down: a 500 first, then success."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.calls = failures, 0
+
+    async def add_stream(self, config: api.StreamConfig) -> api.StreamInfo:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise nats.js.errors.ServerError(code=500, err_code=10049,
+                                             description="error creating store for stream")
+        return api.StreamInfo(config=config, state=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(10)
+async def test_a_stream_recreated_during_the_old_ones_teardown_is_retried() -> None:
+    js = _StoreRaceJetStream(failures=2)
+    info = await kvevents.ensure_stream(js, wait_s=5)  # type: ignore[arg-type]
+    assert (js.calls, info.config.name) == (3, subjects.KV_STREAM)
+    with pytest.raises(CpdError) as e:  # a server that keeps failing is reported, typed
+        await kvevents.ensure_stream(_StoreRaceJetStream(failures=100),  # type: ignore[arg-type]
+                                     wait_s=0.6)
+    assert e.value.code is ErrorCode.UNAVAILABLE
 
 
 @contextlib.asynccontextmanager

@@ -45,14 +45,16 @@ async def ensure_stream(js: JetStreamContext, *, max_age_s: float = 24 * 3600,
 
     A NATS cluster answers JetStream requests only once its members have elected a
     leader (seconds after they start, or after one is lost): unavailable or unanswered
-    requests are retried for up to ``wait_s``."""
+    requests are retried for up to ``wait_s``, as is a 500 ("error creating store for
+    stream"): a stream deleted and created again under the same name races the server's
+    asynchronous teardown of the old one's store."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return await _ensure_stream(js, max_age_s=max_age_s, max_bytes=max_bytes,
                                         replicas=replicas, update=update)
-        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError,
-                nats.errors.NoRespondersError) as e:
+        except (nats.js.errors.ServiceUnavailableError, nats.js.errors.ServerError,
+                nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             if time.monotonic() >= deadline:
                 raise CpdError(f"JetStream did not accept the {subjects.KV_STREAM} stream "
                                f"within {wait_s:.0f} s: {e!r}", code=ErrorCode.UNAVAILABLE,
