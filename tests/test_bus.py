@@ -190,25 +190,44 @@ async def test_timed_out_and_cancelled_requests_leave_nothing_behind(
 
 async def test_a_cancel_that_lands_with_a_message_still_cancels_the_reader(bus: Bus) -> None:
     """A message queued for the reader in the same loop turn as its task is cancelled:
-    nats' wait for the message drops such a cancel on Python 3.11 and returns the
-    message; the reader raises the cancel all the same (a client that left mid-stream
-    must not have its request generated to the end)."""
+    the reader raises the cancel (a client that left mid-stream must not have its
+    request generated to the end), and the message stays queued, not lost."""
     reader = StreamReader(bus, idle_timeout=5)
     inbox = await reader.open()
-    queue = reader._sub._pending_queue
-    put = queue.put_nowait
+    box = reader._box
+    assert box is not None
+    put = box.put
     task = asyncio.create_task(reader.next(5))
 
     def put_and_cancel(msg: Msg) -> None:  # the interleaving, made certain
         put(msg)
         task.cancel()
-    queue.put_nowait = put_and_cancel
+    box.put = put_and_cancel  # type: ignore[method-assign]
     await asyncio.sleep(0.05)
     await bus.nc.publish(inbox, wire.encode(wire.TokenChunk(request_id="c", seq=0,
                                                             token_ids=[1])))
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
+    box.put = put  # type: ignore[method-assign]
+    msg = await reader.next(1)
+    assert isinstance(msg, wire.TokenChunk) and msg.token_ids == [1]
     await reader.close()
+    assert bus._replies.streams == 0
+
+
+async def test_a_closed_stream_inbox_drops_what_arrives_later(bus: Bus) -> None:
+    """Streams share the connection's reply subscription: a message to a closed
+    stream's inbox reaches no one, and other streams and requests go on."""
+    first, second = StreamReader(bus, idle_timeout=5), StreamReader(bus, idle_timeout=5)
+    gone, alive = await first.open(), await second.open()
+    await first.close()
+    for inbox, rid in ((gone, "gone"), (alive, "alive")):
+        await bus.nc.publish(inbox, wire.encode(wire.TokenChunk(request_id=rid, seq=0,
+                                                                token_ids=[2])))
+    msg = await second.next(5)
+    assert isinstance(msg, wire.TokenChunk) and msg.request_id == "alive"
+    assert await second.next(0.2) is None
+    await second.close()
 
 
 async def test_stream_in_order_ends_with_final(bus: Bus, echo: EchoService) -> None:
@@ -620,3 +639,22 @@ async def test_a_stream_whose_reader_vanished_is_found_and_a_read_one_is_not(
     got = [wire.decode(m.data, wire.TokenChunk) for m in read]
     assert got[0].token_ids == [1, 2] and len(got) > 3
     assert {(c.seq, c.keepalive_ms) for c in got[1:]} == {(0, 200)}
+
+
+async def test_a_reader_that_closed_its_stream_on_a_live_connection_is_found(
+        bus: Bus) -> None:
+    """Stream inboxes share their connection's subscription, so NATS cannot answer a
+    reader check on a closed one; the connection answers it, and the check says gone.
+    An open reader's stream is still read."""
+    open_reader = StreamReader(bus, idle_timeout=5)
+    closed_reader = StreamReader(bus, idle_timeout=5)
+    streams = [ReplyStream(bus, await r.open(), rid)
+               for r, rid in ((open_reader, "open"), (closed_reader, "closed"))]
+    for out in streams:
+        await out.tokens([1])
+    await closed_reader.close()
+    assert await streams[0].probe(1000, 0.3) is True
+    assert await streams[1].probe(1000, 0.3) is False
+    first = await open_reader.next(1)
+    assert isinstance(first, wire.TokenChunk) and first.token_ids == [1]
+    await open_reader.close()

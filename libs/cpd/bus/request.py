@@ -11,7 +11,7 @@ from typing import TypeVar
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from cpd.bus.replymux import ReplyMux
+from cpd.bus.replymux import ReplyMux, StreamInbox
 from cpd.ops import telemetry
 from cpd.ops.config import BusSettings, Settings
 from cpd.protocol import wire
@@ -58,6 +58,14 @@ class Bus:
     async def reply_prefix(self) -> str:
         """The subject prefix every reply to this connection's requests arrives on."""
         return await self._replies.inbox_prefix()
+
+    async def stream_inbox(self) -> StreamInbox:
+        """A new inbox for a streamed reply, under :meth:`reply_prefix`."""
+        return await self._replies.open_stream()
+
+    def close_stream_inbox(self, box: StreamInbox) -> None:
+        """Close a stream's inbox (:meth:`stream_inbox`)."""
+        self._replies.close_stream(box)
 
     @property
     def max_message_bytes(self) -> int:

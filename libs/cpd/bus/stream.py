@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import nats
-import nats.errors
-
-from cpd.bus.replymux import is_no_responders
+from cpd.bus.replymux import StreamInbox, is_no_reader, is_no_responders
 from cpd.ops import telemetry
 from cpd.protocol import wire
 from cpd.protocol.errors import (
@@ -32,17 +28,6 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound=wire.Message)
 
 log = telemetry.get_logger("cpd.bus")
-
-
-def _raise_if_cancel_swallowed() -> None:
-    """Re-raise a cancellation the wait for a message lost. nats' ``next_msg`` waits in
-    a task of its own, through ``asyncio.wait_for``; on Python 3.11 a cancel that lands in
-    the same loop turn as a message is dropped there and the message returned instead, so
-    the reader would go on as if never cancelled (a client that left would have its
-    request generated to the end). The task still counts the request (``cancelling``)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 class StreamReader:
@@ -68,7 +53,7 @@ class StreamReader:
         self.silence_limit = silence_limit
         self.keepalive_misses = keepalive_misses
         self.inbox = ""
-        self._sub: Any = None
+        self._box: StreamInbox | None = None
         self._expected = 0
         self._early: dict[int, wire.Message] = {}
         self._gap_since = 0.0
@@ -78,11 +63,11 @@ class StreamReader:
         self._sent_upto = -1
 
     async def open(self) -> str:
-        """Subscribe; returns the inbox to name as the stream's destination."""
-        # The NUID of new_inbox() counts up from a per-connection prefix; 64 random bits
-        # more make the inbox unguessable to a peer that has seen another stream's.
-        self.inbox = f"{self.bus.nc.new_inbox()}.{secrets.token_hex(8)}"
-        self._sub = await self.bus.nc.subscribe(self.inbox)
+        """Open the stream's inbox (a token under the connection's reply subscription,
+        unguessable to a peer that has seen another stream's); returns it, to name as
+        the stream's destination."""
+        self._box = await self.bus.stream_inbox()
+        self.inbox = self._box.subject
         self._heard = time.monotonic()
         return self.inbox
 
@@ -132,11 +117,16 @@ class StreamReader:
                 left = min(left, self._gap_since + gap_limit - now)
             if self.silence_limit is not None:
                 left = min(left, self._heard + self.silence_limit - now)
-            try:
-                raw = await self._sub.next_msg(timeout=max(left, 0.001))
-            except nats.errors.TimeoutError:
+            if self._box is None:
+                raise CpdError(f"stream on {self.subject or self.inbox}: the reader is "
+                               "not open")
+            raw = await self._box.get(max(left, 0.001))
+            if raw is None:
+                if self.bus.nc.is_closed:
+                    raise CpdError(f"stream on {self.subject or self.inbox}: the NATS "
+                                   "connection is closed", code=ErrorCode.UNAVAILABLE,
+                                   retryable=True)
                 continue
-            _raise_if_cancel_swallowed()
             self._heard = time.monotonic()
             if is_no_responders(raw):
                 raise NoResponders(f"no responders on {self.subject or self.inbox}")
@@ -154,10 +144,10 @@ class StreamReader:
             self._early[seq] = reply
 
     async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        """Close the inbox: what arrives later is dropped."""
+        if self._box is not None:
+            self.bus.close_stream_inbox(self._box)
+            self._box = None
 
 
 class ReplyStream:
@@ -210,21 +200,22 @@ class ReplyStream:
 
     async def probe(self, interval_ms: int, timeout_s: float) -> bool:
         """Whether anything still reads this stream: a keep-alive (as :meth:`keepalive`
-        sends once the stream has a message) published as a request, which NATS answers
-        with its no-responders status when nothing subscribes to the reply inbox any
-        more (False). A reader never answers it: a keep-alive delivered, or no answer
-        either way, is True, as is a stream that ended or has sent nothing yet."""
+        sends once the stream has a message) published as a request: NATS answers it
+        with its no-responders status when the reader's connection is gone, and that
+        connection answers it for an inbox its reader closed (both False). An open
+        reader never answers it: a keep-alive delivered, or no answer either way, is
+        True, as is a stream that ended or has sent nothing yet."""
         if self.closed or self.seq == 0:
             return True
         self.last_sent = time.monotonic()
         try:
-            await self.bus.request_bytes(self.reply_to, wire.encode(
+            answer = await self.bus.request_bytes(self.reply_to, wire.encode(
                 self._keepalive(interval_ms)), timeout=timeout_s)
         except NoResponders:
             return False
         except CpdError:  # no answer: delivered (or the connection is down: unknown)
             return True
-        return True
+        return not is_no_reader(answer)  # a closed inbox's answer (ReplyMux)
 
     async def tokens(self, token_ids: list[int], text: str = "", *,
                      ends_with_stop_token: bool = False,
