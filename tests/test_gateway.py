@@ -419,6 +419,29 @@ async def test_a_request_is_tokenized_once(oai: openai.AsyncOpenAI, router: Fake
     assert wire.unpack_tokens(sent.tokens or b"").tolist() == encode(model, calls[0])
 
 
+@pytest.mark.parametrize(("chars", "on_loop"), [(4_000, True), (10_000, False)])
+async def test_a_short_prompt_is_tokenized_on_the_loop_and_a_long_one_on_a_thread(
+        oai: openai.AsyncOpenAI, router: FakeRouter, monkeypatch: pytest.MonkeyPatch,
+        chars: int, on_loop: bool) -> None:
+    """Up to ``gateway.tokenize_inline_chars`` (8,192 by default) a prompt is tokenized
+    on the event loop (as costly as the hop to a thread); past it on a thread, so the
+    loop goes on relaying other streams meanwhile."""
+    where: list[bool] = []
+    encode = ServedModel.encode
+
+    def spy(self: ServedModel, text: str, **kw: bool) -> list[int]:
+        try:
+            asyncio.get_running_loop()
+            where.append(True)
+        except RuntimeError:
+            where.append(False)
+        return encode(self, text, **kw)
+    monkeypatch.setattr(ServedModel, "encode", spy)
+    await oai.completions.create(model=SERVED_NAME, prompt="fox " * (chars // 4),
+                                 max_tokens=2)
+    assert where == [on_loop] and router.received[-1].tokens
+
+
 async def test_chat_without_max_tokens_may_fill_the_context(
         oai: openai.AsyncOpenAI, router: FakeRouter, model: ServedModel) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"},

@@ -48,8 +48,10 @@ class Admission:
     request of each."""
 
     def __init__(self, client: Client, model: ServedModel, served_name: str,
-                 timeout_s: float, tenants: TenantTable, outcomes: Outcomes) -> None:
+                 timeout_s: float, tenants: TenantTable, outcomes: Outcomes, *,
+                 tokenize_inline_chars: int = 0) -> None:
         self.client = client
+        self.tokenize_inline_chars = tokenize_inline_chars
         self.model = model
         self.served_name = served_name
         self.timeout_s = timeout_s
@@ -107,8 +109,7 @@ class Admission:
                 f"context of {self.model.max_model_len} tokens can hold", param=param,
                 code=ErrorCode.PROMPT_TOO_LONG.value)
         ids = (text_or_ids if isinstance(text_or_ids, list)
-               else await asyncio.to_thread(self.model.encode, text_or_ids,
-                                            add_special_tokens=param == "prompt"))
+               else await self._encode(text_or_ids, special=param == "prompt"))
         self._check_length(len(ids))
         self._check_tenant_prompt(tenant, len(ids), param)
         explicit = requested is not None
@@ -140,6 +141,13 @@ class Admission:
             # ends the request's earlier streams.
             resumed_tokens(req, self.model.check_vocab)
         return Admitted(req, text_or_ids)
+
+    async def _encode(self, text: str, *, special: bool) -> list[int]:
+        """``text``'s token ids: on the loop when short, else on a thread
+        (``gateway.tokenize_inline_chars``)."""
+        if len(text) <= self.tokenize_inline_chars:
+            return self.model.encode(text, add_special_tokens=special)
+        return await asyncio.to_thread(self.model.encode, text, add_special_tokens=special)
 
     def _tenant_limit(self, tenant: Tenant, reason: str, message: str,
                       param: str) -> ApiError:

@@ -66,7 +66,7 @@ def _routes(client: Client, model: ServedModel, settings: Settings
     tenants = TenantTable.from_settings(config)
     outcomes = Outcomes(GatewayMetrics(tenants=config.tenants))
     admission = Admission(client, model, served_name, config.request_timeout_s, tenants,
-                          outcomes)
+                          outcomes, tokenize_inline_chars=config.tokenize_inline_chars)
     streamer = SseStreamer(outcomes, served_name, config.sse_keepalive_s)
     generation = CompletionRoutes(client, admission, outcomes, streamer,
                                   config.stream_headers_after_s)

@@ -269,6 +269,11 @@ class GatewaySettings(_Section):
     # minutes must not outlast a proxy's idle timeout.
     stream_headers_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
     sse_keepalive_s: Positive = 10.0
+    # A prompt of at most this many characters is tokenized on the event loop (a
+    # 1K-token prompt takes about a millisecond, as much as a hop to a thread and back);
+    # a longer one on a thread, so the loop goes on relaying other streams' tokens
+    # meanwhile. 0: always on a thread.
+    tokenize_inline_chars: Annotated[int, msgspec.Meta(ge=0)] = 8192
     # API keys and per-tenant limits. Empty: no authentication, every request is the
     # "default" tenant's (a local cluster); set, every request needs a tenant's key
     # (``Authorization: Bearer <key>``).
