@@ -27,6 +27,17 @@ def test_limits_and_namespaces(model: ServedModel) -> None:
     assert len({model.namespace.id, a.id, b.id}) == 3
 
 
+@pytest.mark.parametrize("special", [True, False])
+@pytest.mark.parametrize("text", [
+    "", "def fib(n):\n    return n", "ünïcödé ✓ 数 🦊" * 3, "  spaces\t\ttabs\n\n",
+    "<s>a special token in the text</s>", "word " * 3000])
+def test_the_gateways_encoding_is_the_tokenizers_own(model: ServedModel, text: str,
+                                                     special: bool) -> None:
+    """``encode`` takes the faster path without character offsets: the same ids."""
+    assert model.encode(text, add_special_tokens=special) == model.tokenizer.encode(
+        text, add_special_tokens=special).ids
+
+
 def test_incremental_text_equals_the_whole_and_never_splits_a_character(
         model: ServedModel) -> None:
     text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # ünïcödé ✓ 数"
