@@ -224,6 +224,11 @@ class Router:
         return dst.bandwidth_gbps or self.config.default_bandwidth_gbps
 
 
+def _by_cost(p: Plan) -> tuple[float, float, str]:
+    """The cheapest plan first: soonest first token, then shortest queue, then name."""
+    return (p.ttft_ms, p.queue_ms, p.node)
+
+
 class RoutingPolicy(ABC):
     """How one policy chooses among the router's plans (module doc); the router calls
     :meth:`choose` with the live nodes and the decode node already chosen."""
@@ -251,7 +256,7 @@ class CpdPolicy(RoutingPolicy):
         # Local hits beat remote ones at equal cost; then the shorter queue.
         warm.sort(key=lambda p: (p.ttft_ms, p.remote_tokens > 0, p.queue_ms, p.node))
         best_warm = warm[0] if warm else None
-        d = self._decide(r, n, bs, hits, warm_nodes, cold_nodes, decode, best_warm)
+        d = self._decide(r, n, bs, hits, (warm_nodes, warm), cold_nodes, decode, best_warm)
         # A prefix recomputed because loading it from a peer was slower says so, on
         # whichever tier the request went to (the chosen plan's own price comes first).
         declined = best_warm.peer_load if best_warm else None
@@ -259,9 +264,12 @@ class CpdPolicy(RoutingPolicy):
             return replace(d, peer_load=declined)
         return d
 
-    def _decide(self, r: Router, n: int, bs: int, hits: Hits, warm_nodes: list[NodeLoad],
-                cold_nodes: list[NodeLoad], decode: str, best_warm: Plan | None) -> Decision:
+    def _decide(self, r: Router, n: int, bs: int, hits: Hits,
+                prefill: tuple[list[NodeLoad], list[Plan]], cold_nodes: list[NodeLoad],
+                decode: str, best_warm: Plan | None) -> Decision:
+        """The decision, given the prefill nodes and their plans (``prefill``)."""
         cfg = r.config
+        warm_nodes, warm = prefill
         reuse = best_warm.reused_tokens if best_warm else 0
         if cold_nodes and not best_warm:
             reuse = max((r.plan(x, n, bs, hits).reused_tokens for x in cold_nodes),
@@ -289,8 +297,9 @@ class CpdPolicy(RoutingPolicy):
                             reusable_tokens=reuse)
         reason = RouteReason.COLD if hits.ok else RouteReason.KVINDEX_UNAVAILABLE
         cold = self._cheapest(r, cold_nodes, n, bs, hits, reuse_prefix=False)
-        # Overflow: a cold request takes an idle prefill node rather than queue.
-        over = self._cheapest(r, warm_nodes, n, bs, hits, reuse_prefix=True)
+        # Overflow: a cold request takes an idle prefill node rather than queue (the
+        # prefill nodes' plans are the warm ones already made).
+        over = min(warm, key=_by_cost, default=None)
         if cold is None or (over and cold.queue_ms > cfg.overflow_margin_ms
                             and over.ttft_ms + cfg.overflow_margin_ms < cold.ttft_ms):
             assert over is not None
@@ -311,7 +320,7 @@ class CpdPolicy(RoutingPolicy):
             return None
         plans = [r.plan(x, n, bs, hits, remote=reuse_prefix, local=reuse_prefix)
                  if reuse_prefix else r.plan(x, n, bs, Hits(ok=False)) for x in nodes]
-        return min(plans, key=lambda p: (p.ttft_ms, p.queue_ms, p.node))
+        return min(plans, key=_by_cost)
 
     def _idle_holder(self, r: Router, cold_nodes: list[NodeLoad], n: int, bs: int,
                      hits: Hits, best: Plan) -> Plan | None:
