@@ -255,21 +255,19 @@ class CpdPolicy(RoutingPolicy):
         warm = [r.plan(x, n, bs, hits) for x in warm_nodes]
         # Local hits beat remote ones at equal cost; then the shorter queue.
         warm.sort(key=lambda p: (p.ttft_ms, p.remote_tokens > 0, p.queue_ms, p.node))
-        best_warm = warm[0] if warm else None
-        d = self._decide(r, n, bs, hits, (warm_nodes, warm), cold_nodes, decode, best_warm)
+        d = self._decide(r, n, bs, hits, warm_nodes, warm, cold_nodes, decode)
         # A prefix recomputed because loading it from a peer was slower says so, on
         # whichever tier the request went to (the chosen plan's own price comes first).
-        declined = best_warm.peer_load if best_warm else None
+        declined = warm[0].peer_load if warm else None
         if d.plan.peer_load is None and declined is not None and not declined.loaded:
             return replace(d, peer_load=declined)
         return d
 
-    def _decide(self, r: Router, n: int, bs: int, hits: Hits,
-                prefill: tuple[list[NodeLoad], list[Plan]], cold_nodes: list[NodeLoad],
-                decode: str, best_warm: Plan | None) -> Decision:
-        """The decision, given the prefill nodes and their plans (``prefill``)."""
+    def _decide(self, r: Router, n: int, bs: int, hits: Hits, warm_nodes: list[NodeLoad],
+                warm: list[Plan], cold_nodes: list[NodeLoad], decode: str) -> Decision:
+        """The decision, given the prefill nodes and their plans (``warm``, best first)."""
         cfg = r.config
-        warm_nodes, warm = prefill
+        best_warm = warm[0] if warm else None
         reuse = best_warm.reused_tokens if best_warm else 0
         if cold_nodes and not best_warm:
             reuse = max((r.plan(x, n, bs, hits).reused_tokens for x in cold_nodes),

@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from cpd.protocol import wire
-from cpd.protocol.errors import ErrorCode, NoResponders, RequestTimeout
+from cpd.protocol.errors import CpdError, ErrorCode, NoResponders, RequestTimeout
 
 __all__ = ["ReplyMux", "StreamInbox", "is_no_reader", "is_no_responders"]
 
@@ -71,13 +71,12 @@ _NO_READER = wire.encode(wire.Error(code=ErrorCode.NO_RESPONDERS,
 
 
 def is_no_reader(msg: Msg) -> bool:
-    """Whether ``msg`` answers a reader check with "nothing reads this stream": NATS'
-    no-responders status (the reader's connection is gone) or a closed inbox's answer."""
-    if is_no_responders(msg):
-        return True
+    """Whether ``msg`` is a connection's answer to a reader check on a stream inbox it
+    closed ("nothing reads this stream"; a gone connection's is NATS' no-responders
+    status, which :meth:`ReplyMux.request` raises)."""
     try:
         answer = wire.decode(msg.data)
-    except Exception:
+    except CpdError:
         return False
     return isinstance(answer, wire.Error) and answer.code == ErrorCode.NO_RESPONDERS
 
