@@ -49,7 +49,7 @@ class Admission:
 
     def __init__(self, client: Client, model: ServedModel, served_name: str,
                  timeout_s: float, tenants: TenantTable, outcomes: Outcomes, *,
-                 tokenize_inline_chars: int = 0) -> None:
+                 tokenize_inline_chars: int) -> None:
         self.client = client
         self.tokenize_inline_chars = tokenize_inline_chars
         self.model = model
