@@ -31,9 +31,7 @@ def lookup_prefixes(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo]
         return wire.LookupReply()
     matches, seen_nodes = _visible_matches(table, nodes, ns, hashes, n, first, now)
     if checksums:
-        for m in matches:
-            if m.tier in SERVED_TIERS:
-                m.checksums = _checksums(table, hashes, LocKey(m.node, m.tier), m.num_blocks)
+        _add_checksums(table, hashes, [m for m in matches if m.tier in SERVED_TIERS])
     best = max((m.num_blocks for m in matches), default=0)
     pending: list[wire.PendingMatch] = []
     if include_pending:
@@ -119,6 +117,22 @@ def recorded_checksums(table: dict[bytes, Block] | None, nodes: dict[str, NodeIn
     assert table is not None
     return _checksums(table, hashes, key, _prefix(table, hashes, n,
                                                   lambda b: _visible_at(b, key)))
+
+
+def _add_checksums(table: dict[bytes, Block], hashes: bytes,
+                   matches: list[wire.TierMatch]) -> None:
+    """Fill in each of ``matches``' sealed checksums. The blocks are found once for all
+    of them: a prompt is often held by several nodes (the pre-prefill node that computed
+    it, the prefill nodes that loaded it), and finding a block costs more than reading
+    its checksum."""
+    if not matches:
+        return
+    n = max(m.num_blocks for m in matches)
+    locs = [table[hashes[i:i + 16]].locs for i in range(0, n * 16, 16)]
+    for m in matches:
+        key = LocKey(m.node, m.tier)
+        m.checksums = wire.pack_checksums([loc[key].checksum or 0
+                                           for loc in locs[:m.num_blocks]])
 
 
 def _checksums(table: dict[bytes, Block], hashes: bytes, key: LocKey, n: int) -> bytes:
