@@ -181,6 +181,30 @@ def test_node_table_passes_held_prefills_and_dispatches_to_the_policy() -> None:
 
 
 
+@pytest.mark.parametrize("change, rebuilt", [
+    (lambda t: None, False),
+    (lambda t: t.dispatched("p0", 5.0), True),
+    (lambda t: t.load_report(wire.LoadReport(node="p0", role="prefill", in_flight=3), 0.2), True),
+    (lambda t: t.heartbeat(wire.Heartbeat(node="p0", role="prefill", started_unix_ms=1,
+                                          lease_ttl_ms=1000, namespace="ns",
+                                          decodes=True), 0.2), True),
+    (lambda t: t.dispatched("p1", 5.0), False),  # another node's dispatch
+])
+def test_a_nodes_view_is_built_again_only_when_the_node_changed(change, rebuilt: bool) -> None:
+    """The policy's view of a node is kept between decisions until a heartbeat, a load
+    report or a dispatch changes the node, and then shows the change."""
+    t = NodeTable(namespace="ns")
+    t.heartbeat(_hb("p0", "prefill"), now=0.0)
+    t.heartbeat(_hb("p1", "prefill"), now=0.0)
+    before = next(n for n in t.live(0.1) if n.node == "p0")
+    change(t)
+    after = next(n for n in t.live(0.3) if n.node == "p0")
+    assert (after is not before) is rebuilt
+    if rebuilt:
+        assert (after.dispatched_ms, after.in_flight, after.decodes) != (
+            before.dispatched_ms, before.in_flight, before.decodes)
+
+
 @pytest.mark.parametrize("beats, now, serves", [
     ([], 0.0, False),
     ([("p0", "prefill")], 0.0, False),

@@ -29,6 +29,24 @@ class _Node:
     # request): without it, a burst between two reports would all land on the node
     # that looked idlest.
     dispatched_ms: list[float] = field(default_factory=list)
+    # What the policy sees of it, built once per change (a heartbeat, a load report, a
+    # dispatch), not once per decision.
+    view: NodeLoad | None = None
+
+    def load_view(self) -> NodeLoad:
+        """The node as the policy sees it (:class:`NodeLoad`)."""
+        if self.view is None:
+            r = self.load
+            self.view = NodeLoad(node=self.node, role=self.role,
+                                 queued_new_tokens=r.queued_new_tokens if r else 0,
+                                 in_flight=r.in_flight if r else 0,
+                                 bandwidth_gbps=r.kv_bandwidth_gbps if r else 0.0,
+                                 disk_gbps=r.disk_read_gbps if r else 0.0,
+                                 prefills=tuple(r.prefills) if r else (),
+                                 dispatched_ms=tuple(self.dispatched_ms),
+                                 shares_steps=bool(r and r.prefill_token_cap),
+                                 decodes=self.decodes)
+        return self.view
 
 
 @dataclass
@@ -59,6 +77,7 @@ class NodeTable:
         n.capacity_blocks = hb.capacity_blocks
         n.started_unix_ms = hb.started_unix_ms
         n.decodes = hb.decodes and n.role in PREFILL_ROLES
+        n.view = None
 
     def load_report(self, report: wire.LoadReport, now: float) -> None:
         """Record a load report (it renews liveness too: a node that reports is alive)."""
@@ -68,6 +87,7 @@ class NodeTable:
         n.load = report
         n.last_seen = now
         n.dispatched_ms = []
+        n.view = None
 
     def dispatched(self, node: str, est_ms: float) -> None:
         """Note work just sent to ``node`` until its next load report accounts for it."""
@@ -76,6 +96,7 @@ class NodeTable:
             n.dispatched_ms.append(est_ms)
             if len(n.dispatched_ms) > _MAX_DISPATCHED:  # a node that stopped reporting
                 n.dispatched_ms[:] = [sum(n.dispatched_ms)]
+            n.view = None
 
     def alive(self, node: str, now: float, epoch: int = 0) -> bool:
         """Whether ``node`` holds its lease; with ``epoch``, the incarnation started
@@ -92,21 +113,8 @@ class NodeTable:
 
     def live(self, now: float, exclude: frozenset[str] = frozenset()) -> list[NodeLoad]:
         """Every live worker as the policy sees it."""
-        out = []
-        for n in self._nodes.values():
-            if n.node in exclude or now - n.last_seen > n.lease_ttl_s:
-                continue
-            r = n.load
-            out.append(NodeLoad(node=n.node, role=n.role,
-                                queued_new_tokens=r.queued_new_tokens if r else 0,
-                                in_flight=r.in_flight if r else 0,
-                                bandwidth_gbps=r.kv_bandwidth_gbps if r else 0.0,
-                                disk_gbps=r.disk_read_gbps if r else 0.0,
-                                prefills=tuple(r.prefills) if r else (),
-                                dispatched_ms=tuple(n.dispatched_ms),
-                                shares_steps=bool(r and r.prefill_token_cap),
-                                decodes=n.decodes))
-        return out
+        return [n.load_view() for n in self._nodes.values()
+                if n.node not in exclude and now - n.last_seen <= n.lease_ttl_s]
 
     def status(self, now: float, cost: PrefillCost) -> list[wire.NodeStatus]:
         """Every node ever heard of, alive or not, for ``cpd status``; a node's queue is

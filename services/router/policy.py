@@ -99,10 +99,12 @@ class Router:
         self.prefill = prefill
         self.load = load
         self.policy: RoutingPolicy = POLICIES[config.name]()
-        # Per decision: the priced work each node holds (a decision plans every node
-        # several times; the held work does not depend on the request), and the two
-        # peers with the longest DRAM hits (the best remote source of any node is one).
-        self._ahead: dict[int, tuple[NodeLoad, list[float]]] = {}
+        # The priced work each node holds, by name, kept while its view (frozen) is the
+        # same object: a decision plans every node several times, the router's node
+        # table rebuilds a view only when the node changes, and the held work does not
+        # depend on the request. Per decision: the two peers with the longest DRAM hits
+        # (the best remote source of any node is one).
+        self._ahead: dict[str, tuple[NodeLoad, list[float]]] = {}
         self._top: tuple[Hits, int, int, list[tuple[int, str]]] | None = None
         # Per decision: its nodes, and the disk read rates they measured (node → GB/s),
         # gathered only when a plan reads from disk (most decisions do not).
@@ -120,7 +122,8 @@ class Router:
         if prompt_tokens <= 0:
             raise ValueError("a prompt has at least one token")
         nodes = list(nodes)
-        self._ahead.clear()
+        if len(self._ahead) > 2 * len(nodes):  # nodes gone: keep the cache bounded
+            self._ahead.clear()
         self._top = None
         self._nodes, self._disk = nodes, None
         decode = choose_decode(nodes)
@@ -189,9 +192,9 @@ class Router:
 
     def queue_ms(self, node: NodeLoad, own_ms: float) -> float:
         """How long a prefill of ``own_ms`` waits on ``node`` behind what it holds."""
-        cached = self._ahead.get(id(node))
+        cached = self._ahead.get(node.node)
         if cached is None or cached[0] is not node:
-            cached = self._ahead[id(node)] = (node, ahead_ms(
+            cached = self._ahead[node.node] = (node, ahead_ms(
                 node.prefills, node.dispatched_ms, self.prefill, node.shares_steps))
         return wait_ms(cached[1], own_ms, node.shares_steps)
 
