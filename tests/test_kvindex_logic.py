@@ -192,8 +192,10 @@ def test_a_lookup_carries_each_dram_locations_sealed_checksums() -> None:
            for m in idx.lookup(NS, hashes, 1, checksums=True).matches}
     assert got == {"n0": [11, 12, (1 << 64) - 1], "n1": [21, 22]}
     assert all(not m.checksums for m in idx.lookup(NS, hashes, 1).matches)
-    # A hand-off's puller asks about one node only (and gets no capability).
+    # A puller asks about one node only (and gets no capability).
     assert wire.unpack_checksums(idx.checksums(NS, "n1", hashes, 1)) == [21, 22]
+    assert wire.unpack_checksums(idx.checksums(NS, "n0", hashes[16:], 1)) == [
+        12, (1 << 64) - 1]  # a run that starts past the chain's first block
     assert idx.checksums(NS, "n2", hashes, 1) == b""  # no such copy
     assert idx.checksums(NS, "n0", hashes, 10) == b""  # its lease ran out
 
@@ -372,9 +374,12 @@ def test_disk_blocks_are_served_locations_cleared_apart_from_dram() -> None:
     assert (by_tier[DISK].num_blocks, by_tier[DRAM].num_blocks) == (3, 2)
     assert by_tier[DISK].capability == by_tier[DRAM].capability == b"cap"
     assert wire.unpack_checksums(by_tier[DISK].checksums) == [5, 6, 9]
+    # A puller's record covers the node's served tiers: A2 is on its disk alone.
+    assert wire.unpack_checksums(idx.checksums(NS, "n0", hashes, 1)) == [5, 6, 9]
     assert idx.lookup(NS, chain_hashes("C0"), 1).num_blocks == 0  # cleared with its tier
     idx.apply(w.ev(wire.NodeCleared, tier=DRAM))
     assert [(m.tier, m.num_blocks) for m in idx.lookup(NS, hashes, 1).matches] == [(DISK, 3)]
+    assert wire.unpack_checksums(idx.checksums(NS, "n0", hashes, 1)) == [5, 6, 9]
 
 
 def test_dram_copies_hear_when_they_gain_or_lose_their_other_copies() -> None:

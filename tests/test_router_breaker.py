@@ -91,12 +91,11 @@ def test_only_a_decision_that_could_load_from_the_peer_spends_its_trial() -> Non
 
 def test_an_open_peer_is_not_planned_as_a_source() -> None:
     b = SourceBreaker(clock=Clock())
-    hits = Hits(dram={"pp0": 36, "d0": 30}, disk={"pp0": 38}, caps={"pp0": b"c"},
-                checksums={"pp0": b"x" * 8 * 38})
+    hits = Hits(dram={"pp0": 36, "d0": 30}, disk={"pp0": 38}, caps={"pp0": b"c"})
     assert b.filter(hits) is hits  # nothing open: untouched
     b.observe(failed("pp0", ErrorCode.PEER_GONE))
     left = b.filter(hits)
-    assert (left.dram, left.disk, left.caps, left.checksums) == ({"d0": 30}, {}, {}, {})
+    assert (left.dram, left.disk, left.caps) == ({"d0": 30}, {}, {})
     nodes = [NodeLoad("p0", "prefill", bandwidth_gbps=2.0),
              NodeLoad("pp0", "preprefill"), NodeLoad("d0", "decode")]
     router = Router(PolicyConfig(), PrefillCost(fixed_ms=5, per_token_ms=0.08),

@@ -75,6 +75,8 @@ def test_permission_table_keeps_each_identity_to_its_job() -> None:
             subjects.KV_STREAM, subjects.kv_events(f"{role}-1")))
         assert not allows(_pub(role, f"{role}-0"), "$JS.API.STREAM.MSG.GET.CPD_KV")
         assert not allows(_pub(role, f"{role}-0"), "$JS.API.DIRECT.GET.CPD_KV")
+        # Every puller asks kvindex what the bytes it pulls must checksum to.
+        assert allows(_pub(role, f"{role}-0"), subjects.KVINDEX_CHECKSUMS), role
     # Only kvindex publishes visibility changes and manages/consumes CPD_KV.
     for kind in security.KINDS:
         g = security.grants(kind)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import PENDING, BlockState
 from cpd.protocol.wire import SERVED_TIERS
-from services.kvindex.records import Block, LocKey, NodeInfo, Tier
+from services.kvindex.records import Block, Location, LocKey, NodeInfo, Tier
 
 
 def lookup_prefixes(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo], ns: str,
@@ -105,26 +105,41 @@ def _prefix(table: dict[bytes, Block], hashes: bytes, n: int,
 def recorded_checksums(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo],
                        node: str, hashes: bytes, now: float) -> bytes:
     """The checksums ``node`` sealed for the leading blocks of ``hashes`` it holds VISIBLE
-    in DRAM in its live epoch (packed; none while its lease is out)."""
+    in a tier its data plane serves (DRAM, or its disk tier) in its live epoch: what a
+    puller verifies the bytes it pulled from ``node`` against (packed; none while its
+    lease is out)."""
     info = nodes.get(node)
     n = len(hashes) // 16
-    first = table.get(hashes[:16]) if table is not None and n else None
-    key = LocKey(node, Tier.DRAM)
-    loc = first.locs.get(key) if first is not None else None
-    if (info is None or not info.alive(now) or loc is None or loc.epoch != info.live_epoch
-            or loc.state is not BlockState.VISIBLE):
+    if table is None or info is None or not n or not info.alive(now):
         return b""
-    assert table is not None
-    return _checksums(table, hashes, key, _prefix(table, hashes, n,
-                                                  lambda b: _visible_at(b, key)))
+    keys = tuple(LocKey(node, t) for t in (Tier.DRAM, Tier.DISK))
+    epoch = info.live_epoch
+
+    def served(block: Block) -> Location | None:
+        for key in keys:
+            loc = block.locs.get(key)
+            if loc is not None and loc.state is BlockState.VISIBLE and loc.epoch == epoch:
+                return loc
+        return None
+
+    first = table.get(hashes[:16])
+    if first is None or served(first) is None:
+        return b""
+    k = _prefix(table, hashes, n, lambda b: served(b) is not None)
+    # Within the prefix every block is served (prefix-closed); were one not, the answer
+    # stops short and the puller recomputes from there.
+    locs = [served(table[hashes[i:i + 16]]) for i in range(0, k * 16, 16)]
+    ends = [i for i, loc in enumerate(locs) if loc is None]
+    return wire.pack_checksums(loc.checksum or 0 for loc in locs[:ends[0] if ends else k]
+                               if loc is not None)
 
 
 def _add_checksums(table: dict[bytes, Block], hashes: bytes,
                    matches: list[wire.TierMatch]) -> None:
-    """Fill in each of ``matches``' sealed checksums. The blocks are found once for all
-    of them: a prompt is often held by several nodes (the pre-prefill node that computed
-    it, the prefill nodes that loaded it), and finding a block costs more than reading
-    its checksum."""
+    """Fill in each of ``matches``' sealed checksums (a lookup that asks for them: a
+    router of an earlier release). The blocks are found once for all of them: a prompt
+    is often held by several nodes, and finding a block costs more than reading its
+    checksum."""
     if not matches:
         return
     n = max(m.num_blocks for m in matches)
@@ -133,12 +148,6 @@ def _add_checksums(table: dict[bytes, Block], hashes: bytes,
         key = LocKey(m.node, m.tier)
         m.checksums = wire.pack_checksums([loc[key].checksum or 0
                                            for loc in locs[:m.num_blocks]])
-
-
-def _checksums(table: dict[bytes, Block], hashes: bytes, key: LocKey, n: int) -> bytes:
-    """The sealed checksums at ``key`` of the first ``n`` blocks (all VISIBLE there)."""
-    return wire.pack_checksums(table[hashes[i * 16:(i + 1) * 16]].locs[key].checksum or 0
-                               for i in range(n))
 
 
 def _visible_at(block: Block, key: LocKey) -> bool:

@@ -84,7 +84,7 @@ class SourceBreaker:
             return hits
         return dataclasses.replace(
             hits, dram=_without(hits.dram, shut), disk=_without(hits.disk, shut),
-            caps=_without(hits.caps, shut), checksums=_without(hits.checksums, shut))
+            caps=_without(hits.caps, shut))
 
     def _failed(self, peer: str) -> None:
         p = self._peers.setdefault(peer, _Peer())

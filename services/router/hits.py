@@ -20,10 +20,6 @@ class Hits:
     # node → its read capability of the request's namespace (DRAM and disk locations):
     # copied into the LoadSource, without it the node's data plane refuses the pull.
     caps: Mapping[str, bytes] = field(default_factory=dict)
-    # node → its served blocks' sealed checksums as kvindex recorded them (packed, from
-    # its longest served location): copied into the LoadSource, the puller verifies
-    # against them, not the serving peer.
-    checksums: Mapping[str, bytes] = field(default_factory=dict)
     # node → blocks visible on its disk tier (read into its arena before they are served).
     disk: Mapping[str, int] = field(default_factory=dict)
 
@@ -35,12 +31,10 @@ class Hits:
         gpu = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.GPU}
         dram = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DRAM}
         disk = {m.node: m.num_blocks for m in reply.matches if m.tier is wire.Tier.DISK}
-        served = sorted((m for m in reply.matches if m.tier in wire.SERVED_TIERS),
-                        key=lambda m: m.num_blocks)
-        caps = {m.node: m.capability for m in served if m.capability}
-        sums = {m.node: m.checksums for m in served if m.checksums}  # the longest last
+        caps = {m.node: m.capability for m in reply.matches
+                if m.tier in wire.SERVED_TIERS and m.capability}
         return cls(gpu=gpu, dram=dram, pending={p.node: p.num_blocks for p in reply.pending},
-                   caps=caps, checksums=sums, disk=disk)
+                   caps=caps, disk=disk)
 
     @functools.cached_property
     def served(self) -> Mapping[str, int]:
@@ -59,12 +53,8 @@ class Hits:
 
     def source(self, node: str, first_block: int, num_blocks: int) -> wire.LoadSource:
         """Load ``num_blocks`` of ``node``'s served blocks from ``first_block``, with its
-        capability and those blocks' recorded checksums."""
-        sums = self.checksums.get(node, b"")
-        at, end = (first_block * wire.CHECKSUM_BYTES,
-                   (first_block + num_blocks) * wire.CHECKSUM_BYTES)
+        capability (the puller asks kvindex for what the blocks must checksum to)."""
         tier = wire.Tier.DISK if self.from_disk(node, first_block, first_block + num_blocks) \
             else wire.Tier.DRAM
         return wire.LoadSource(node=node, tier=tier, first_block=first_block,
-                               num_blocks=num_blocks, capability=self.caps.get(node, b""),
-                               checksums=sums[at:end] if len(sums) >= end else b"")
+                               num_blocks=num_blocks, capability=self.caps.get(node, b""))

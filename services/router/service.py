@@ -247,7 +247,7 @@ class RouterService(Service):
             reply = await self.bus.request(
                 subjects.KVINDEX_LOOKUP,
                 wire.LookupRequest(request_id=request_id, namespace=ns.id,
-                                   block_hashes=hashes, checksums=True),
+                                   block_hashes=hashes),
                 expect=wire.LookupReply, timeout=self.cfg.lookup_timeout_ms / 1000)
         except CpdError as e:
             if self.kvindex.missed(e.code):

@@ -145,7 +145,7 @@ class WorkerCore:
                 with contextlib.suppress(Exception):
                     await part.close()
             raise
-        loader = PrefixLoader(role, kv, client, peers, audit=audit, log=log)
+        loader = PrefixLoader(role, kv, client, peers, bus=bus, audit=audit, log=log)
         return cls(settings=settings, node_id=node, bus=bus, log=log, spawn=spawn,
                    reject=reject, parts=parts, kv=kv, server=server, client=client,
                    loader=loader, load=load, keyring=keyring,

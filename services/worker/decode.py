@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 
 import numpy as np
@@ -29,12 +28,6 @@ from services.worker.requests import (
     continuation,
     ended_on_stop,
 )
-
-# A hand-off's puller waits this long for kvindex to record what the prefill node sealed
-# (its events are acked before the hand-off; kvindex applies them within milliseconds),
-# asking again this often.
-_RECORD_WAIT_S = 0.5
-_RECORD_POLL_S = 0.005
 
 
 class DecodeHandler:
@@ -145,31 +138,11 @@ class DecodeHandler:
             core.loader.planned("handoff")
             _, failure = await core.loader.pull(
                 "handoff", req.source_node, hashes, namespace=req.namespace,
-                capability=req.capability,
-                expected=functools.partial(self._recorded, req, hashes))
+                capability=req.capability, request_id=req.request_id)
             ok = failure is None
         with contextlib.suppress(CpdError):
             await core.bus.publish(subjects.pull_ack(req.source_node), wire.PullAck(
                 request_id=req.request_id, lease_id=req.lease_id, ok=ok))
-
-    async def _recorded(self, req: wire.DecodeRequest, hashes: list[bytes]
-                        ) -> dict[bytes, int]:
-        """What the hand-off's prefill node sealed for ``hashes``, as kvindex recorded it,
-        waiting up to :data:`_RECORD_WAIT_S` for seal events still on their way; a block
-        not recorded by then gets -1, which no bytes match (it is recomputed)."""
-        ask = wire.ChecksumsRequest(request_id=req.request_id, namespace=req.namespace,
-                                    node=req.source_node, block_hashes=b"".join(hashes))
-        end = time.monotonic() + _RECORD_WAIT_S
-        got: list[int] = []
-        while True:
-            with contextlib.suppress(CpdError, ValueError):
-                reply = await self.core.bus.request(
-                    subjects.KVINDEX_CHECKSUMS, ask, expect=wire.ChecksumsReply,
-                    timeout=max(0.01, end - time.monotonic()))
-                got = wire.unpack_checksums(reply.checksums)
-            if len(got) >= len(hashes) or time.monotonic() >= end:
-                return {h: got[i] if i < len(got) else -1 for i, h in enumerate(hashes)}
-            await asyncio.sleep(_RECORD_POLL_S)
 
     async def _generate_all(self, out: ReplyStream, runs: list[EngineRequest]
                             ) -> list[tuple[EngineStep, int]]:

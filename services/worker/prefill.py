@@ -102,9 +102,6 @@ class PrefillHandler:
         hashes = wire.split_hashes(req.block_hashes)
         if len(hashes) != len(tokens) // core.block_size:
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(tokens)} tokens")
-        if any(s.checksums and len(s.checksums) != wire.CHECKSUM_BYTES * s.num_blocks
-               for s in req.sources):
-            raise InvalidRequest("a load source's checksums do not cover its blocks")
         # New tokens as the router planned them (cached ones cost next to nothing): the
         # router prices the held prefill as it priced the request.
         pending = req.planned_new_tokens or len(tokens)
@@ -213,8 +210,7 @@ class PrefillHandler:
                 continue
             got, failure = await loader.pull(
                 "prefix", src.node, want, namespace=req.namespace, capability=src.capability,
-                expected=dict(zip(want, wire.unpack_checksums(src.checksums), strict=True))
-                if src.checksums else None)
+                request_id=req.request_id)
             remote += got
             if failure is not None:  # recompute from here
                 break

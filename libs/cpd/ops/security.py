@@ -117,6 +117,7 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             # Its own last event: its last epoch (a restart always starts past it).
             s.js_direct_last(s.KV_STREAM, s.for_node(s.kv_events, node=n)),
             *_inboxes("router"),                  # token streams go to the router
+            s.KVINDEX_CHECKSUMS,                  # what a pulled block's writer sealed
         )
         subscribe = (
             *own(role),
@@ -131,8 +132,7 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             publish += (s.for_node(s.run, Role.DECODE),)        # hand-off to any decode node
             subscribe += (s.for_node(s.pull_ack, node=n),)   # decode's "pull done"
         else:
-            publish += (s.for_node(s.pull_ack),              # to the pinning node
-                        s.KVINDEX_CHECKSUMS)                 # what the hand-off's writer sealed
+            publish += (s.for_node(s.pull_ack),)             # to the pinning node
         return Grants(publish, subscribe, responses=True)
 
     return {

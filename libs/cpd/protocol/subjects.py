@@ -23,7 +23,7 @@ GENERATE_SUPERSEDE: Final = f"{PREFIX}.generate.supersede"
 """Every router (no queue group), from gateways only: a client resumed a request whose
 earlier streams nobody reads any more (``SupersedeGenerate``)."""
 KVINDEX_LOOKUP: Final = f"{PREFIX}.kvindex.lookup"
-KVINDEX_CHECKSUMS: Final = f"{PREFIX}.kvindex.checksums"  # a hand-off puller's check
+KVINDEX_CHECKSUMS: Final = f"{PREFIX}.kvindex.checksums"  # a puller's check
 ROUTER_STATUS: Final = f"{PREFIX}.router.status"
 KV_EVENTS_ALL: Final = f"{PREFIX}.kv.events.>"
 KV_VISIBLE: Final = f"{PREFIX}.kv.visible"

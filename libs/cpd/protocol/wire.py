@@ -475,16 +475,18 @@ class LookupRequest(Message, tag="lookup", kw_only=True):
     namespace: str
     block_hashes: bytes  # n * HASH_BYTES
     include_pending: bool = True
-    # With each DRAM match's sealed checksums (``TierMatch.checksums``): what a puller
-    # verifies the bytes it pulls against, never the serving peer's own word.
+    # With each DRAM and disk match's sealed checksums (``TierMatch.checksums``). The
+    # router does not ask: a puller asks kvindex itself (``ChecksumsRequest``) while the
+    # bytes travel, and a lookup stays cheap. Kept for routers that still ask.
     checksums: bool = False
 
 
 class ChecksumsRequest(Message, tag="checksums", kw_only=True):
-    """A decode node → kvindex (``cpd.v1.kvindex.checksums``): the checksums ``node``
-    sealed for the leading ``block_hashes`` it holds VISIBLE in DRAM. A hand-off's puller
-    checks the bytes it pulled against them. Only checksums: no capability, and only the
-    node asked about."""
+    """A puller → kvindex (``cpd.v1.kvindex.checksums``): the checksums ``node`` sealed
+    for the leading ``block_hashes`` it holds VISIBLE in a tier its data plane serves
+    (DRAM, or its disk tier). A prefill node loading a prefix from ``node``, or a decode
+    node pulling a hand-off, checks the bytes it pulled against them, never against the
+    peer's own word. Only checksums: no capability, and only the node asked about."""
 
     request_id: str = ""
     namespace: str
@@ -510,7 +512,7 @@ class TierMatch(msgspec.Struct, array_like=True):
     # empty for tiers the data plane does not serve (GPU).
     capability: bytes = b""
     # The matched blocks' checksums as their writer sealed them at this location, packed
-    # (``pack_checksums``), when the lookup asked (DRAM only).
+    # (``pack_checksums``), when the lookup asked (DRAM and disk matches).
     checksums: bytes = b""
 
 
@@ -744,8 +746,8 @@ class LoadSource(msgspec.Struct, kw_only=True):
     first_block: NonNegInt
     num_blocks: NonNegInt
     capability: bytes = b""  # from kvindex's TierMatch; presented in BlockGet
-    # The run's checksums as kvindex recorded them from the writer's seals (packed,
-    # ``pack_checksums``): the pulled bytes must match these, whatever the peer says.
+    # Not read: the puller asks kvindex for the run's recorded checksums itself
+    # (``ChecksumsRequest``). Kept, as every field is within a schema major.
     checksums: bytes = b""
 
 
