@@ -10,6 +10,7 @@ alive and it belongs to the node's live epoch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import takewhile
 
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import PENDING, BlockState
@@ -125,12 +126,10 @@ def recorded_checksums(table: dict[bytes, Block] | None, nodes: dict[str, NodeIn
     first = table.get(hashes[:16])
     if first is None or served(first) is None:
         return b""
+    # Each tier's visible blocks are a prefix of the chain, so their union is one too.
     k = _prefix(table, hashes, n, lambda b: served(b) is not None)
-    # Within the prefix every block is served (prefix-closed); were one not, the answer
-    # stops short and the puller recomputes from there.
-    locs = [served(table[hashes[i:i + 16]]) for i in range(0, k * 16, 16)]
-    ends = [i for i, loc in enumerate(locs) if loc is None]
-    return wire.pack_checksums(loc.checksum or 0 for loc in locs[:ends[0] if ends else k]
+    locs = (served(table[hashes[i:i + 16]]) for i in range(0, k * 16, 16))
+    return wire.pack_checksums(loc.checksum or 0 for loc in takewhile(_is_loc, locs)
                                if loc is not None)
 
 
@@ -148,6 +147,10 @@ def _add_checksums(table: dict[bytes, Block], hashes: bytes,
         key = LocKey(m.node, m.tier)
         m.checksums = wire.pack_checksums([loc[key].checksum or 0
                                            for loc in locs[:m.num_blocks]])
+
+
+def _is_loc(loc: Location | None) -> bool:
+    return loc is not None
 
 
 def _visible_at(block: Block, key: LocKey) -> bool:
