@@ -26,7 +26,7 @@ FLAGS: dict[str, set[str]] = {
     "transfer": {"--quick", "--peer-prefix", "--nats-host"},
     "model": {"--preset", "--tokens"},
     "ttft": {"--quick"},
-    "client": {"--quick", "--contexts"},
+    "client": {"--quick", "--contexts", "--iterations"},
     "serve": {"--quick"},
     "workingset": {"--quick", "--configs", "--ratios", "--engine-blocks", "--session-tokens",
                    "--concurrency"},
@@ -54,8 +54,9 @@ PARSES: list[tuple[str, dict[str, object]]] = [
     ("model", {"preset": None, "tokens": None}),
     ("model --preset small --tokens 4096", {"preset": "small", "tokens": 4096}),
     ("ttft --quick --json t.json", {"quick": True, "json": "t.json"}),
-    ("client --quick", {"quick": True, "contexts": None}),
-    ("client --quick --contexts 1024 4096", {"quick": True, "contexts": [1024, 4096]}),
+    ("client --quick", {"quick": True, "contexts": None, "iterations": None}),
+    ("client --quick --contexts 1024 4096 --iterations 10",
+     {"quick": True, "contexts": [1024, 4096], "iterations": 10}),
     ("serve --quick --json s.json", {"quick": True, "json": "s.json"}),
     ("router --quick --blocks 20000", {"quick": True, "blocks": 20000}),
     ("workingset", {"quick": False, "configs": None, "ratios": None, "engine_blocks": None,
@@ -131,6 +132,12 @@ def test_documented_command_lines_parse(line: str, expected: dict[str, object]) 
     args = _parse(line)
     assert args.func.__name__ == "cmd_bench" and args.what == line.split()[0]
     assert {k: getattr(args, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_client_iterations_below_one_are_refused(value: str) -> None:
+    with pytest.raises(SystemExit):
+        _parse(f"client --iterations {value}")
 
 
 def _foreign() -> list[tuple[str, tuple[str, ...]]]:

@@ -406,7 +406,7 @@ def context_sizes(quick: bool, max_model_len: int,
 
 
 async def _measure(settings: Settings, tmp: Path, quick: bool,
-                   contexts: Sequence[int] | None) -> dict[str, Any]:
+                   contexts: Sequence[int] | None, iterations: int | None) -> dict[str, Any]:
     from cpd.engines.profile import engine_profile
 
     # The local model on the real engine, whatever the settings otherwise name.
@@ -418,7 +418,7 @@ async def _measure(settings: Settings, tmp: Path, quick: bool,
     if not sizes:
         raise CpdError(f"no context of {list(contexts or ())} fits the "
                        f"{PRESETS[PRESET].max_position_embeddings}-token window")
-    iterations = ITERATIONS_QUICK if quick else ITERATIONS_FULL
+    iterations = iterations or (ITERATIONS_QUICK if quick else ITERATIONS_FULL)
     prompts = CorpusPrompts(folder, random.Random(SEED))
     # Every server gets the very same requests: the plan is drawn once.
     plan = make_plan(prompts, sizes, iterations)
@@ -446,16 +446,24 @@ async def _measure(settings: Settings, tmp: Path, quick: bool,
 
 
 def run(settings: Settings | None = None, quick: bool = False,
-        contexts: Sequence[int] | None = None) -> dict[str, Any]:
+        contexts: Sequence[int] | None = None, iterations: int | None = None
+        ) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able result."""
     settings = settings or load_settings()
     result = run_in_tmp("cpd-bench-client-",
-                        lambda tmp: _measure(settings, tmp, quick, contexts))
+                        lambda tmp: _measure(settings, tmp, quick, contexts, iterations))
     if result["requests_failed"]:
         print(f"cpd bench client: {result['requests_failed']} requests failed:\n  "
               + "\n  ".join(f"{f['server']} {f['api']} {f['context_tokens']} {f['case']}: "
                             f"{f['error']}" for f in result["failures"]), file=sys.stderr)
     return result
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not at least 1")
+    return n
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -466,8 +474,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context sizes to measure instead of the run's own "
                              f"(full: {', '.join(map(str, CONTEXTS_FULL))}; "
                              f"quick: {', '.join(map(str, CONTEXTS_QUICK))})")
+    parser.add_argument("--iterations", type=_at_least_one, metavar="N",
+                        help="fresh contexts per size and API, each asked three ways "
+                             f"(full: {ITERATIONS_FULL}; quick: {ITERATIONS_QUICK}): more "
+                             "samples per cell, to compare gaps of a few milliseconds")
 
 
 def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
     """Run from ``cpd bench client``'s flags."""
-    return run(settings(), quick=args.quick, contexts=args.contexts)
+    return run(settings(), quick=args.quick, contexts=args.contexts,
+               iterations=args.iterations)
