@@ -10,12 +10,11 @@ alive and it belongs to the node's live epoch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import takewhile
 
 from cpd.protocol import wire
 from cpd.protocol.lifecycle import PENDING, BlockState
 from cpd.protocol.wire import SERVED_TIERS
-from services.kvindex.records import Block, Location, LocKey, NodeInfo, Tier
+from services.kvindex.records import Block, LocKey, NodeInfo, Tier
 
 
 def lookup_prefixes(table: dict[bytes, Block] | None, nodes: dict[str, NodeInfo], ns: str,
@@ -114,23 +113,26 @@ def recorded_checksums(table: dict[bytes, Block] | None, nodes: dict[str, NodeIn
     if table is None or info is None or not n or not info.alive(now):
         return b""
     keys = tuple(LocKey(node, t) for t in (Tier.DRAM, Tier.DISK))
-    epoch = info.live_epoch
+    sums: list[int] = []
+    for i in range(0, n * 16, 16):  # the leading run it serves, block by block
+        checksum = _served_checksum(table.get(hashes[i:i + 16]), keys, info.live_epoch)
+        if checksum is None:
+            break
+        sums.append(checksum)
+    return wire.pack_checksums(sums)
 
-    def served(block: Block) -> Location | None:
-        for key in keys:
-            loc = block.locs.get(key)
-            if loc is not None and loc.state is BlockState.VISIBLE and loc.epoch == epoch:
-                return loc
+
+def _served_checksum(block: Block | None, keys: tuple[LocKey, ...], epoch: int
+                     ) -> int | None:
+    """The sealed checksum of ``block`` at the first of ``keys`` where it is VISIBLE in
+    ``epoch``; None where it is at none."""
+    if block is None:
         return None
-
-    first = table.get(hashes[:16])
-    if first is None or served(first) is None:
-        return b""
-    # Each tier's visible blocks are a prefix of the chain, so their union is one too.
-    k = _prefix(table, hashes, n, lambda b: served(b) is not None)
-    locs = (served(table[hashes[i:i + 16]]) for i in range(0, k * 16, 16))
-    return wire.pack_checksums(loc.checksum or 0 for loc in takewhile(_is_loc, locs)
-                               if loc is not None)
+    for key in keys:
+        loc = block.locs.get(key)
+        if loc is not None and loc.state is BlockState.VISIBLE and loc.epoch == epoch:
+            return loc.checksum or 0
+    return None
 
 
 def _add_checksums(table: dict[bytes, Block], hashes: bytes,
@@ -147,10 +149,6 @@ def _add_checksums(table: dict[bytes, Block], hashes: bytes,
         key = LocKey(m.node, m.tier)
         m.checksums = wire.pack_checksums([loc[key].checksum or 0
                                            for loc in locs[:m.num_blocks]])
-
-
-def _is_loc(loc: Location | None) -> bool:
-    return loc is not None
 
 
 def _visible_at(block: Block, key: LocKey) -> bool:
