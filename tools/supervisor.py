@@ -1,12 +1,13 @@
 """``cpd up``: the whole system on one machine as supervised processes.
 
-Embedded NATS (JetStream) first, then every service that this build ships a
-``services/<name>/__main__.py`` for, each with its own node id, log file and restart on
-crash: a :class:`tools.cluster.Cluster` with ``cpd up``'s settings (the caller's
-environment, persistent NATS store and logs, kvindex first, then everything else at
-once). Readiness is each role's probe (:mod:`tools.cluster.ready`) of that very process.
-Ctrl-C (or SIGTERM) stops services first, then NATS. This module is the front end:
-progress lines, banner, scrape targets.
+Embedded NATS (JetStream) first, then the workers and one front end (the gateway, the
+router and a kvindex replica in one process), or the services ``--only`` names, each
+with its own node id, log file and restart on crash: a :class:`tools.cluster.Cluster`
+with ``cpd up``'s settings (the caller's environment, persistent NATS store and logs,
+kvindex first, then everything else at once). Readiness is each role's probe
+(:mod:`tools.cluster.ready`) of that very process. Ctrl-C (or SIGTERM) stops services
+first, then NATS. This module is what the terminal shows: progress lines, banner, scrape
+targets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cpd.ops.config import Settings
 from tools.cluster import (
     METRICS_PORT_ENV,
     SERVICE_ORDER,
+    UP_DEFAULT,
     Cluster,
     ClusterSpec,
     NatsSpec,
@@ -77,7 +79,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     # to a file: the terminal shows progress lines and the banner only.
     telemetry.setup("cluster", msgspec.structs.replace(settings.telemetry, prometheus_port=0),
                     log_file=logs / CLUSTER_LOG)
-    nodes = plan_nodes([x for x in available_services() if not only or x in only], counts)
+    nodes = plan_nodes([x for x in available_services() if x in (only or UP_DEFAULT)], counts)
     secrets = None
     if secure:
         from cpd.ops import security
@@ -100,8 +102,9 @@ def _spec(settings: Settings, nodes: dict[str, str], logs: Path, secrets: Any, *
           config_file: str | None) -> ClusterSpec:
     """``cpd up``'s cluster: the caller's settings as they are (no harness defaults),
     consecutive scrape ports from ``telemetry.prometheus_port`` on, each service with its
-    own identity on secured NATS, and kvindex first (it replays the stream), then every
-    other service at once (engines take the longest and do not depend on each other)."""
+    own identity on secured NATS, and kvindex (alone or in the front end) first (it
+    creates and replays the stream), then every other service at once (engines take the
+    longest and do not depend on each other)."""
     first = settings.telemetry.prometheus_port
     admin = {}
     if secrets is not None:
@@ -112,7 +115,7 @@ def _spec(settings: Settings, nodes: dict[str, str], logs: Path, secrets: Any, *
         nodes=tuple(NodeSpec(node, service,  # type: ignore[arg-type]
                              env=secrets.env(node) if secrets is not None else {},
                              metrics_port=first + i if first else None,
-                             start_stage=0 if service == "kvindex" else 1)
+                             start_stage=0 if _hosts_kvindex(service, settings) else 1)
                     for i, (node, service) in enumerate(nodes.items())),
         nats=NatsSpec(port=settings.nats.embedded_port if port is None else port,
                       store_dir=Path(settings.nats.embedded_store_dir),
@@ -120,6 +123,12 @@ def _spec(settings: Settings, nodes: dict[str, str], logs: Path, secrets: Any, *
         overrides=tuple(overrides), config_file=config_file, workdir=logs,
         inherit_cpd_env=True, harness_defaults=False, client_env=admin, label=_LABEL,
         ready_timeout_s=ready_timeout, stop_timeout_s=settings.nats.drain_timeout_s)
+
+
+def _hosts_kvindex(service: str, settings: Settings) -> bool:
+    """Whether ``service`` runs the index, which starts first: secured workers may only
+    read the event stream kvindex creates, not create it."""
+    return service == "kvindex" or (service == "frontend" and settings.frontend.kvindex)
 
 
 async def _up(cluster: Cluster, settings: Settings, secrets: Any) -> None:
@@ -202,14 +211,14 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
                   *(f"    export {k}={v}" for k, v in env.items())]
         client_env = "(after the exports above)"
     tries = []
-    if "gateway" in running:
+    if running & {"gateway", "frontend"}:
         g = settings.gateway
         base = f"http://{g.host}:{g.port}/v1"
         model = g.served_model_name or f"cpd-{settings.model.preset}"
         lines.append(f'  OpenAI API:       {base}  (model "{model}")')
         tries += [f"  curl {base}/completions -H 'Content-Type: application/json' \\",
                   f"""    -d '{{"model": "{model}", "prompt": "def fib(n):", "max_tokens": 16}}'"""]
-    if "router" in running:
+    if running & {"router", "frontend"}:
         tries += [f'  {client_env} cpd generate "def fib(n):" --max-tokens 16',
                   f"  {client_env} cpd status"]
     if settings.telemetry.prometheus_port:

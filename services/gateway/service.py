@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from cpd.bus import Service, run_service
+from cpd.bus import LocalHub, Service, run_service
 from cpd.client import Client
 from cpd.engines.profile import served_model
 from cpd.engines.servedmodel import ServedModel
@@ -42,9 +42,9 @@ class GatewayService(Service):
     name = "gateway"
 
     def __init__(self, settings: Settings, *, nats_url: str | None = None,
-                 model: ServedModel | None = None) -> None:
+                 model: ServedModel | None = None, hub: LocalHub | None = None) -> None:
         """``model``: the served model when the caller has it loaded already."""
-        super().__init__(settings, nats_url=nats_url)
+        super().__init__(settings, nats_url=nats_url, hub=hub)
         self.model = model
         self.url = ""
         self._server: _Server | None = None

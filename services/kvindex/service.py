@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cpd.bus import Request, Service, run_service
+from cpd.bus import LocalHub, Request, Service, run_service
 from cpd.kvstore import events as kvevents
 from cpd.ops import metrics, telemetry
 from cpd.ops.config import Settings
@@ -48,8 +48,9 @@ class KvIndexService(Service):
 
     name = "kvindex"
 
-    def __init__(self, settings: Settings, *, nats_url: str | None = None) -> None:
-        super().__init__(settings, nats_url=nats_url)
+    def __init__(self, settings: Settings, *, nats_url: str | None = None,
+                 hub: LocalHub | None = None) -> None:
+        super().__init__(settings, nats_url=nats_url, hub=hub)
         self.cfg = settings.kvindex
         self.index = Index()
         self.applied_seq = 0

@@ -35,6 +35,7 @@ import numpy as np
 from nats.aio.msg import Msg
 
 from cpd.bus import BAD_INPUT, KeepAlives, ReplyStream, Request, Service, StreamReader, run_service
+from cpd.bus.local import LocalHub
 from cpd.engines.profile import engine_profile
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
@@ -74,8 +75,8 @@ class RouterService(Service):
     name = "router"
 
     def __init__(self, settings: Settings, *, nats_url: str | None = None,
-                 model: ServedModel | None = None) -> None:
-        super().__init__(settings, nats_url=nats_url)
+                 model: ServedModel | None = None, hub: LocalHub | None = None) -> None:
+        super().__init__(settings, nats_url=nats_url, hub=hub)
         self.cfg = settings.router
         self.admission = Admission(settings.admission.max_inflight,
                                    settings.admission.max_queue)
@@ -91,8 +92,7 @@ class RouterService(Service):
             reader_check_s=self.cfg.reader_check_interval_s,
             reader_misses=self.cfg.reader_check_misses,
             reader_gone=lambda out: self.cancels.reader_gone(out.request_id, out.reply_to))
-        # Multi-turn prompts resend their previous turn: its block hashes are reused,
-        # not recomputed (exact; per process, so replicas each keep their own).
+        # A multi-turn prompt's previous turn is hashed once (per replica, exact).
         self.hash_memo = BlockHasher(self.cfg.hash_memo_bytes)
         self.cancels = Cancels()  # requests their clients may cancel
 

@@ -5,7 +5,8 @@ With identities (``nats.inbox_prefix`` set: ``cpd up --secure`` or a deployment'
 credentials) every identity may read replies only under its own inbox prefix
 (:func:`cpd.protocol.subjects.inbox_prefix`, :mod:`cpd.ops.security`), so a request's
 reply inbox names the kind of identity that will read its answer. The gateway (which
-authenticates its HTTP callers and sets their tenant) and an admin may run requests
+authenticates its HTTP callers and sets their tenant; in a process of its own or in a
+front end) and an admin may run requests
 under any tenant; every other requester is pinned to the default tenant, and a request
 of theirs naming another one is refused (:class:`ForgedTenant`, counted as bad input),
 so no bus client can read — or fill — another tenant's cache through a reply it can
@@ -19,7 +20,7 @@ from cpd.ops.security import ADMIN
 from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError, ErrorCode
 
-SETS_TENANTS = frozenset({"gateway", ADMIN})
+SETS_TENANTS = frozenset({"gateway", "frontend", ADMIN})
 """Identity kinds that may run a request under any tenant."""
 
 

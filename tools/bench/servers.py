@@ -100,7 +100,8 @@ class Server(abc.ABC):
 
 
 class CpdUpServer(Server):
-    """``cpd up``: NATS, kvindex, pre-prefill, prefill, decode, router, gateway; ``env``
+    """``cpd up``: NATS, a front end (gateway, router, kvindex), pre-prefill, prefill,
+    decode; ``env``
     (settings as ``CPD_…`` variables) and ``args`` (``cpd up``'s flags) vary it, under
     another ``name``."""
 

@@ -10,6 +10,7 @@ them together.
 from tools.cluster.cluster import Cluster
 from tools.cluster.procs import (
     SERVICE_ORDER,
+    UP_DEFAULT,
     Proc,
     engine_placements,
     env_overrides,
@@ -42,7 +43,8 @@ from tools.cluster.spec import (
     nodes_of,
 )
 
-__all__ = ["METRICS_PORT_ENV", "PROGRESS_EVERY_S", "SERVICE_ORDER", "Cluster", "ClusterSpec",
+__all__ = ["METRICS_PORT_ENV", "PROGRESS_EVERY_S", "SERVICE_ORDER",
+           "UP_DEFAULT", "Cluster", "ClusterSpec",
            "Engine", "NatsSpec", "NodeSpec", "Proc", "Role", "engine_placements",
            "env_overrides", "heartbeat_since", "kill_tree", "kvindex_serving",
            "last_log_line", "log_tail", "nodes_of", "override_env", "plan_nodes",

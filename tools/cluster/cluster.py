@@ -131,6 +131,10 @@ class Cluster(ClusterState):
             groups = [[n] for n in nodes] if self.spec.serial_start and stage == 1 else [nodes]
             for group in groups:
                 await self._launch([n.node_id for n in group])
+        if any(n.service in ("router", "frontend") and n.stage == 0 for n in self.spec.nodes):
+            # A front end started first (it holds the index the workers publish to)
+            # has seen the workers only once they started.
+            await self._router_sees_workers(self.spec.ready_timeout_s)
 
     async def stop(self) -> None:
         """Stop everything (supervisor, client, nodes in reverse stages, NATS) and remove
@@ -229,16 +233,21 @@ class Cluster(ClusterState):
         await wait_ready(self.url, p.service, p.node_id, deadline - time.monotonic(),
                          self.settings().nats)
         left = max(deadline - time.monotonic(), 1.0)
-        if p.service == "kvindex":
+        frontend = p.service == "frontend"
+        if p.service == "kvindex" or (frontend and self.settings(p.node_id).frontend.kvindex):
             await kvindex_serving((await self.connect()).bus, left)
-        elif p.service in WORKER_ROLES:
+        if p.service in WORKER_ROLES:
             await self._heartbeat(p.node_id, since_ms, left)
-        elif p.service == "router":
-            await router_sees(await self.connect(),
-                              [n for n in self.workers if n not in self._down], left)
+        elif p.service == "router" or frontend:
+            await self._router_sees_workers(left)
         pending.discard(p.node_id)
         log.info("service.ready", service=p.service, node=p.node_id)
         self._report(f"{p.node_id} ready ({time.monotonic() - t0:.0f} s)")
+
+    async def _router_sees_workers(self, timeout: float) -> None:
+        """Until the router's status lists every started worker not stopped on purpose."""
+        await router_sees(await self.connect(), [n for n in self.workers if n in self.procs
+                                                 and n not in self._down], timeout)
 
     async def _heartbeat(self, node: str, since_ms: int, timeout: float) -> None:
         bus = (await self.connect()).bus

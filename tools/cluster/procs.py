@@ -23,7 +23,9 @@ from cpd.protocol.errors import ConfigError
 from cpd.protocol.roles import WORKER_ROLES
 
 # Start order: the index before anything that publishes to it.
-SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gateway")
+SERVICE_ORDER = ("kvindex", "preprefill", "prefill", "decode", "router", "gateway", "frontend")
+UP_DEFAULT = ("preprefill", "prefill", "decode", "frontend")
+"""What ``cpd up`` starts unless told otherwise: the workers and one front end."""
 # A service exiting more often than this within CRASH_WINDOW_S is in a crash loop.
 CRASH_WINDOW_S = 60.0
 CRASH_LOOP_RESTARTS = 5
@@ -215,6 +217,7 @@ def log_tail(path: Path, chars: int = 3000, since: int = 0) -> str:
         return ""
 
 
-__all__ = ["SERVICE_ORDER", "Proc", "engine_placements", "env_overrides", "kill_tree",
+__all__ = ["SERVICE_ORDER", "UP_DEFAULT", "Proc", "engine_placements",
+           "env_overrides", "kill_tree",
            "last_log_line", "log_tail", "override_env", "plan_nodes", "restart_proc",
            "settings_env", "start_failure", "stop_tree"]

@@ -33,7 +33,10 @@ PROGRESS_EVERY_S = 10.0
 async def wait_ready(url: str | None, service: str, node_id: str, timeout: float,
                      nats_settings: NatsSettings | None = None) -> None:
     """Wait until ``node_id`` of ``service`` answers a NATS micro PING; connects as the
-    identity ``nats_settings`` names (secure set-ups), anonymously by default."""
+    identity ``nats_settings`` names (secure set-ups), anonymously by default. A front
+    end answers as its gateway, the last of its parts to start."""
+    if service == "frontend":
+        service = "gateway"
     nc = await connect(nats_settings or NatsSettings(), f"cpd-ready-{node_id}", url=url)
     try:
         deadline = time.monotonic() + timeout

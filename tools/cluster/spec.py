@@ -16,7 +16,7 @@ from cpd.protocol.errors import ConfigError
 from cpd.protocol.roles import WORKER_ROLES
 from tools.cluster.procs import SERVICE_ORDER, override_env, plan_nodes
 
-Role = Literal["kvindex", "preprefill", "prefill", "decode", "router", "gateway"]
+Role = Literal["kvindex", "preprefill", "prefill", "decode", "router", "gateway", "frontend"]
 Engine = Literal["sim", "vllm"]
 METRICS_PORT_ENV = f"{ENV_PREFIX}TELEMETRY__PROMETHEUS_PORT"
 TMP_DIR = "tmp"
@@ -50,13 +50,13 @@ class NodeSpec:
 
     @property
     def stage(self) -> int:
-        """When it starts: kvindex, then the workers, the router, the gateway (unless
-        ``start_stage`` says otherwise)."""
+        """When it starts: kvindex, then the workers, the router (or the front end, which
+        holds one), the gateway (unless ``start_stage`` says otherwise)."""
         if self.start_stage is not None:
             return self.start_stage
         if self.service in WORKER_ROLES:
             return 1
-        return {"kvindex": 0, "router": 2}.get(self.service, 3)
+        return {"kvindex": 0, "router": 2, "frontend": 2}.get(self.service, 3)
 
     def child_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """This node's environment: the cluster's ``base``, its node id, its own

@@ -75,9 +75,15 @@ class Endpoint:
         self._spawn = spawn
         self._sub: Subscription | None = None
 
-    async def _on_msg(self, msg: Msg) -> None:
-        """The subscription's callback: count the request as it arrives, then serve it
-        here (inline) or in a spawned task, which lets the next request in at once."""
+    @property
+    def serving(self) -> bool:
+        """Whether it takes requests (subscribed, not yet stopped)."""
+        return self._sub is not None
+
+    async def receive(self, msg: Msg) -> None:
+        """The subscription's callback (and :mod:`cpd.bus.local`'s delivery): count the
+        request as it arrives, then serve it here (inline) or in a spawned task, which
+        lets the next request in at once."""
         self.num_requests += 1
         serving = self._serve(msg, time.perf_counter_ns())
         if self._spawn is None:
@@ -159,7 +165,7 @@ class MicroService:
         endpoint = Endpoint(name, subject, queue_group, handler, spawn=spawn,
                             metadata=metadata)
         endpoint._sub = await self._nc.subscribe(subject, queue=queue_group,
-                                                 cb=endpoint._on_msg)
+                                                 cb=endpoint.receive)
         self.endpoints.append(endpoint)
         return endpoint
 

@@ -26,6 +26,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from cpd.bus.local import LocalHub, send
 from cpd.protocol import wire
 from cpd.protocol.errors import CpdError, ErrorCode, NoResponders, RequestTimeout
 
@@ -117,10 +118,12 @@ class ReplyMux:
     """Sends requests on one NATS connection and matches their replies by token.
 
     The subscription is made on the first request; nats-py re-subscribes it after a
-    reconnect, so requests keep working across one."""
+    reconnect, so requests keep working across one. With a ``hub``, requests to
+    endpoints of this process and replies from them skip NATS (:mod:`cpd.bus.local`)."""
 
-    def __init__(self, nc: NatsClient) -> None:
+    def __init__(self, nc: NatsClient, hub: LocalHub | None = None) -> None:
         self._nc = nc
+        self._hub = hub
         self._prefix = ""
         self._starting = asyncio.Lock()
         self._pending: dict[str, asyncio.Future[Msg]] = {}
@@ -144,13 +147,17 @@ class ReplyMux:
                 prefix = self._nc.new_inbox() + "."
                 await self._nc.subscribe(prefix + "*", cb=self._on_reply)
                 self._prefix = prefix
+                if self._hub is not None:
+                    self._hub.add_inboxes(prefix, self)
 
     @property
     def streams(self) -> int:
         """Stream inboxes open."""
         return len(self._streams)
 
-    async def _on_reply(self, msg: Msg) -> None:
+    def deliver(self, msg: Msg) -> bool:
+        """Hand ``msg`` to the request or the stream its subject names; ``False`` when
+        none of them is open here."""
         token = msg.subject[len(self._prefix):]
         fut = self._pending.pop(token, None)
         if fut is not None:
@@ -158,7 +165,12 @@ class ReplyMux:
                 fut.set_result(msg)
         elif (box := self._streams.get(token)) is not None:
             box.put(msg)
-        elif msg.reply:
+        else:
+            return False
+        return True
+
+    async def _on_reply(self, msg: Msg) -> None:
+        if not self.deliver(msg) and msg.reply:
             # A sender's reader check (a keep-alive sent as a request) on a stream this
             # connection closed: the subscription lives on for other streams, so NATS
             # cannot answer "no responders" for it; the answer says so instead.
@@ -192,8 +204,8 @@ class ReplyMux:
         self._pending[token] = fut
         timer = loop.call_later(timeout, _expire, fut, loop.time() + timeout)
         try:
-            await self._nc.publish(subject, payload, reply=self._prefix + token,
-                                   headers=headers or None)
+            await send(self._nc, self._hub, subject, payload, reply=self._prefix + token,
+                       headers=headers)
             msg = await fut
         except TimeoutError:
             raise RequestTimeout(f"no reply on {subject} within {timeout}s") from None

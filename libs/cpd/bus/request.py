@@ -11,6 +11,7 @@ from typing import TypeVar
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from cpd.bus.local import LocalHub, send
 from cpd.bus.replymux import ReplyMux, StreamInbox
 from cpd.ops import telemetry
 from cpd.ops.config import BusSettings, Settings
@@ -43,17 +44,22 @@ def encoded_size(payload: bytes, headers: dict[str, str] | None) -> int:
 
 
 class Bus:
-    """A NATS connection that speaks :mod:`cpd.protocol.wire`."""
+    """A NATS connection that speaks :mod:`cpd.protocol.wire`; with a ``hub``, what it
+    sends to another service of this process is delivered without NATS
+    (:mod:`cpd.bus.local`)."""
 
-    def __init__(self, nc: NatsClient, settings: BusSettings | None = None) -> None:
+    def __init__(self, nc: NatsClient, settings: BusSettings | None = None, *,
+                 hub: LocalHub | None = None) -> None:
         self.nc = nc
         self.settings = settings or BusSettings()
-        self._replies = ReplyMux(nc)
+        self.hub = hub
+        self._replies = ReplyMux(nc, hub)
 
     @classmethod
-    async def open(cls, settings: Settings, name: str, *, url: str | None = None) -> Bus:
+    async def open(cls, settings: Settings, name: str, *, url: str | None = None,
+                   hub: LocalHub | None = None) -> Bus:
         """Connect and wrap; ``url`` (one server) replaces ``settings.nats.servers``."""
-        return cls(await connect(settings.nats, name, url=url), settings.bus)
+        return cls(await connect(settings.nats, name, url=url), settings.bus, hub=hub)
 
     async def reply_prefix(self) -> str:
         """The subject prefix every reply to this connection's requests arrives on."""
@@ -89,7 +95,7 @@ class Bus:
         """Publish one message (size-checked; with trace context unless ``trace`` is off,
         as for a reply, whose receiver already holds the trace)."""
         payload, hdrs = self._prepare(msg, headers, trace)
-        await self.nc.publish(subject, payload, reply=reply, headers=hdrs or None)
+        await send(self.nc, self.hub, subject, payload, reply=reply, headers=hdrs)
 
     async def request(self, subject: str, msg: wire.Message, *, expect: type[T],
                       timeout: float | None = None) -> T:
@@ -137,7 +143,7 @@ class Bus:
         ended = False  # a final message or an error: the sender is done
         try:
             payload, hdrs = self._prepare(msg, None)
-            await self.nc.publish(subject, payload, reply=inbox, headers=hdrs)
+            await send(self.nc, self.hub, subject, payload, reply=inbox, headers=hdrs)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:

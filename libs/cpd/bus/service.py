@@ -9,7 +9,7 @@ import functools
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from nats.aio.msg import Msg
 from opentelemetry.trace import Status, StatusCode
@@ -30,6 +30,7 @@ from .connection import (
     permission_denials,
     wait_denied,
 )
+from .local import LocalHub
 from .micro import MicroService
 from .request import Bus
 from .stream import ReplyStream, error_message
@@ -76,10 +77,14 @@ class Service:
     name: str = "service"
     version: str = "0.1.0"
 
-    def __init__(self, settings: Settings, *, nats_url: str | None = None) -> None:
+    def __init__(self, settings: Settings, *, nats_url: str | None = None,
+                 hub: LocalHub | None = None) -> None:
+        """``hub``: the other services of this process, reached without NATS
+        (:mod:`cpd.bus.local`)."""
         self.settings = settings
         self.node_id = settings.node.node_id
         self.nats_url = nats_url
+        self.hub = hub
         self.bus: Bus
         self._micro: MicroService | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -106,10 +111,21 @@ class Service:
         """Release resources after endpoints stopped and in-flight work drained (override)."""
 
     async def start(self) -> None:
-        """Prepare, connect, register endpoints, and announce the service."""
+        """Prepare, connect, register endpoints, and announce the service. A start that
+        fails part-way releases what it took (engines, files, the connection)."""
+        try:
+            await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.on_stop()
+            if hasattr(self, "bus"):
+                await self.bus.close()
+            raise
+
+    async def _start(self) -> None:
         await self.prepare()
         self.bus = await Bus.open(self.settings, f"cpd-{self.name}-{self.node_id}",
-                                  url=self.nats_url)
+                                  url=self.nats_url, hub=self.hub)
         self._micro = MicroService(self.bus.nc, name=f"cpd-{self.name}",
                                    version=self.version, description=f"CPD {self.name}",
                                    metadata={"node": self.node_id})
@@ -166,21 +182,18 @@ class Service:
         """Ask :meth:`run` to stop (signal handlers call this)."""
         self._stopping.set()
 
+    async def stop_requested(self) -> None:
+        """Return once a stop is asked (:meth:`request_stop`, or the service's own
+        failure)."""
+        await self._stopping.wait()
+
     async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT (or :meth:`request_stop`), then stop."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
-        try:
-            await self.start()
-        except BaseException:
-            # A start that failed part-way may hold engines, files or a connection.
-            with contextlib.suppress(Exception):
-                await self.on_stop()
-            if hasattr(self, "bus"):
-                await self.bus.close()
-            raise
+        await self.start()
         try:
             await self._stopping.wait()
         finally:
@@ -208,9 +221,11 @@ class Service:
                                                              retryable=True))
             return await self._dispatch(name, msg, handler, expect)
 
-        await self._micro.add_endpoint(
+        endpoint = await self._micro.add_endpoint(
             name, subject, on_request, queue_group=queue or f"{self.name}-{self.node_id}",
             spawn=None if inline else functools.partial(self.spawn, background=False))
+        if self.hub is not None:
+            self.hub.add_endpoint(endpoint)
 
     async def _dispatch(self, name: str, msg: Msg, handler: Handler,
                         expect: type[wire.Message]) -> str | None:
@@ -327,7 +342,17 @@ EXIT_REFUSED = 78
 """Exit status of a service NATS refused (EX_CONFIG): ``cpd up`` does not restart it."""
 
 
-def run_service(service: Service) -> None:
+class Runnable(Protocol):
+    """What :func:`run_service` runs: a :class:`Service`, or several in one process."""
+
+    name: str
+    log: Any
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, then stop."""
+
+
+def run_service(service: Runnable) -> None:
     """Run ``service`` until SIGTERM/SIGINT on uvloop when available (a faster event
     loop; the stdlib one otherwise). A service NATS refuses (credentials, TLS,
     permissions) exits with :data:`EXIT_REFUSED` and one clear line, not a traceback."""

@@ -292,6 +292,15 @@ class GatewaySettings(_Section):
                 owner[digest] = name
 
 
+class FrontendSettings(_Section):
+    """The front-end process (``services.frontend``): the gateway and the router in one
+    process, which reach each other without NATS."""
+
+    # Host a kvindex replica there too: the router's lookups then stay in the process.
+    # Off where the index runs apart (its own replicas on other machines).
+    kvindex: bool = True
+
+
 class KvIndexSettings(_Section):
     """kvindex: durability and lease enforcement (docs/architecture.md, "Lifecycle and
     visibility")."""
@@ -631,6 +640,7 @@ class Settings(_Section):
     kvindex: KvIndexSettings = msgspec.field(default_factory=KvIndexSettings)
     router: RouterSettings = msgspec.field(default_factory=RouterSettings)
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
+    frontend: FrontendSettings = msgspec.field(default_factory=FrontendSettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     engine_preprefill: EngineOverrides = msgspec.field(  # type: ignore[valid-type]

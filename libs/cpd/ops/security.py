@@ -52,10 +52,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cpd.ops.config import NatsSettings
 from cpd.protocol import subjects as s
 from cpd.protocol.errors import ConfigError
-from cpd.protocol.roles import PREFILL_ROLES, WORKER_ROLES, Role
+from cpd.protocol.roles import FRONTEND_PARTS, PREFILL_ROLES, WORKER_ROLES, Role
 
-# Identity kinds: the six services, plus external callers.
-SERVICE_KINDS: Final = ("kvindex", "router", "gateway", *WORKER_ROLES)
+# Identity kinds: the six services and the front end (three of them in one process),
+# plus external callers.
+SERVICE_KINDS: Final = (*FRONTEND_PARTS, *WORKER_ROLES, "frontend")
 CLIENT: Final = "client"
 """``cpd generate`` / ``cpd status`` and applications: generate and status only."""
 ADMIN: Final = "admin"
@@ -63,7 +64,7 @@ ADMIN: Final = "admin"
 every service, admin subjects, monitoring feeds; no worker, kvindex or stream rights."""
 KINDS: Final = (*SERVICE_KINDS, CLIENT, ADMIN)
 # Kinds that send generate requests, so the router streams replies into their inboxes.
-_REQUESTERS: Final = ("gateway", CLIENT, ADMIN)
+_REQUESTERS: Final = ("gateway", "frontend", CLIENT, ADMIN)
 
 BCRYPT_COST: Final = 10  # the server checks it on every connect; 10 is ~50 ms
 CERT_DAYS: Final = 825  # what browsers and most TLS stacks accept for leaf certificates
@@ -116,7 +117,7 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             s.js_stream_info(s.KV_STREAM),        # waits for the stream; no messages
             # Its own last event: its last epoch (a restart always starts past it).
             s.js_direct_last(s.KV_STREAM, s.for_node(s.kv_events, node=n)),
-            *_inboxes("router"),                  # token streams go to the router
+            *_inboxes("router", "frontend"),      # token streams go to the router
             s.KVINDEX_CHECKSUMS,                  # what a pulled block's writer sealed
         )
         subscribe = (
@@ -135,7 +136,7 @@ def permission_table(node: str = "") -> dict[str, Grants]:
             publish += (s.for_node(s.pull_ack),)             # to the pinning node
         return Grants(publish, subscribe, responses=True)
 
-    return {
+    table = {
         "kvindex": Grants(
             publish=(*service_pub("kvindex"), s.KV_VISIBLE, s.KV_INVALIDATE,
                      s.KV_DEADLETTER, s.for_node(s.kv_reannounce), s.for_node(s.kv_copies),
@@ -168,6 +169,18 @@ def permission_table(node: str = "") -> dict[str, Grants]:
                      *(s.for_node(s.admin, r) for r in WORKER_ROLES)),
             subscribe=(*own(ADMIN), s.HEARTBEAT_ALL, s.LOAD_ALL, s.KV_DEADLETTER)),
     }
+    return {**table, "frontend": _frontend(table, node)}
+
+
+def _frontend(table: dict[str, Grants], node: str) -> Grants:
+    """A front end's grants: those of the services it hosts, with its own inbox in
+    place of theirs (its parts share one identity)."""
+    parts = [table[kind] for kind in FRONTEND_PARTS]
+    inboxes = {s.everything_under(s.inbox_prefix(kind, node)) for kind in FRONTEND_PARTS}
+    subscribe = [s.everything_under(s.inbox_prefix("frontend", node))]
+    subscribe += [x for g in parts for x in g.subscribe if x not in inboxes]
+    return Grants(publish=tuple(dict.fromkeys(x for g in parts for x in g.publish)),
+                  subscribe=tuple(dict.fromkeys(subscribe)), responses=True)
 
 
 def subject_matches(pattern: str, subject: str) -> bool:

@@ -1,4 +1,5 @@
-"""The roles a CPD worker plays; one worker service runs any of them (``node.role``)."""
+"""The roles a CPD worker plays (one worker service runs any of them, ``node.role``), and
+the services a front-end process hosts."""
 
 from __future__ import annotations
 
@@ -20,3 +21,6 @@ WORKER_ROLES: Final[tuple[Role, ...]] = tuple(Role)
 
 PREFILL_ROLES: Final[tuple[Role, ...]] = (Role.PREPREFILL, Role.PREFILL)
 """The roles that run prefills (and so send first tokens and hand off to decode)."""
+
+FRONTEND_PARTS: Final[tuple[str, ...]] = ("kvindex", "router", "gateway")
+"""The services a front-end process (``services.frontend``) hosts, in start order."""
