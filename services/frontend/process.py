@@ -86,15 +86,12 @@ class Frontend:
         self.log.info("frontend.started", parts=[p.name for p in self.parts])
 
     async def stop(self) -> None:
-        """Stop the parts, the last started first."""
+        """Stop the parts, the last started first: each stops taking work and drains
+        while the ones it relies on still serve (the router keeps relaying, and sending
+        its keep-alives, to the gateway's last streams)."""
         for part in reversed(self.parts):
             with contextlib.suppress(Exception):
                 await part.stop()
-
-    def request_stop(self) -> None:
-        """Ask :meth:`run` to stop (signal handlers call this)."""
-        for part in self.parts:
-            part.request_stop()
 
     async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT or until any part asks to stop, then stop."""
@@ -111,9 +108,7 @@ class Frontend:
         finally:
             for w in waits:
                 w.cancel()
-            self.request_stop()
             await self.stop()
-
 
 
 def serve(settings: Settings) -> None:
