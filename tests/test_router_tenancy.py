@@ -28,6 +28,7 @@ def test_the_requester_is_the_kind_whose_inbox_the_reply_is_in(reply: str,
 @pytest.mark.parametrize(("identities", "reply", "asked", "runs"), [
     (True, inbox("gateway"), "acme", "acme"),
     (True, inbox("gateway", "gateway-0"), "acme", "acme"),
+    (True, inbox("frontend", "frontend-0"), "acme", "acme"),  # a front end's gateway
     (True, inbox("admin"), "acme", "acme"),
     (True, inbox("client"), "default", "default"),
     (True, inbox("client"), "acme", None),
@@ -37,7 +38,7 @@ def test_the_requester_is_the_kind_whose_inbox_the_reply_is_in(reply: str,
     (False, "_INBOX.plain.x", "acme", "acme"),     # no identities: nothing to go by
     (False, inbox("client"), "acme", "acme"),
 ])
-def test_only_the_gateway_and_an_admin_act_for_a_tenant(identities: bool, reply: str,
+def test_only_gateways_and_an_admin_act_for_a_tenant(identities: bool, reply: str,
                                                          asked: str, runs: str | None) -> None:
     req = wire.GenerateRequest(request_id="r", tenant=asked, tokens=b"\x01\x00\x00\x00")
     if runs is None:
