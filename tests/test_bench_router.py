@@ -58,6 +58,15 @@ def test_quick_router_bench_reports_latency_throughput_and_breakdown(
     assert r["decisions_per_s_agent_turns"] > 0
     assert r["decision_p99_ms_agent_turns"] >= r["decision_p50_ms_agent_turns"] > 0
     assert 0 < r["hash_memo_reuse_ratio"] < 1
+    # A router in a front end decides the same prompts the same way, its lookups
+    # answered in the process (a lookup and its answer per decision).
+    fe = r["front_end"]
+    assert fe["decision_errors"] == 0
+    assert fe["decision_ms"]["n"] == fe["separate_decision_ms"]["n"] > 0
+    assert fe["in_process_messages"] >= 2 * (fe["decision_ms"]["n"]
+                                             - fe["decisions_without_kvindex_answer"])
+    assert fe["decision_p50_over_separate"] == pytest.approx(
+        fe["decision_ms"]["p50"] / fe["separate_decision_ms"]["p50"], abs=0.01)
     for mode in ("sequential", "throughput"):
         a = r["agent_turns"][mode]
         assert a["decision_errors"] == 0, a["decision_error_examples"]

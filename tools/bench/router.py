@@ -45,6 +45,11 @@ what that pass sent. Two passes over the same sessions:
 
 and the memo's own counts for each (``hash_memo_reuse_ratio``: share of blocks whose hash
 was reused, of the 32-in-flight pass).
+
+**In a front end** (``front_end``): the same prompts decided by a second router whose
+kvindex replica runs in the bench process and answers through a
+:class:`~cpd.bus.LocalHub` (``services.frontend``), interleaved with the first router,
+whose kvindex is the other process.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from cpd.bus import Bus
+from cpd.bus import Bus, LocalHub
 from cpd.engines.profile import engine_profile
 from cpd.engines.servedmodel import ServedModel
 from cpd.ops import telemetry
@@ -76,6 +81,7 @@ from cpd.protocol import subjects, wire
 from cpd.protocol.errors import CpdError
 from cpd.protocol.hashing import BlockHasher, Namespace, block_hashes
 from cpd.protocol.roles import Role
+from services.kvindex import KvIndexService
 from services.router import Decision, Hits, RouterService, Wait
 from services.router.configured import prefill_cost
 from services.router.cost import PrefillCost
@@ -460,6 +466,8 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
         result.update(await _agent_passes(router, sessions, memo_bytes, pids))
         result.update(await _single_flight_wake(router, bus, js, writers["pp0"], ns,
                                                 sizes.wake_rounds))
+        result.update(await _front_end(off, kvi.url, model, router, prompts,
+                                       sizes.decisions // 2, tmp))
         result["targets"] = {
             "decision_p99_ms": TARGET_P99_MS,
             "decisions_per_s": TARGET_DECISIONS_PER_S,
@@ -486,6 +494,50 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
             with contextlib.suppress(Exception):
                 await bus.close()
         await kvi.stop()
+
+
+async def _front_end(s: Settings, url: str, model: ServedModel, separate: RouterService,
+                     prompts: list[Prompt], decisions: int, tmp: Path) -> dict:
+    """The same decisions by a router in a front end (``services.frontend``): a kvindex
+    replica in this process, which replays the same stream and answers its lookups
+    through a :class:`~cpd.bus.LocalHub`, interleaved decision by decision with the
+    router whose kvindex is another process (``front_end``)."""
+    node = msgspec.structs.replace(s.node, node_id="bench-fe")
+    kv = msgspec.structs.replace(s.kvindex, snapshot_dir=str(tmp / "fe-snap"),
+                                 snapshot_interval_s=86400)
+    fe = msgspec.structs.replace(s, node=node, kvindex=kv)
+    hub = LocalHub()
+    index = KvIndexService(fe, nats_url=url, hub=hub)
+    router = RouterService(fe, nats_url=url, model=model, hub=hub)
+    try:
+        await index.start()
+        await asyncio.wait_for(index.ready.wait(), VISIBLE_TIMEOUT_S)
+        await router.start()
+        await _until("the front end's router sees every worker", READY_TIMEOUT_S,
+                     lambda: _sees_workers(router))
+        for p in prompts[:WARMUP_DECISIONS // 2] * 2:
+            await router.decide(p.request)
+        lat: dict[str, list[float]] = {"front_end": [], "separate": []}
+        missed = errors = 0
+        pair = (("front_end", router), ("separate", separate))
+        for i in range(decisions):
+            p = prompts[i % len(prompts)]
+            for name, r in pair if i % 2 else pair[::-1]:  # each first in turn
+                t0 = time.perf_counter_ns()
+                d = await r.decide(p.request)
+                lat[name].append((time.perf_counter_ns() - t0) / 1e6)
+                missed += _lookup_missed(d)
+                errors += bool(_check(p.kind, d))
+    finally:
+        for service in (router, index):
+            with contextlib.suppress(Exception):
+                await service.stop()
+    fe_ms, sep_ms = _stats(lat["front_end"]), _stats(lat["separate"])
+    return {"front_end": {
+        "decision_ms": fe_ms, "separate_decision_ms": sep_ms,
+        "decision_p50_over_separate": round(fe_ms["p50"] / sep_ms["p50"], 3),
+        "in_process_messages": hub.delivered, "decisions_without_kvindex_answer": missed,
+        "decision_errors": errors}}
 
 
 async def _sees_workers(router: RouterService) -> bool:
