@@ -132,6 +132,14 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     assert "service.ready" in (tmp_path / "logs" / "cluster.log").read_text()
 
 
+def test_cpd_up_refuses_a_count_of_a_service_it_does_not_start(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Its default starts the workers and a front end: more routers need ``--only``."""
+    assert main(["up", "--count", "router=2"]) == 2
+    err = capsys.readouterr().err
+    assert "--count router: not among the services" in err and "--only" in err
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()

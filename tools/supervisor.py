@@ -25,6 +25,7 @@ import msgspec
 
 from cpd.ops import telemetry
 from cpd.ops.config import Settings
+from cpd.protocol.errors import ConfigError
 from tools.cluster import (
     METRICS_PORT_ENV,
     SERVICE_ORDER,
@@ -72,6 +73,10 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     generated into (or reused from) ``secrets_dir`` (default ``nats.secrets_dir``), NATS
     started with the generated config (auth, TLS, per-identity permissions), and every
     service given its own identity through its environment."""
+    wanted = [x for x in available_services() if x in (only or UP_DEFAULT)]
+    if unstarted := sorted(set(counts or {}) - set(wanted)):
+        raise ConfigError(f"--count {', '.join(unstarted)}: not among the services cpd up "
+                          f"starts ({', '.join(wanted)}); name them with --only")
     logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
     logs.mkdir(parents=True, exist_ok=True)
     # The scrape ports are the services' (from telemetry.prometheus_port on): this
@@ -79,7 +84,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     # to a file: the terminal shows progress lines and the banner only.
     telemetry.setup("cluster", msgspec.structs.replace(settings.telemetry, prometheus_port=0),
                     log_file=logs / CLUSTER_LOG)
-    nodes = plan_nodes([x for x in available_services() if x in (only or UP_DEFAULT)], counts)
+    nodes = plan_nodes(wanted, counts)
     secrets = None
     if secure:
         from cpd.ops import security
