@@ -36,6 +36,7 @@ from tools.cluster import (
     NodeSpec,
     Proc,
     engine_placements,
+    hosts_kvindex,
     kill_tree,
     last_log_line,
     override_env,
@@ -120,7 +121,9 @@ def _spec(settings: Settings, nodes: dict[str, str], logs: Path, secrets: Any, *
         nodes=tuple(NodeSpec(node, service,  # type: ignore[arg-type]
                              env=secrets.env(node) if secrets is not None else {},
                              metrics_port=first + i if first else None,
-                             start_stage=0 if _hosts_kvindex(service, settings) else 1)
+                             # The index first: secured workers may only read
+                             # the event stream it creates, not create it.
+                             start_stage=0 if hosts_kvindex(service, settings) else 1)
                     for i, (node, service) in enumerate(nodes.items())),
         nats=NatsSpec(port=settings.nats.embedded_port if port is None else port,
                       store_dir=Path(settings.nats.embedded_store_dir),
@@ -128,12 +131,6 @@ def _spec(settings: Settings, nodes: dict[str, str], logs: Path, secrets: Any, *
         overrides=tuple(overrides), config_file=config_file, workdir=logs,
         inherit_cpd_env=True, harness_defaults=False, client_env=admin, label=_LABEL,
         ready_timeout_s=ready_timeout, stop_timeout_s=settings.nats.drain_timeout_s)
-
-
-def _hosts_kvindex(service: str, settings: Settings) -> bool:
-    """Whether ``service`` runs the index, which starts first: secured workers may only
-    read the event stream kvindex creates, not create it."""
-    return service == "kvindex" or (service == "frontend" and settings.frontend.kvindex)
 
 
 async def _up(cluster: Cluster, settings: Settings, secrets: Any) -> None:

@@ -425,8 +425,7 @@ async def _bench(settings: Settings, model: ServedModel, sizes: Sizes, tmp: Path
         r = router
         await _until("router sees every worker", READY_TIMEOUT_S,
                      lambda: _sees_workers(r))
-        for p in prompts[:WARMUP_DECISIONS // 2] * 2:
-            await router.decide(p.request)
+        await _warm_up(router, prompts)
         result: dict[str, Any] = {
             "prompt_tokens": PROMPT_TOKENS,
             "prompt_blocks": len(prompts[0].hashes) // wire.HASH_BYTES,
@@ -515,8 +514,7 @@ async def _front_end(s: Settings, url: str, model: ServedModel, separate: Router
         await router.start()
         await _until("the front end's router sees every worker", READY_TIMEOUT_S,
                      lambda: _sees_workers(router))
-        for p in prompts[:WARMUP_DECISIONS // 2] * 2:
-            await router.decide(p.request)
+        await _warm_up(router, prompts)
         lat: dict[str, list[float]] = {"front_end": [], "separate": []}
         missed = errors = 0
         pair = (("front_end", router), ("separate", separate))
@@ -538,6 +536,12 @@ async def _front_end(s: Settings, url: str, model: ServedModel, separate: Router
         "decision_p50_over_separate": round(fe_ms["p50"] / sep_ms["p50"], 3),
         "in_process_messages": hub.delivered, "decisions_without_kvindex_answer": missed,
         "decision_errors": errors}}
+
+
+async def _warm_up(router: RouterService, prompts: list[Prompt]) -> None:
+    """Untimed decisions first: the first ones pay one-off costs (connections, caches)."""
+    for p in prompts[:WARMUP_DECISIONS // 2] * 2:
+        await router.decide(p.request)
 
 
 async def _sees_workers(router: RouterService) -> bool:

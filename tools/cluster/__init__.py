@@ -40,13 +40,14 @@ from tools.cluster.spec import (
     NatsSpec,
     NodeSpec,
     Role,
+    hosts_kvindex,
     nodes_of,
 )
 
 __all__ = ["METRICS_PORT_ENV", "PROGRESS_EVERY_S", "SERVICE_ORDER",
            "UP_DEFAULT", "Cluster", "ClusterSpec",
            "Engine", "NatsSpec", "NodeSpec", "Proc", "Role", "engine_placements",
-           "env_overrides", "heartbeat_since", "kill_tree", "kvindex_serving",
+           "env_overrides", "heartbeat_since", "hosts_kvindex", "kill_tree", "kvindex_serving",
            "last_log_line", "log_tail", "nodes_of", "override_env", "plan_nodes",
            "report_starting", "restart_proc", "router_sees", "settings_env",
            "start_failure", "stop_tree", "until_ready", "wait_ready"]

@@ -48,7 +48,7 @@ from tools.cluster.ready import (
     until_ready,
     wait_ready,
 )
-from tools.cluster.spec import TMP_DIR, ClusterSpec, NodeSpec
+from tools.cluster.spec import TMP_DIR, ClusterSpec, NodeSpec, hosts_kvindex
 from tools.cluster.state import ClusterState
 
 # How often the supervisor looks for dead processes.
@@ -131,9 +131,9 @@ class Cluster(ClusterState):
             groups = [[n] for n in nodes] if self.spec.serial_start and stage == 1 else [nodes]
             for group in groups:
                 await self._launch([n.node_id for n in group])
-        if any(n.service in ("router", "frontend") and n.stage == 0 for n in self.spec.nodes):
-            # A front end started first (it holds the index the workers publish to)
-            # has seen the workers only once they started.
+        if any(n.service in ("router", "frontend") for n in self.spec.nodes):
+            # A router checked at its own stage saw only the workers started by then (a
+            # front end starts first: it holds the index the workers publish to).
             await self._router_sees_workers(self.spec.ready_timeout_s)
 
     async def stop(self) -> None:
@@ -233,12 +233,11 @@ class Cluster(ClusterState):
         await wait_ready(self.url, p.service, p.node_id, deadline - time.monotonic(),
                          self.settings().nats)
         left = max(deadline - time.monotonic(), 1.0)
-        frontend = p.service == "frontend"
-        if p.service == "kvindex" or (frontend and self.settings(p.node_id).frontend.kvindex):
+        if hosts_kvindex(p.service, self.settings(p.node_id)):
             await kvindex_serving((await self.connect()).bus, left)
         if p.service in WORKER_ROLES:
             await self._heartbeat(p.node_id, since_ms, left)
-        elif p.service == "router" or frontend:
+        elif p.service in ("router", "frontend"):
             await self._router_sees_workers(left)
         pending.discard(p.node_id)
         log.info("service.ready", service=p.service, node=p.node_id)

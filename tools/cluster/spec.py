@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from cpd.ops.config import ENV_PREFIX
+from cpd.ops.config import ENV_PREFIX, Settings
 from cpd.protocol.errors import ConfigError
 from cpd.protocol.roles import WORKER_ROLES
 from tools.cluster.procs import SERVICE_ORDER, override_env, plan_nodes
@@ -164,6 +164,12 @@ class ClusterSpec:
         return env
 
 
+def hosts_kvindex(service: str, settings: Settings) -> bool:
+    """Whether a process of ``service`` with ``settings`` runs kvindex: kvindex itself,
+    or a front end with ``frontend.kvindex`` on."""
+    return service == "kvindex" or (service == "frontend" and settings.frontend.kvindex)
+
+
 def nodes_of(services: Mapping[str, str],
              env: Mapping[str, Mapping[str, str]] | None = None) -> tuple[NodeSpec, ...]:
     """Node specs of a ``node id -> service`` map, with each node's extra ``env``."""
@@ -173,4 +179,4 @@ def nodes_of(services: Mapping[str, str],
 
 
 __all__ = ["METRICS_PORT_ENV", "TMP_DIR", "ClusterSpec", "Engine", "NatsSpec", "NodeSpec", "Role",
-           "compile_cache", "nodes_of"]
+           "compile_cache", "hosts_kvindex", "nodes_of"]
