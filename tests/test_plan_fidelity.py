@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 
 from cpd.ops.config import Settings
+from cpd.protocol import wire
 from cpd.protocol.errors import CpdError
 from cpd.sim.costmodel import PRESETS
 from tools.bench.fidelity import data_plane_gbps, merged, plan_config
+from tools.bench.loaddriver import Result
+from tools.bench.sweep import request_record
 from tools.cli import build_parser
 from tools.plan.cli import config_for
-from tools.plan.fidelity import compare, rel_diff, ttft_loads
+from tools.plan.fidelity import compare, rel_diff, services_latency, ttft_loads
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "docs/benchmarks/sweep/coding-agent-1d.json"
@@ -90,6 +93,48 @@ def test_nothing_compared_meets_no_target() -> None:
     r = compare({"topologies": {}}, {"topologies": {}})
     assert r["fidelity_max_rel_diff"] is None and r["fidelity_met"] is False
     assert r["ttft_met"] is False
+
+
+# (sweep: id → TTFT s, computed, outside the router s; plan: id → TTFT s, computed) →
+# (paired, gap p50 ms, dispatch ms, relay ms), or None when nothing pairs.
+LATENCY_CASES = [
+    ({"a": [0.030, 64, 0.003], "b": [0.050, 0, 0.004], "c": [0.040, 16, 0.002]},
+     {"a": (0.020, 64), "b": (0.038, 0), "c": (0.030, 16)}, (3, 10.0, 7.0, 3.0)),
+    # other cache hits on one side (computed differs), no first token, unknown id
+    ({"a": [0.030, 64, 0.003], "b": [0.050, 32, 0.004], "c": [None, 16, None],
+      "d": [0.02, 0, 0.001]},
+     {"a": (0.020, 64), "b": (0.038, 0), "c": (0.030, 16), "x": (0.01, 0)}, (1, 10.0, 7.0, 3.0)),
+    # not timed by the router: all of the gap is charged before the engine
+    ({"a": [0.030, 64, None], "b": [0.034, 0, None]}, {"a": (0.020, 64), "b": (0.020, 0)},
+     (2, 12.0, 12.0, 0.0)),
+    # the plan slower than the services: nothing to charge
+    ({"a": [0.010, 0, 0.002]}, {"a": (0.020, 0)}, (1, -10.0, 0.0, 0.0)),
+    ({"a": [None, 0, None]}, {"a": (0.020, 0)}, None),
+    ({}, {}, None),
+]
+
+
+@pytest.mark.parametrize(("sweep", "plan", "expected"), LATENCY_CASES)
+def test_services_latency_pairs_the_same_requests(sweep: dict, plan: dict,
+                                                  expected: tuple | None) -> None:
+    got = services_latency(sweep, plan)
+    if expected is None:
+        assert got is None
+        return
+    assert got is not None and got["requests"] == len(sweep)
+    assert (got["paired"], got["gap_p50_ms"], got["dispatch_ms"], got["relay_ms"]) == expected
+
+
+def test_a_sweep_request_is_kept_with_the_part_the_router_did_not_see() -> None:
+    r = Result(request_id="r", arrival_s=1.0, prompt_tokens=64, sent_s=1.5,
+               first_token_s=1.54, tokens=wire.PromptTokens(computed=16),
+               timings={"ttft_ms": 30.0})
+    assert request_record(r) == [0.54, 16, 0.01]
+    assert request_record(r, time_scale=0.5) == [0.54, 16, 0.025]
+    assert request_record(Result(request_id="r", arrival_s=1.0, prompt_tokens=64,
+                                 first_token_s=1.2)) == [0.2, 0, None]
+    assert request_record(Result(request_id="r", arrival_s=1.0, prompt_tokens=64,
+                                 error="x")) == [None, 0, None]
 
 
 def test_the_plan_takes_the_recorded_sweep_configuration() -> None:
@@ -221,3 +266,6 @@ def test_quick_fidelity_runs_the_real_services_and_agrees_at_low_load(tmp_path: 
     low = t["ttft"]["0.4"]
     assert low["sweep_ttft_p50_s"] > 0 and low["plan_ttft_p50_s"] > 0
     assert low["ttft_p50_rel_diff"] <= 2 * r["ttft_target"], low
+    lat = r["services_latency"]["CPD-1D"]
+    assert lat["qps_per_gpu"] == 0.4 and 0 < lat["paired"] <= lat["requests"], lat
+    assert lat["dispatch_ms"] >= 0 and lat["relay_ms"] >= 0, lat

@@ -18,6 +18,7 @@ time), as it runs with the services' measured latency constants.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from cpd.sim.costmodel import PRESETS
 from tools.bench import sweep
 from tools.bench.hostinfo import load_average, machine_info
 from tools.bench.loaddriver import Phases
-from tools.plan import fidelity, planner
+from tools.plan import fidelity, planner, search
 from tools.plan.search import PlanConfig
 
 # The recorded sweep's protocol (docs/benchmarks/sweep.md, "1D, coding agent") with a
@@ -57,7 +58,7 @@ def sweep_config(settings: Settings, *, quick: bool) -> sweep.SweepConfig:
         topologies=tuple(sweep.BY_LABEL[x] for x in labels),
         ttft_slo_s=settings.sim.ttft_slo_s, progress=False,
         stop_after_unsustainable=STOP_AFTER, floor_qps_per_gpu=None,
-        long_prefill_token_threshold=LONG_PREFILL_TOKEN_THRESHOLD)
+        long_prefill_token_threshold=LONG_PREFILL_TOKEN_THRESHOLD, keep_requests=True)
 
 
 def data_plane_gbps(sweep_result: dict) -> float | None:
@@ -134,6 +135,28 @@ def _read(path: str) -> dict:
         raise CpdError(f"cannot read the sweep result {path}: {e}") from None
 
 
+def services_latency(cfg: PlanConfig, real: dict) -> dict[str, dict]:
+    """Per topology whose sweep kept its requests: at its lowest such load, the same
+    requests planned with no delay around the engines against the services'
+    (:func:`tools.plan.fidelity.services_latency`), and that load."""
+    zero = dataclasses.replace(cfg, dispatch_s=0.0, relay_s=0.0, handoff_s=0.0)
+    out: dict[str, dict] = {}
+    for top in cfg.topologies:
+        kept = [p for p in real["topologies"][top.label]["points"]
+                if isinstance(p.get("request_log"), dict)]
+        if not kept:
+            continue
+        low = min(kept, key=lambda p: p["target_qps_per_gpu"])
+        q = float(low["target_qps_per_gpu"])
+        _, res = search.run_probe(zero, top, q, seed=0)
+        plan = {r.request_id: (None if r.first_token_s is None or r.error is not None
+                               else r.first_token_s - r.arrival_s, r.tokens.computed)
+                for r in res.results}
+        out[top.label] = {"qps_per_gpu": q,
+                          **(fidelity.services_latency(low["request_log"], plan) or {})}
+    return out
+
+
 def run(settings: Settings, *, quick: bool = False, sweep_json: list[str] | None = None,
         jobs: int = 0) -> dict:
     """Run (or read and merge) the sweep, plan the same, compare; the JSON-able result."""
@@ -151,6 +174,7 @@ def run(settings: Settings, *, quick: bool = False, sweep_json: list[str] | None
     out = fidelity.compare(real, plan, labels=[t.label for t in cfg.topologies])
     return {
         **out,
+        "services_latency": services_latency(cfg, real),
         "quick": quick,
         "sweep_json": sweep_json,
         "config": real["config"],
@@ -164,4 +188,5 @@ def run(settings: Settings, *, quick: bool = False, sweep_json: list[str] | None
     }
 
 
-__all__ = ["data_plane_gbps", "merged", "plan_config", "run", "sweep_config"]
+__all__ = ["data_plane_gbps", "merged", "plan_config", "run", "services_latency",
+           "sweep_config"]

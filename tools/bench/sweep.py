@@ -45,7 +45,14 @@ from cpd.protocol.errors import CpdError
 from cpd.sim.analysis import DEFAULT_TTFT_SLO_S, RunSummary, analytic_bound, sustainable_qps_per_gpu
 from cpd.sim.costmodel import DEFAULT_PRESET, CostModel, preset
 from cpd.sim.workloads import CodingAgentConfig, WorkloadRequest, coding_agent, mooncake, poisson
-from tools.bench.loaddriver import DEFAULT_MAX_INFLIGHT, Phases, drive, fresh_content, report
+from tools.bench.loaddriver import (
+    DEFAULT_MAX_INFLIGHT,
+    Phases,
+    Result,
+    drive,
+    fresh_content,
+    report,
+)
 from tools.bench.registry import SettingsFactory
 from tools.bench.simcluster import SimCluster as BaseSimCluster
 
@@ -143,6 +150,9 @@ class SweepConfig:
     long_prefill_token_threshold: int = 0
     # Settings for every process of the cluster, as CPD_<SECTION>__<FIELD> variables.
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Each point keeps its requests (``request_log``: id → :func:`request_record`), for
+    # pairing them with the planner's (``cpd bench plan --fidelity``).
+    keep_requests: bool = False
 
 
 def config_for(settings: Settings, *, quick: bool = False, workload: Workload = "coding-agent",
@@ -277,12 +287,28 @@ async def _measure(cluster: SimCluster, topology: Topology, cfg: SweepConfig, gp
     # count, the host, not the modelled cluster, sets the numbers.
     point["host_cores_busy"] = round((_host_cpu_s(cluster) - cpu0) / wall, 2)
     point["cpu_s_by_process"] = cluster.cpu_seconds()
+    if cfg.keep_requests:
+        point["request_log"] = {r.request_id: request_record(r, cfg.time_scale) for r in results}
     if cfg.progress:
         print(f"{topology.label} @ {q:.1f} QPS/GPU: achieved "
               f"{point['achieved_qps_per_gpu']:.2f}, TTFT p50 {point['ttft_p50_s']} "
               f"p90 {point['ttft_p90_s']} s, errors {point['errors']}",
               file=sys.stderr, flush=True)
     return point
+
+
+def request_record(r: Result, time_scale: float = 1.0) -> list[float | int | None]:
+    """One request as a point keeps it: TTFT from its arrival (simulated s; None if it
+    had no first token), the prompt tokens it computed, and the part of its TTFT the
+    router did not see (simulated s: the client's trips to the router and back; None
+    without the router's timings, which are wall ms)."""
+    if r.first_token_s is None or r.error is not None:
+        return [None, r.tokens.computed, None]
+    ttft = r.first_token_s - r.arrival_s
+    router_ms = (r.timings or {}).get("ttft_ms")
+    outside = (None if router_ms is None
+               else round(ttft - (r.client_queue_s or 0.0) - router_ms / 1e3 * time_scale, 6))
+    return [round(ttft, 6), r.tokens.computed, outside]
 
 
 def _host_cpu_s(cluster: SimCluster) -> float:
@@ -559,4 +585,5 @@ def run_args(args: argparse.Namespace, settings: SettingsFactory) -> dict:
 
 
 __all__ = ["TOPOLOGIES", "SimCluster", "SweepConfig", "Topology", "add_arguments", "config_for",
-           "headline", "make_workload", "markdown", "plot", "run", "run_args", "run_topology"]
+           "headline", "make_workload", "markdown", "plot", "request_record", "run", "run_args",
+           "run_topology"]

@@ -66,8 +66,8 @@ from tools.plan.prefixstore import Copies, PrefixStore
 SINGLE_FLIGHT_WAKE_S = 0.002
 # The services' latency around the engines, as measured on the real services with sim
 # engines at a low load (tools.plan.fidelity; docs/plan.md, "What the services add").
-DISPATCH_S = 0.012
-RELAY_S = 0.006
+DISPATCH_S = 0.0075
+RELAY_S = 0.0035
 HANDOFF_S = 0.002
 
 

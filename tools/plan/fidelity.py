@@ -12,10 +12,16 @@ Pure: both sides' results in, the differences out. Per topology:
   the relative differences of each percentile; ``ttft_max_rel_diff`` is the largest
   (target ≤ :data:`TTFT_TOLERANCE`). A topology with fewer than two such loads compares
   those it has and says so in ``ttft_loads``.
+
+And the services' own latency (:func:`services_latency`): the same requests at the
+lowest load, the services' TTFT against a plan that charges no delay around the engines,
+the median gap split into what the planner charges before the engine (``dispatch_ms``)
+and after a worker's token (``relay_ms``): docs/plan.md, "What the services add".
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
 # The topologies compared, and the targets (relative differences).
@@ -81,6 +87,39 @@ def compare_topology(sweep_topology: Mapping, plan_topology: Mapping) -> dict:
     }
 
 
+def services_latency(sweep_requests: Mapping[str, Sequence[float | int | None]],
+                     plan_requests: Mapping[str, tuple[float | None, int]]) -> dict | None:
+    """The services' latency around the engines, from one load's requests on both sides.
+
+    ``sweep_requests``: id → (TTFT s, computed prompt tokens, TTFT outside the router s)
+    as the sweep's point keeps them; ``plan_requests``: id → (TTFT s, computed prompt
+    tokens) of a plan with no delays. Paired where both sides have a TTFT and computed the
+    same tokens (the same cache hits: the gap is the services', not the caches'). The
+    gap's median is charged: ``relay_ms`` is the median part outside the router (the
+    client's trips to it and back; 0 when none was timed), ``dispatch_ms`` the rest.
+    None when no request pairs."""
+    gaps, outside = [], []
+    for rid, (ttft, computed, out) in sweep_requests.items():
+        plan = plan_requests.get(rid)
+        if ttft is None or plan is None or plan[0] is None or plan[1] != computed:
+            continue
+        gaps.append(float(ttft) - plan[0])
+        if out is not None:
+            outside.append(float(out))
+    if not gaps:
+        return None
+    gap = statistics.median(gaps)
+    relay = max(0.0, min(statistics.median(outside), gap)) if outside else 0.0
+    return {
+        "paired": len(gaps),
+        "requests": len(sweep_requests),
+        "gap_p50_ms": round(gap * 1e3, 2),
+        "gap_mean_ms": round(statistics.fmean(gaps) * 1e3, 2),
+        "dispatch_ms": round(max(0.0, gap - relay) * 1e3, 2),
+        "relay_ms": round(relay * 1e3, 2),
+    }
+
+
 def compare(sweep: Mapping, plan: Mapping, labels: Sequence[str] = TOPOLOGIES) -> dict:
     """The sweep's result against the plan's, for every label both ran."""
     tops = {label: compare_topology(sweep["topologies"][label], plan["topologies"][label])
@@ -102,4 +141,4 @@ def compare(sweep: Mapping, plan: Mapping, labels: Sequence[str] = TOPOLOGIES) -
 
 
 __all__ = ["SUSTAINABLE_TOLERANCE", "TOPOLOGIES", "TTFT_TOLERANCE", "compare",
-           "compare_topology", "rel_diff", "ttft_loads"]
+           "compare_topology", "rel_diff", "services_latency", "ttft_loads"]
