@@ -149,9 +149,7 @@ def services_latency(cfg: PlanConfig, real: dict) -> dict[str, dict]:
         low = min(kept, key=lambda p: p["target_qps_per_gpu"])
         q = float(low["target_qps_per_gpu"])
         _, res = search.run_probe(zero, top, q, seed=0)
-        plan = {r.request_id: (None if r.first_token_s is None or r.error is not None
-                               else r.first_token_s - r.arrival_s, r.tokens.computed)
-                for r in res.results}
+        plan = {r.request_id: tuple(sweep.request_record(r)[:2]) for r in res.results}
         out[top.label] = {"qps_per_gpu": q,
                           **(fidelity.services_latency(low["request_log"], plan) or {})}
     return out
