@@ -159,7 +159,8 @@ async def test_a_prefill_node_samples_on_while_its_tokens_end_inside_a_character
         cluster: dict, sampling: wire.SamplingParams) -> None:
     """Tokens forced by ``logit_bias``: while they end inside a character (no text for
     the client yet) the prefill node samples the next one itself, up to
-    ``worker.first_text_tokens`` (4); a whole character goes to decode at once. The
+    ``worker.first_text_tokens`` (4), and sends them in one chunk; a whole character
+    goes to decode at once. The
     decode node goes on after them, and the request has its ``max_tokens``."""
     bus, ns = cluster["bus"], cluster["ns"]
     prompt = PROMPTS["c"][:300]
@@ -176,6 +177,8 @@ async def test_a_prefill_node_samples_on_while_its_tokens_end_inside_a_character
         before = [t for m in msgs[:handoff] if isinstance(m, wire.TokenChunk)
                   for t in m.token_ids]
         assert before == [token] * on_prefill, chunks
+        # Held until their text is whole: one chunk, no relay of a token without text.
+        assert chunks[0] == [token] * on_prefill, chunks
         assert [t for c in chunks for t in c] == [token] * 6
         final = msgs[-1]
         assert isinstance(final, wire.Final) and final.finish_reason == "length"

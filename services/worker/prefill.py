@@ -115,21 +115,19 @@ class PrefillHandler:
         # computed their shared KV, its own token is no choice's.
         several = req.sampling.n > 1
         generated: list[int] = [] if several else [step.token_ids[0]]
-        last, t_text = step, t_done
+        last = step
         try:
             if not several:
-                await out.tokens(generated, ends_with_stop_token=ended_on_stop(step),
-                                 logprobs=step.logprobs[:1])
-                t_text = time.perf_counter()
-                last = await self._first_text(req, tokens, generated, step, out)
-            t_first_text = time.perf_counter()
+                last, logprobs = await self._first_text(req, tokens, generated, step)
+                await out.tokens(generated, ends_with_stop_token=ended_on_stop(last),
+                                 logprobs=logprobs)
         finally:  # after the first token left: the client never waits for the event's ack
             if fresh:
                 await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
         queued = core.queued(submitted, step)
         phases = {"load": t_load - t0, "prefill": t_done - t_load}
         if len(generated) > 1:
-            phases["first_text"] = t_first_text - t_text
+            phases["first_text"] = time.perf_counter() - t_done
         core.record(self.role, phases, queued=queued, written=len(fresh),
                     loaded=step.loaded_blocks)
         await out.report(wire.PrefillReport, node=core.node_id,
@@ -150,17 +148,19 @@ class PrefillHandler:
         await self._handoff(req, hashes, generated, out)
 
     async def _first_text(self, req: wire.PrefillRequest, tokens: np.ndarray,
-                          generated: list[int], step: EngineStep, out: ReplyStream
-                          ) -> EngineStep:
-        """While the tokens sent so far end inside a character, sample the next one on
-        this engine (its GPU cache holds the prompt) and send it: the client's first text
-        does not wait for the hand-off (:func:`~services.worker.requests.wants_text`).
-        The last run's step; ``generated`` grows in place."""
+                          generated: list[int], step: EngineStep
+                          ) -> tuple[EngineStep, list[wire.TokenLogprob]]:
+        """While the tokens so far end inside a character, sample the next one on this
+        engine (its GPU cache holds the prompt): the client's first text does not wait
+        for the hand-off (:func:`~services.worker.requests.wants_text`). The tokens go
+        out together once their text is whole: a token with no text sent alone would
+        only cost the relay's hops beside this engine's next run. The last run's step
+        and every token's log probabilities; ``generated`` grows in place."""
         core = self.core
         detok = core.parts.model.detokenizer()
         detok.push(generated)
         limit = core.settings.worker.first_text_tokens
-        last = step
+        last, logprobs = step, list(step.logprobs[:1])
         while (wants_text(detok.incomplete, len(generated), ended_on_stop(last), limit,
                           req.sampling) and req.request_id not in core.cancelled):
             prompt, sampling, forced = next_token(req.sampling, tokens, generated)
@@ -169,10 +169,9 @@ class PrefillHandler:
                 forced_output=forced, cache_salt=core.salt(req.namespace)))
             token = last.token_ids[0]
             generated.append(token)
-            await out.tokens([token], ends_with_stop_token=ended_on_stop(last),
-                             logprobs=last.logprobs[:1])
+            logprobs += last.logprobs[:1]
             detok.push([token])
-        return last
+        return last, logprobs
 
     def _sources(self, step: EngineStep, remote: int, disk: int, prompt_tokens: int
                  ) -> wire.PromptTokens:
