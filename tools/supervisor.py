@@ -57,6 +57,16 @@ _LABEL = "cpd up"
 log = telemetry.get_logger("cpd.cluster")
 
 
+class UnstartedCount(ConfigError):
+    """``--count`` of services ``cpd up`` does not start (``--only`` names them)."""
+
+    def __init__(self, services: list[str], started: list[str]) -> None:
+        super().__init__(f"--count {', '.join(services)}: not among the services cpd up "
+                         f"starts ({', '.join(started)}); name them with --only")
+        self.services = services
+        self.started = started
+
+
 def available_services() -> list[str]:
     """Services this build can run (those with a ``__main__`` module), in start order."""
     return [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__")]
@@ -76,8 +86,7 @@ def run_cluster(settings: Settings, port: int | None = None, *,
     service given its own identity through its environment."""
     wanted = [x for x in available_services() if x in (only or UP_DEFAULT)]
     if unstarted := sorted(set(counts or {}) - set(wanted)):
-        raise ConfigError(f"--count {', '.join(unstarted)}: not among the services cpd up "
-                          f"starts ({', '.join(wanted)}); name them with --only")
+        raise UnstartedCount(unstarted, wanted)
     logs = Path(log_dir or Path(settings.nats.embedded_store_dir).expanduser().parent / "logs")
     logs.mkdir(parents=True, exist_ok=True)
     # The scrape ports are the services' (from telemetry.prometheus_port on): this
@@ -236,6 +245,6 @@ def _banner(url: str, procs: list[Proc], logs: Path, settings: Settings,
 
 # The process machinery lives in tools.cluster; these names stay importable from here.
 __all__ = ["CLUSTER_LOG", "METRICS_PORT_ENV", "SCRAPE_TARGETS_FILE", "SERVICE_ORDER",
-           "UP_BANNER", "Proc", "available_services", "engine_placements", "kill_tree",
-           "override_env", "plan_nodes", "run_cluster", "stop_tree", "until_ready",
+           "UP_BANNER", "Proc", "UnstartedCount", "available_services", "engine_placements",
+           "kill_tree", "override_env", "plan_nodes", "run_cluster", "stop_tree", "until_ready",
            "wait_ready"]
