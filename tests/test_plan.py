@@ -17,6 +17,7 @@ from cpd.engines.profile import SimProfile
 from cpd.ops.config import load_settings
 from cpd.protocol.errors import CpdError
 from cpd.protocol.roles import Role
+from cpd.protocol.wire import RouteReason
 from cpd.sim.workloads import WorkloadRequest
 from services.router.configured import make_policy
 from tools.bench import eviction as eviction_bench
@@ -34,6 +35,7 @@ from tools.plan.search import (
     interval,
     planner_settings,
     ratio_interval,
+    router_for,
     run_probe,
     topology,
     within_budget,
@@ -396,6 +398,30 @@ def test_the_planner_decides_as_the_router_service_would(label: str) -> None:
     if top.policy == "cpd":
         assert {"cold", "warm"} <= paths, paths
     assert point["completed"] > 0
+
+
+def test_the_router_sees_a_prefill_end_at_once_not_at_the_next_report() -> None:
+    """Workers report a held prefill's start and end at once (services.worker.load), so
+    a repeat that arrives after its cold request's first token finds the pre-prefill
+    node idle and is served there from its own cache (``IDLE_PREPREFILL_HIT``), even
+    with periodic reports a minute apart; and a decision never counts work the router
+    sent as unreported once the node held it."""
+    s = load_settings()
+    slow = msgspec.structs.replace(
+        s, worker=msgspec.structs.replace(s.worker, load_report_interval_s=60.0))
+    cfg = PlanConfig(topologies=(), phases=QUICK_PHASES, seeds=1, settings=slow)
+    top = topology("cpd", 1, 1, 1)
+    ids = tuple(range(41))
+    reqs = [WorkloadRequest(request_id=f"r{i}", arrival_s=at, session_id="s",
+                            prompt_len=40 * 512 + 100, block_ids=ids, block_tokens=512,
+                            output_len=4, turn=i)
+            for i, at in enumerate((0.0, 5.0))]
+    res = cluster_module.simulate(cluster_config(cfg, top), router_for(cfg, top), reqs,
+                                  record_decisions=2)
+    (*_, cold), (*_, loads, repeat) = res.decisions
+    assert cold.path == "cold" and cold.plan.node == repeat.plan.node
+    assert repeat.path == "warm" and repeat.reason == RouteReason.IDLE_PREPREFILL_HIT
+    assert not any(x.prefills or x.dispatched_ms for x in loads)
 
 
 def test_a_different_policy_setting_changes_the_plan() -> None:

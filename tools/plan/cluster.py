@@ -8,7 +8,8 @@ Everything that decides is the services' own pure code; only the I/O is replaced
   fed the :class:`~services.router.policy.Hits` kvindex would answer and the
   :class:`~services.router.policy.NodeLoad` the workers' load reports would give
   (held prefills with their time in the engine), as late as the workers' reports
-  make them: each node's as of its last report (every ``report_interval_s``), plus the
+  make them: each node's as of its last report (every ``report_interval_s``, and at
+  once when a held prefill starts or ends, as workers report such a change), plus the
   router's own estimates of what it sent there since, as the router service keeps them.
   Single-flight waits are honoured as the router does (woken when the prefix is
   sealed, then decide once more).
@@ -192,6 +193,9 @@ class _Node:
         # report (a report still lists them).
         self.held: dict[str, _Held] = {}
         self.gone: deque[_Held] = deque()
+        # When a held prefill last started or ended: the worker reports such a change at
+        # once (services.worker.load), besides its periodic report.
+        self.changed = 0.0
         self.busy = False
         self.epoch = 0            # a step end scheduled under an older epoch is void
         self.span: tuple[float, object] | None = None
@@ -342,11 +346,13 @@ class Cluster:
 
     def _loads(self) -> list[NodeLoad]:
         every = self.cfg.report_interval_s
-        # The workers' last reports (all taken at one phase), or now if never late.
-        at = math.floor(self.now / every) * every if every > 0 else self.now
+        # The workers' last periodic reports (all taken at one phase), or now if never
+        # late; a node whose held prefills changed since reported that change.
+        tick = math.floor(self.now / every) * every if every > 0 else self.now
         out = []
         for x in self.workers:
             if x.prefill_role:
+                at = max(tick, x.changed)
                 gone = x.gone
                 while gone and gone[0].ended <= at:
                     gone.popleft()
@@ -391,6 +397,7 @@ class Cluster:
         node = self.nodes[p.node]
         node.held[r.w.request_id] = _Held(p.computed_tokens, r.w.prompt_len - p.computed_tokens,
                                           self.now, p.load_ms + p.compute_ms)
+        node.changed = self.now
         self._fetch(node, r, p)
 
     def _fetch(self, node: _Node, r: _Req, p: Plan) -> None:
@@ -468,6 +475,7 @@ class Cluster:
         if held is not None:
             held.ended = self.now
             node.gone.append(held)
+            node.changed = self.now
         self._seal(node, r, len(r.blocks))
         r.prefilled, r.first = self.now, self.now + self.cfg.relay_s
         t = r.tokens
