@@ -134,15 +134,13 @@ def test_cpd_up_serves_the_apis_and_stops_cleanly(tmp_path: Path, model_cache: P
     assert "service.ready" in (tmp_path / "logs" / "cluster.log").read_text()
 
 
-def test_cpd_up_refuses_a_count_of_a_service_it_does_not_start(
-        capsys: pytest.CaptureFixture[str]) -> None:
+def test_cpd_up_refuses_a_count_of_a_service_it_does_not_start() -> None:
     """Its default starts the workers and a front end: more routers need ``--only``. A
     typed error naming them, and the CLI's exit code for bad settings."""
     with pytest.raises(UnstartedCount) as e:
         run_cluster(load_settings(), counts={"router": 2, "decode": 2})
     assert e.value.services == ["router"] and "frontend" in e.value.started
     assert main(["up", "--count", "router=2"]) == 2
-    capsys.readouterr()
 
 
 def test_ci_runs_the_readme_test_command() -> None:

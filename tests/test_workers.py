@@ -160,8 +160,8 @@ async def test_a_prefill_node_samples_on_while_its_tokens_end_inside_a_character
     """Tokens forced by ``logit_bias``: while they end inside a character (no text for
     the client yet) the prefill node samples the next one itself, up to
     ``worker.first_text_tokens`` (4), and sends them in one chunk; a whole character
-    goes to decode at once. The
-    decode node goes on after them, and the request has its ``max_tokens``."""
+    goes to decode at once. The decode node goes on after them, and the request has its
+    ``max_tokens``."""
     bus, ns = cluster["bus"], cluster["ns"]
     prompt = PROMPTS["c"][:300]
     for token, on_prefill in ((_HALF, 4), (_WHOLE, 1)):
