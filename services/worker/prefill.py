@@ -114,14 +114,14 @@ class PrefillHandler:
         # Several choices each start from the prompt on the decode node: the prefill
         # computed their shared KV, its own token is no choice's.
         several = req.sampling.n > 1
-        generated: list[int] = [] if several else [step.token_ids[0]]
+        generated: list[int] = []
         last = step
         try:
             if not several:
-                last, logprobs = await self._first_text(req, tokens, generated, step)
+                generated, logprobs, last = await self._first_text(req, tokens, step)
                 await out.tokens(generated, ends_with_stop_token=ended_on_stop(last),
                                  logprobs=logprobs)
-        finally:  # after the first token left: the client never waits for the event's ack
+        finally:  # after the first tokens left: the client never waits for the event's ack
             if fresh:
                 await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
         queued = core.queued(submitted, step)
@@ -148,15 +148,16 @@ class PrefillHandler:
         await self._handoff(req, hashes, generated, out)
 
     async def _first_text(self, req: wire.PrefillRequest, tokens: np.ndarray,
-                          generated: list[int], step: EngineStep
-                          ) -> tuple[EngineStep, list[wire.TokenLogprob]]:
+                          step: EngineStep
+                          ) -> tuple[list[int], list[wire.TokenLogprob], EngineStep]:
         """While the tokens so far end inside a character, sample the next one on this
         engine (its GPU cache holds the prompt): the client's first text does not wait
         for the hand-off (:func:`~services.worker.requests.wants_text`). The tokens go
         out together once their text is whole: a token with no text sent alone would
-        only cost the relay's hops beside this engine's next run. The last run's step
-        and every token's log probabilities; ``generated`` grows in place."""
+        only cost the relay's hops beside this engine's next run. The tokens from
+        ``step``'s first on, their log probabilities, and the last run's step."""
         core = self.core
+        generated = [step.token_ids[0]]
         detok = core.parts.model.detokenizer()
         detok.push(generated)
         limit = core.settings.worker.first_text_tokens
@@ -171,7 +172,7 @@ class PrefillHandler:
             generated.append(token)
             logprobs += last.logprobs[:1]
             detok.push([token])
-        return last, logprobs
+        return generated, logprobs, last
 
     def _sources(self, step: EngineStep, remote: int, disk: int, prompt_tokens: int
                  ) -> wire.PromptTokens:

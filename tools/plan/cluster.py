@@ -8,9 +8,10 @@ Everything that decides is the services' own pure code; only the I/O is replaced
   fed the :class:`~services.router.policy.Hits` kvindex would answer and the
   :class:`~services.router.policy.NodeLoad` the workers' load reports would give
   (held prefills with their time in the engine), as late as the workers' reports
-  make them: each node's as of its last report (every ``report_interval_s``, and at
-  once when a held prefill starts or ends, as workers report such a change), plus the
-  router's own estimates of what it sent there since, as the router service keeps them.
+  make them: a worker reports every ``report_interval_s`` and at once when a held
+  prefill starts or ends, so the router sees every held prefill, its time in the
+  engine as of the node's last report. (The router service's own estimates of work it
+  sent, ``dispatched_ms``, last only until that report, taken here as immediate.)
   Single-flight waits are honoured as the router does (woken when the prefix is
   sealed, then decide once more).
 * **Engines** — :class:`cpd.sim.scheduler.Scheduler` with the node's cost preset and
@@ -136,10 +137,7 @@ class _Held:
 
     new_tokens: int
     context_tokens: int
-    routed: float              # when the router sent it
-    est_ms: float              # the router's estimate of it (load + compute)
     start: float = -1.0        # in the engine since (-1: still pulling)
-    ended: float = -1.0        # its first token (-1: still held)
 
 
 @dataclass
@@ -189,10 +187,8 @@ class _Node:
         self.disk_free = 0.0      # its disk reads, one at a time
         self.writing: Counter[int] = Counter()   # arena blocks allocated, not sealed
         self.reqs: dict[str, _Req] = {}           # in the engine
-        # Prefills held (pulling or in the engine), and those that ended since the last
-        # report (a report still lists them).
+        # Prefills held (pulling or in the engine).
         self.held: dict[str, _Held] = {}
-        self.gone: deque[_Held] = deque()
         # When a held prefill last started or ended: the worker reports such a change at
         # once (services.worker.load), besides its periodic report.
         self.changed = 0.0
@@ -347,29 +343,19 @@ class Cluster:
     def _loads(self) -> list[NodeLoad]:
         every = self.cfg.report_interval_s
         # The workers' last periodic reports (all taken at one phase), or now if never
-        # late; a node whose held prefills changed since reported that change.
+        # late; a node whose held prefills changed since reported that change, so every
+        # prefill it holds is in its report (module doc).
         tick = math.floor(self.now / every) * every if every > 0 else self.now
         out = []
         for x in self.workers:
             if x.prefill_role:
                 at = max(tick, x.changed)
-                gone = x.gone
-                while gone and gone[0].ended <= at:
-                    gone.popleft()
-                reported: list[_Held] = []
-                dispatched: list[float] = []
-                for h in itertools.chain(gone, x.held.values()):
-                    if h.routed > at:
-                        dispatched.append(h.est_ms)
-                    else:
-                        reported.append(h)
                 works = tuple(wire.PrefillWork(
                     new_tokens=h.new_tokens, context_tokens=h.context_tokens,
                     elapsed_ms=(at - h.start) * 1e3 if 0 <= h.start <= at else 0.0)
-                    for h in reported[:wire.MAX_REPORTED_PREFILLS])
+                    for h in itertools.islice(x.held.values(), wire.MAX_REPORTED_PREFILLS))
                 out.append(NodeLoad(node=x.name, role=x.role, in_flight=len(x.reqs),
                                     bandwidth_gbps=self.cfg.network_gbps, prefills=works,
-                                    dispatched_ms=tuple(dispatched),
                                     shares_steps=self.shares_steps,
                                     decodes=self.cfg.prefill_decodes))
             else:
@@ -395,8 +381,7 @@ class Cluster:
         self.result.paths[d.path] += 1
         p = d.plan
         node = self.nodes[p.node]
-        node.held[r.w.request_id] = _Held(p.computed_tokens, r.w.prompt_len - p.computed_tokens,
-                                          self.now, p.load_ms + p.compute_ms)
+        node.held[r.w.request_id] = _Held(p.computed_tokens, r.w.prompt_len - p.computed_tokens)
         node.changed = self.now
         self._fetch(node, r, p)
 
@@ -471,10 +456,7 @@ class Cluster:
     def _prefilled(self, node: _Node, r: _Req) -> None:
         rid = r.w.request_id
         del node.reqs[rid]
-        held = node.held.pop(rid, None)
-        if held is not None:
-            held.ended = self.now
-            node.gone.append(held)
+        if node.held.pop(rid, None) is not None:
             node.changed = self.now
         self._seal(node, r, len(r.blocks))
         r.prefilled, r.first = self.now, self.now + self.cfg.relay_s
