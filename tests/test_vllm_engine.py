@@ -46,6 +46,37 @@ def test_abort_ends_the_stream_and_the_engine_keeps_serving(results: dict) -> No
     assert results["after_abort"]["tokens"] == results["plain"]["tokens"]
 
 
+def test_a_run_asked_to_ends_once_its_text_is_whole(results: dict) -> None:
+    """``until_whole_text``: a run of four tokens ends after its first when that token
+    ends a character, with the connector's figures of a finished run; a run whose tokens
+    each end inside a character goes on to its ``max_tokens``; unasked, a run does."""
+    assert results["stops_at_whole_text"] is True
+    assert results["whole_a"] == {"tokens": [97], "reason": "length",
+                                  "connector_figures": True}
+    assert results["whole_half"]["tokens"] == [228] * 4
+    assert results["plain_a"]["tokens"] == [97] * 4
+
+
+def test_whole_text_tokens_follow_the_detokenizer(model_cache: Path) -> None:
+    """The scheduler's table: a token ends a character where the workers' detokenizer
+    holds no text back after it."""
+    from tokenizers import Tokenizer
+
+    from cpd.engines.servedmodel import Detokenizer
+    from cpd.engines.vllm.wholetext import whole_text_tokens
+    from cpd.modelbuild import build
+
+    folder = build("tiny", model_cache)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    table = whole_text_tokens(folder / "tokenizer.json", tok.get_vocab_size() + 5)
+    assert (table[97], table[228]) == (1, 0)
+    assert table[-5:] == b"\x01" * 5  # ids the tokenizer does not know
+    for i in range(tok.get_vocab_size()):
+        detok = Detokenizer(tok)
+        detok.push([97, i])
+        assert table[i] == (not detok.incomplete), i
+
+
 def test_the_engine_sockets_are_removed_when_it_stops(results: dict) -> None:
     """vLLM binds its ZMQ sockets in a folder of the engine's own and never unlinks them:
     the folder goes when the engine stops (not one socket left per start), and so does
@@ -105,6 +136,24 @@ def test_engine_section_becomes_vllm_arguments(model_cache: Path) -> None:
         assert args["block_size"] == 256 and args["max_model_len"] == 8192
         parsed = AsyncEngineArgs(**args)
         assert parsed.max_logprobs == 7 and parsed.gpu_memory_utilization == 0.5
+
+
+def test_a_scheduler_the_settings_name_turns_the_whole_text_stop_off(
+        model_cache: Path) -> None:
+    """CPD's scheduler class is the engine's unless ``[engine] extra_args`` names one;
+    then runs are not ended at whole text, and the engine says so."""
+    from cpd.engines.vllm.engine import VllmEngine
+    from cpd.engines.vllm.wholetext import FQCN
+    from cpd.modelbuild import build
+    from cpd.ops.config import load_settings
+
+    folder = build("tiny", model_cache)
+    own = "vllm.v1.core.sched.scheduler.Scheduler"
+    s = load_settings(environ={"CPD_ENGINE__EXTRA_ARGS": f'{{"scheduler_cls": "{own}"}}'})
+    default = VllmEngine(folder, block_size=256, arena=None)
+    named = VllmEngine(folder, block_size=256, arena=None, engine=s.engine_for("prefill"))
+    assert (default.engine_args()["scheduler_cls"], default.stops_at_whole_text) == (FQCN, True)
+    assert (named.engine_args()["scheduler_cls"], named.stops_at_whole_text) == (own, False)
 
 
 def test_long_prefill_cap_reaches_vllm(model_cache: Path) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cpd.protocol import wire
-from services.worker.requests import continuation, next_token, wants_text
+from services.worker.requests import continuation, first_text, next_token, wants_text
 
 PROMPT = np.arange(1, 6, dtype=wire.TOKEN_DTYPE)
 GREEDY = wire.SamplingParams(max_tokens=10, min_tokens=3)
@@ -60,3 +60,19 @@ def test_a_prefill_node_samples_on_only_while_its_text_is_held_back(
         want: bool) -> None:
     s = wire.SamplingParams(max_tokens=max_tokens)
     assert wants_text(incomplete, generated, stopped, limit, s) is want
+
+
+@pytest.mark.parametrize(("max_tokens", "min_tokens", "limit", "run_max", "run_min"), [
+    (10, 0, 4, 4, 0),     # up to first_text_tokens
+    (10, 3, 4, 4, 3),     # the end of sequence held back as in one run
+    (10, 9, 4, 4, 4),
+    (2, 2, 4, 2, 2),      # the request's own max_tokens first
+    (10, 0, 1, 1, 0),     # first_text_tokens 1: the first token only
+])
+def test_a_prefill_run_to_whole_text_keeps_the_requests_limits(
+        max_tokens: int, min_tokens: int, limit: int, run_max: int, run_min: int) -> None:
+    s = wire.SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0.5,
+                            seed=3)
+    run = first_text(s, limit)
+    assert (run.max_tokens, run.min_tokens) == (run_max, run_min)
+    assert (run.temperature, run.seed) == (0.5, 3)

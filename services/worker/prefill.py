@@ -26,6 +26,7 @@ from services.worker.core import WorkerCore
 from services.worker.requests import (
     check_ids,
     ended_on_stop,
+    first_text,
     first_token,
     next_token,
     wants_text,
@@ -126,7 +127,7 @@ class PrefillHandler:
                 await core.kv.seal([(h, core.kv.store.slot_bytes) for h in fresh])
         queued = core.queued(submitted, step)
         phases = {"load": t_load - t0, "prefill": t_done - t_load}
-        if len(generated) > 1:
+        if last is not step:  # runs of their own for the next tokens
             phases["first_text"] = time.perf_counter() - t_done
         core.record(self.role, phases, queued=queued, written=len(fresh),
                     loaded=step.loaded_blocks)
@@ -152,16 +153,18 @@ class PrefillHandler:
                           ) -> tuple[list[int], list[wire.TokenLogprob], EngineStep]:
         """While the tokens so far end inside a character, sample the next one on this
         engine (its GPU cache holds the prompt): the client's first text does not wait
-        for the hand-off (:func:`~services.worker.requests.wants_text`). The tokens go
-        out together once their text is whole: a token with no text sent alone would
-        only cost the relay's hops beside this engine's next run. The tokens from
-        ``step``'s first on, their log probabilities, and the last run's step."""
+        for the hand-off (:func:`~services.worker.requests.wants_text`). An engine that
+        ends a run at whole text did so in ``step``'s run; another samples each next
+        token in a run of its own. The tokens go out together once their text is whole:
+        a token with no text sent alone would only cost the relay's hops beside this
+        engine's next step. The tokens from ``step``'s on, their log probabilities, and
+        the last run's step."""
         core = self.core
-        generated = [step.token_ids[0]]
+        generated = list(step.token_ids)
         detok = core.parts.model.detokenizer()
         detok.push(generated)
         limit = core.settings.worker.first_text_tokens
-        last, logprobs = step, list(step.logprobs[:1])
+        last, logprobs = step, list(step.logprobs)
         while (wants_text(detok.incomplete, len(generated), ended_on_stop(last), limit,
                           req.sampling) and req.request_id not in core.cancelled):
             prompt, sampling, forced = next_token(req.sampling, tokens, generated)
@@ -234,14 +237,20 @@ class PrefillHandler:
             if fresh:
                 await kv.begin_write(fresh)
             core.loader.audit_load(req.namespace, have)
+            # Sampling on while the text is incomplete, in this run where the engine can
+            # end it at whole text: a next token then costs a step, not a new run.
+            whole = (core.engine.stops_at_whole_text and core.parts.model.has_tokenizer
+                     and req.sampling.n == 1)
+            s = req.sampling.choice(0)
             try:
                 step = await self._first_token(EngineRequest(
                     request_id=req.request_id, tokens=tokens,
-                    sampling=first_token(req.sampling.choice(0)),
+                    sampling=(first_text(s, core.settings.worker.first_text_tokens)
+                              if whole else first_token(s)),
                     load_slots=[e.slot for e in have],
                     load_checksums=[e.checksum for e in have],
                     save_slots=[slot_of.get(h, -1) for h in hashes],
-                    cache_salt=core.salt(req.namespace)))
+                    cache_salt=core.salt(req.namespace), until_whole_text=whole))
             except BaseException:
                 if fresh:
                     await kv.fail(fresh, "prefill failed")
@@ -251,13 +260,17 @@ class PrefillHandler:
         return step, fresh
 
     async def _first_token(self, ereq: EngineRequest) -> EngineStep:
-        """The engine's last step for ``ereq``, with the first token it produced."""
+        """The engine's last step for ``ereq``, with every token the run produced (its
+        first, or its first up to whole text) and their log probabilities."""
         step = EngineStep()
+        ids: list[int] = []
+        logprobs: list[wire.TokenLogprob] = []
         with self.core.load.running():
             async for part in self.core.engine.generate(ereq):
+                ids += part.token_ids
+                logprobs += part.logprobs
                 step = part if part.finished else step
-                if part.token_ids and not step.token_ids:
-                    step.token_ids, step.logprobs = part.token_ids, part.logprobs
+        step.token_ids, step.logprobs = ids, logprobs
         if not step.token_ids:
             self.core.check_not_cancelled(ereq.request_id)  # aborted: typed, not a bug
             raise CpdError("engine produced no token", code=ErrorCode.INTERNAL)

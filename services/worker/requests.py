@@ -34,6 +34,15 @@ def first_token(s: wire.SamplingParams) -> wire.SamplingParams:
     return msgspec.structs.replace(s, max_tokens=1, min_tokens=min(s.min_tokens, 1))
 
 
+def first_text(s: wire.SamplingParams, limit: int) -> wire.SamplingParams:
+    """``s`` for a prefill's engine run that goes on while its text is incomplete (a run
+    with ``until_whole_text``): at most ``limit`` (``worker.first_text_tokens``) and
+    ``max_tokens`` tokens, the end-of-sequence token held back for as many of them as
+    ``s`` holds it back (its ``min_tokens``)."""
+    n = max(1, min(limit, s.max_tokens))
+    return msgspec.structs.replace(s, max_tokens=n, min_tokens=min(s.min_tokens, n))
+
+
 def continuation(s: wire.SamplingParams, prompt: np.ndarray, generated: Sequence[int]
                  ) -> tuple[np.ndarray, wire.SamplingParams, tuple[int, ...]]:
     """An engine run after the tokens ``generated`` elsewhere (a prefill's first ones):

@@ -56,6 +56,18 @@ async def run(model_cache: str, arena_path: str) -> dict:
             await engine.abort("d")
     out["aborted_tokens"] = got
     out["after_abort"] = await gen("e")
+    # Runs that end once their text is whole: after a whole character ("a", 97), or at
+    # max_tokens while every token is a lone lead byte (228), each forced by logit_bias;
+    # and the same "a" run without asking.
+    for name, token, whole in (("whole_a", 97, True), ("whole_half", 228, True),
+                               ("plain_a", 97, False)):
+        s = wire.SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={token: 100.0})
+        steps = [x async for x in engine.generate(
+            EngineRequest(name, prompt, s, until_whole_text=whole))]
+        out[name] = {"tokens": [t for x in steps for t in x.token_ids],
+                     "reason": steps[-1].finish_reason,
+                     "connector_figures": steps[-1].scheduled_at > 0}
+    out["stops_at_whole_text"] = engine.stops_at_whole_text
     sockets = engine._sockets
     out["sockets_while_running"] = len(os.listdir(sockets))
     await engine.stop()

@@ -41,6 +41,9 @@ class EngineRequest:
     # continuing a prefill's stream): sampled again as output, so penalties and seeded
     # streams see them as a single run would, and not reported again.
     forced_output: Sequence[int] = ()
+    # End the run once its output's text is whole (its last token ends a character), or
+    # at ``max_tokens``: a prefill's first text. Only where ``Engine.stops_at_whole_text``.
+    until_whole_text: bool = False
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Engine(Protocol):
 
     block_size: int
     max_model_len: int
+    # Whether the engine honours ``EngineRequest.until_whole_text``.
+    stops_at_whole_text: bool
 
     async def start(self) -> None:
         """Load the model; ready to generate when this returns."""

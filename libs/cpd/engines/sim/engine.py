@@ -61,7 +61,6 @@ HOST_SLACK_S = 0.005
 _MASK64 = (1 << 64) - 1
 
 
-
 def block_bytes(block_hash: int, index: int, nbytes: int) -> np.ndarray:
     """The simulated KV of prompt block ``index`` whose chained hash is ``block_hash``:
     deterministic bytes, so equal prefixes give equal slots (and checksums)."""
@@ -108,6 +107,8 @@ class _Stream:
 class SimEngine:
     """A simulated engine: real asyncio streaming, simulated compute."""
 
+    stops_at_whole_text = False  # its tokens have no text
+
     def __init__(self, cost: CostModel | str = DEFAULT_PRESET, *,
                  block_size: int = DEFAULT_BLOCK_SIZE, arena: ArenaSpec | None = None,
                  time_scale: float = 1.0, scheduler: SchedulerConfig | None = None,
@@ -124,9 +125,7 @@ class SimEngine:
         self.time_scale = time_scale
         self.vocab_size = vocab_size
         self.prefix_caching = prefix_caching
-        cfg = scheduler or SchedulerConfig()
-        if cfg.block_size != block_size:
-            cfg = replace(cfg, block_size=block_size)
+        cfg = replace(scheduler or SchedulerConfig(), block_size=block_size)
         self._sched = Scheduler(self.cost, cfg, admit_hook=self._admit)
         cap = (gpu_cache_blocks if gpu_cache_blocks is not None
                else self.cost.kv_capacity_tokens // block_size)

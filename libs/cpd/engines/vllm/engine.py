@@ -1,7 +1,10 @@
 """The vLLM engine behind a CPD worker: ``AsyncLLM`` with CPD's KV connector.
 
-Integrated only through public extension points: engine arguments, the connector module
-path, and ``kv_transfer_params`` on each request.
+Integrated through vLLM's extension points: engine arguments (the connector module path,
+a logits processor, a scheduler class), and ``kv_transfer_params`` and ``extra_args`` on
+each request. The scheduler class (:mod:`cpd.engines.vllm.wholetext`) overrides one
+method of vLLM's scheduler, whose interface vLLM does not promise to keep; the engine
+checks vLLM's version (:mod:`cpd.engines.vllm.version`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from cpd.engines.vllm.connector import PARAMS_KEY
 from cpd.engines.vllm.cpu import check_kv_cache_dtype, cpu_flags
 from cpd.engines.vllm.forced import FORCED_KEY, FQCN
 from cpd.engines.vllm.version import check_vllm_version
+from cpd.engines.vllm.wholetext import FQCN as WHOLE_TEXT_SCHEDULER
+from cpd.engines.vllm.wholetext import WHOLE_TEXT_KEY
 from cpd.modelbuild.runtime import engine_kwargs, engine_thread_env, prepare_cpu_env
 from cpd.ops.config import EngineSettings
 from cpd.protocol import wire
@@ -75,6 +80,13 @@ class VllmEngine:
         self._rpc_path_before: str | None = None  # VLLM_RPC_BASE_PATH before start()
 
     @property
+    def stops_at_whole_text(self) -> bool:
+        """Whether a run asked to (``EngineRequest.until_whole_text``) ends once its
+        output's text is whole: with CPD's scheduler class, not one the settings name."""
+        return self.engine.vllm_args().get("scheduler_cls",
+                                           WHOLE_TEXT_SCHEDULER) == WHOLE_TEXT_SCHEDULER
+
+    @property
     def max_model_len(self) -> int:
         assert self._llm is not None, "start() first"
         return self._llm.vllm_config.model_config.max_model_len
@@ -88,6 +100,9 @@ class VllmEngine:
         args["block_size"] = self.block_size
         # A decode node's continuation of a stream (cpd.engines.vllm.forced).
         args["logits_processors"] = [*args.get("logits_processors", ()), FQCN]
+        # A prefill's run that ends once its text is whole (cpd.engines.vllm.wholetext),
+        # unless the settings name a scheduler of their own.
+        args.setdefault("scheduler_cls", WHOLE_TEXT_SCHEDULER)
         args["disable_log_stats"] = True
         args["distributed_executor_backend"] = self.executor
         if self.long_prefill_token_threshold:
@@ -253,6 +268,8 @@ def _sampling_params(request: EngineRequest, *, connector: bool) -> Any:
             "save": list(request.save_slots)}}
     if request.forced_output:
         extra[FORCED_KEY] = _token_list(request.forced_output)
+    if request.until_whole_text:
+        extra[WHOLE_TEXT_KEY] = True
     return SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
