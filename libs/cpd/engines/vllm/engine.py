@@ -50,6 +50,11 @@ class VllmEngine:
             raise ValueError(f"unknown vLLM executor {executor!r}")
         # [engine] (one role's): vLLM's own arguments of the same names.
         self.engine = engine or EngineSettings()
+        # Whether a run asked to (``EngineRequest.until_whole_text``) ends once its text
+        # is whole: with CPD's scheduler class, not one the settings name. Read on every
+        # prefill, so taken once from the settings.
+        self.stops_at_whole_text = self.engine.vllm_args().get(
+            "scheduler_cls", WHOLE_TEXT_SCHEDULER) == WHOLE_TEXT_SCHEDULER
         # An engine of several ranks runs one process per rank.
         self.executor = executor if self.engine.ranks == 1 else "mp"
         self.threads = threads
@@ -78,13 +83,6 @@ class VllmEngine:
         # them, so each engine gets a folder of its own, removed when it stops.
         self._sockets: str | None = None
         self._rpc_path_before: str | None = None  # VLLM_RPC_BASE_PATH before start()
-
-    @property
-    def stops_at_whole_text(self) -> bool:
-        """Whether a run asked to (``EngineRequest.until_whole_text``) ends once its
-        output's text is whole: with CPD's scheduler class, not one the settings name."""
-        return self.engine.vllm_args().get("scheduler_cls",
-                                           WHOLE_TEXT_SCHEDULER) == WHOLE_TEXT_SCHEDULER
 
     @property
     def max_model_len(self) -> int:
